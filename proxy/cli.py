@@ -1,0 +1,153 @@
+"""``lgt-proxy``: run the recording proxy, print a rollout's credentials, talk to the control API.
+
+    lgt-proxy --store DIR [--upstream URL --served-model NAME] ...   (same as ``lgt-proxy run``)
+    eval "$(lgt-proxy creds ROLLOUT_ID --store DIR --listen-port 8080)"
+    lgt-proxy ctl state|pause|resume|metrics|flush --store DIR --control-port 8081
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import click
+
+from . import auth
+from .server import CAPTURE_MODES, EGRESS_MODES, ConfigError, ProxyConfig, serve
+
+
+class DefaultGroup(click.Group):
+    """A group whose first argument, when it is not a command name, goes to ``run``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """lgt's recording proxy: wraps any agent with HTTPS_PROXY= (or base_url=) and records every
+    model call, token by token, into a Parquet store."""
+
+
+store_option = click.option(
+    "--store", required=True, type=click.Path(file_okay=False, path_type=Path),
+    help="Store directory (Parquet files; the proxy's secret and CA live in its _proxy/).",
+)
+secret_option = click.option(
+    "--secret-file", type=click.Path(dir_okay=False, path_type=Path),
+    help="HMAC secret file (default: <store>/_proxy/secret; $LGT_PROXY_SECRET wins).",
+)
+
+
+@main.command()
+@store_option
+@click.option("--upstream", help="OpenAI-compatible base URL LLM calls are routed to, e.g. "
+              "http://127.0.0.1:8000/v1. Without it: observe-only (calls go where the agent sent them).")
+@click.option("--served-model", help="Model name the upstream serves; requests' `model` is rewritten to it.")
+@click.option("--upstream-api-key", envvar="LGT_UPSTREAM_API_KEY",
+              help="Bearer key for the upstream (agents' own keys are never forwarded to it).")
+@click.option("--upstream-ca", type=click.Path(dir_okay=False, path_type=Path),
+              help="Extra CA file trusted for an https upstream.")
+@click.option("--upstream-insecure", is_flag=True, help="Do not verify upstream TLS certificates.")
+@click.option("--listen-host", default="127.0.0.1", show_default=True)
+@click.option("--listen-port", default=8080, show_default=True, type=int)
+@click.option("--reverse-port", type=int, help="Also run mitmproxy's reverse mode on this port.")
+@click.option("--control-host", default="127.0.0.1", show_default=True)
+@click.option("--control-port", default=8081, show_default=True, type=int)
+@secret_option
+@click.option("--pause-mode", type=click.Choice(["hold", "reject"]), default="hold", show_default=True,
+              help="While paused: hold new calls open, or answer 429 + Retry-After.")
+@click.option("--retry-after", default=5, show_default=True, type=int, help="Seconds, reject mode.")
+@click.option("--egress", type=click.Choice(EGRESS_MODES), default="allow", show_default=True,
+              help="Policy for traffic that is not an LLM call.")
+@click.option("--allow-host", multiple=True, help="Host allowed under --egress allowlist "
+              "(repeatable; '.example.org' allows subdomains).")
+@click.option("--capture-tokens", type=click.Choice(CAPTURE_MODES), default="auto", show_default=True,
+              help="Ask the upstream for token ids and logprobs (auto: when --upstream is set).")
+@click.option("--max-body-mb", default=32.0, show_default=True, type=float)
+@click.option("--policy-version", default=0, show_default=True, type=int)
+@click.option("--flush-seconds", default=1.0, show_default=True, type=float,
+              help="How often recorded calls are turned into Parquet files.")
+@click.option("--fsync", is_flag=True, help="fsync every record (survives a machine crash too).")
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+def run(log_level: str, allow_host: tuple[str, ...], retry_after: int, **kw) -> None:
+    """Run the proxy (the default command)."""
+    cfg = ProxyConfig(allow_hosts=allow_host, retry_after_s=retry_after, **kw)
+    try:
+        asyncio.run(serve(cfg, log_level=log_level))
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@click.argument("rollout_id")
+@store_option
+@click.option("--attempt", default=0, show_default=True, type=int)
+@click.option("--listen-host", "host", default="127.0.0.1", show_default=True)
+@click.option("--listen-port", "port", default=8080, show_default=True, type=int)
+@secret_option
+@click.option("--format", "fmt", type=click.Choice(["sh", "json"]), default="sh", show_default=True)
+def creds(rollout_id: str, store: Path, attempt: int, host: str, port: int,
+          secret_file: Path | None, fmt: str) -> None:
+    """Print the environment that sends one rollout through the proxy (eval it in a shell)."""
+    try:
+        env = auth.rollout_env(store, rollout_id, attempt=attempt, host=host, port=port,
+                               secret_file=secret_file)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    if fmt == "json":
+        click.echo(json.dumps(env, indent=2))
+    else:
+        for k, v in env.items():
+            click.echo(f"export {k}={shlex.quote(v)}")
+
+
+@main.command()
+@click.argument("action", type=click.Choice(["state", "pause", "resume", "metrics", "flush"]))
+@store_option
+@click.option("--control-host", default="127.0.0.1", show_default=True)
+@click.option("--control-port", default=8081, show_default=True, type=int)
+@secret_option
+@click.option("--policy-version", type=int, help="resume: the new policy version.")
+@click.option("--timeout", default=60.0, show_default=True, type=float, help="pause: drain timeout.")
+def ctl(action: str, store: Path, control_host: str, control_port: int, secret_file: Path | None,
+        policy_version: int | None, timeout: float) -> None:
+    """Call the running proxy's control API."""
+    token = auth.control_token(auth.load_secret(store, secret_file))
+    body: dict | None = None
+    if action == "pause":
+        body = {"timeout": timeout}
+    elif action == "resume":
+        body = {} if policy_version is None else {"policy_version": policy_version}
+    elif action == "flush":
+        body = {}
+    req = urllib.request.Request(
+        f"http://{control_host}:{control_port}/{action}",
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        method="GET" if body is None else "POST",
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=timeout + 10) as r:
+            click.echo(r.read().decode().rstrip())
+    except urllib.error.HTTPError as e:
+        click.echo(e.read().decode().rstrip())
+        sys.exit(1)
+    except urllib.error.URLError as e:
+        raise click.ClickException(
+            f"no lgt-proxy control API at {control_host}:{control_port} ({e.reason})") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The control API (aiohttp, its own port, bearer token): pause / resume / state / metrics / flush.
+
+    POST /pause   {"timeout": 60}          hold new LLM calls, return once none is in flight
+                                           (504 with the state if they did not finish in time)
+    POST /resume  {"policy_version": 3}    release held calls; new calls run under version 3
+    GET  /state                            paused, in_flight, held, policy_version, counts
+    GET  /metrics                          Prometheus text
+    POST /flush                            make every recorded call visible as Parquet now
+    GET  /healthz                          no token needed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Any
+
+from aiohttp import web
+
+from .addons import Runtime
+
+RT_KEY: web.AppKey[Runtime] = web.AppKey("rt", Runtime)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json(loads=json.loads)
+    except ValueError:
+        raise web.HTTPBadRequest(text=json.dumps({"error": "the request body is not valid JSON"}),
+                                 content_type="application/json") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text=json.dumps({"error": "the request body must be a JSON object"}),
+                                 content_type="application/json")
+    return body
+
+
+def state(rt: Runtime) -> dict[str, Any]:
+    g = rt.gate
+    return {
+        "paused": g.paused,
+        "pause_mode": g.mode,
+        "in_flight": g.in_flight,
+        "held": g.held,
+        "policy_version": g.policy_version,
+        "pauses": g.pauses,
+        "calls": dict(rt.metrics.calls),
+        "rejected": rt.metrics.rejected,
+        "bad_requests": rt.metrics.bad_requests,
+        "blocked_egress": rt.metrics.blocked_egress,
+        "auth_failures": rt.metrics.auth_failures,
+        "record_failures": rt.metrics.record_failures,
+        "rows_written": rt.writer.rows_written,
+        "upstream": rt.upstream,
+        "served_model": rt.served_model,
+    }
+
+
+def make_app(rt: Runtime, token: str) -> web.Application:
+    @web.middleware
+    async def bearer(request: web.Request, handler):
+        if request.path != "/healthz":
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return _error(401, "control API: missing or wrong bearer token")
+        return await handler(request)
+
+    async def pause(request: web.Request) -> web.Response:
+        body = await _body(request)
+        timeout = body.get("timeout", request.query.get("timeout", 60))
+        try:
+            timeout = float(timeout)
+        except (TypeError, ValueError):
+            return _error(400, f"timeout must be a number of seconds, not {timeout!r}")
+        drained, at_pause, seconds = await rt.gate.pause(timeout)
+        rt.metrics.drain.observe(seconds)
+        result = {**state(rt), "drained": drained, "in_flight_at_pause": at_pause,
+                  "drain_seconds": seconds}
+        return web.json_response(result, status=200 if drained else 504)
+
+    async def resume(request: web.Request) -> web.Response:
+        body = await _body(request)
+        version = body.get("policy_version")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)
+                                    or version < 0):
+            return _error(400, f"policy_version must be a non-negative integer, not {version!r}")
+        rt.gate.resume(version)
+        return web.json_response(state(rt))
+
+    async def get_state(request: web.Request) -> web.Response:
+        return web.json_response(state(rt))
+
+    async def metrics(request: web.Request) -> web.Response:
+        text = rt.metrics.prometheus(rt.gate, rt.writer.rows_written)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type": "text/plain; version=0.0.4"})
+
+    async def flush(request: web.Request) -> web.Response:
+        await asyncio.to_thread(rt.writer.flush)
+        return web.json_response({"rows_written": rt.writer.rows_written})
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    app = web.Application(middlewares=[bearer])
+    app[RT_KEY] = rt
+    app.router.add_post("/pause", pause)
+    app.router.add_post("/resume", resume)
+    app.router.add_get("/state", get_state)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/flush", flush)
+    app.router.add_get("/healthz", healthz)
+    return app

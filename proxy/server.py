@@ -1,0 +1,240 @@
+"""Run lgt-proxy: mitmproxy embedded with lgt's addons, plus the control API, on one asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from lgt.store.writer import TableWriter
+
+from . import auth
+from .addons import Egress, Identify, Record, Runtime
+from .control import make_app
+from .gate import HOLD, REJECT, Gate
+
+log = logging.getLogger("lgt.proxy")
+
+EGRESS_MODES = ("allow", "allowlist", "deny")
+CAPTURE_MODES = ("auto", "on", "off")
+
+
+class ConfigError(ValueError):
+    """A setting a user gave that cannot work; the message names it."""
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    store: Path
+    upstream: str | None = None
+    served_model: str | None = None
+    upstream_api_key: str | None = None
+    upstream_ca: Path | None = None
+    upstream_insecure: bool = False
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    reverse_port: int | None = None
+    control_host: str = "127.0.0.1"
+    control_port: int = 8081
+    secret_file: Path | None = None
+    confdir: Path | None = None
+    pause_mode: str = HOLD
+    retry_after_s: int = 5
+    egress: str = "allow"
+    allow_hosts: tuple[str, ...] = ()
+    capture_tokens: str = "auto"
+    max_body_mb: float = 32
+    policy_version: int = 0
+    flush_seconds: float = 1.0
+    fsync: bool = False
+
+    def checked(self) -> "ProxyConfig":
+        if self.upstream is not None:
+            u = urlsplit(self.upstream)
+            if u.scheme not in ("http", "https") or not u.hostname:
+                raise ConfigError(f"--upstream {self.upstream!r} is not an http(s) URL")
+        if self.pause_mode not in (HOLD, REJECT):
+            raise ConfigError(f"--pause-mode must be hold or reject, not {self.pause_mode!r}")
+        if self.egress not in EGRESS_MODES:
+            raise ConfigError(f"--egress must be one of {', '.join(EGRESS_MODES)}, not {self.egress!r}")
+        if self.egress == "allowlist" and not self.allow_hosts:
+            raise ConfigError("--egress allowlist needs at least one --allow-host")
+        if self.capture_tokens not in CAPTURE_MODES:
+            raise ConfigError(f"--capture-tokens must be auto, on or off, not {self.capture_tokens!r}")
+        if self.reverse_port is not None and self.upstream is None:
+            raise ConfigError("--reverse-port needs --upstream (reverse mode forwards to it)")
+        if self.upstream_ca is not None and not Path(self.upstream_ca).is_file():
+            raise ConfigError(f"--upstream-ca {self.upstream_ca} is not a file")
+        ports = [p for p in (self.listen_port, self.control_port, self.reverse_port) if p]
+        if len(set(ports)) != len(ports):
+            raise ConfigError("--listen-port, --control-port and --reverse-port must differ")
+        return self
+
+    @property
+    def proxy_dir(self) -> Path:
+        return Path(self.confdir) if self.confdir else auth.proxy_dir(self.store)
+
+
+class RedactFilter(logging.Filter):
+    """Keeps secrets out of every log line: reverse-path tokens and the given literal values."""
+
+    PATH_TOKEN = re.compile(r"(/r/[^/\s]+/)[^/\s?]+")
+
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__()
+        self.secrets = [s for s in secrets if s]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        clean = self.PATH_TOKEN.sub(r"\1***", msg)
+        for s in self.secrets:
+            clean = clean.replace(s, "***")
+        if clean != msg:
+            record.msg, record.args = clean, None
+        return True
+
+
+def setup_logging(level: str, secrets: list[str]) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    handler.addFilter(RedactFilter(secrets))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    logging.getLogger("lgt").setLevel(level)
+
+
+def _recover_seqs(store: Path) -> dict[tuple[str, int], int]:
+    """Highest seq per (rollout, attempt) already in the store, so a restarted proxy continues."""
+    if not any((store / "calls").glob("*.parquet")):
+        return {}
+    from lgt.store.query import connect
+
+    con = connect(store)
+    rows = con.execute("SELECT rollout_id, attempt, max(seq) FROM calls GROUP BY ALL").fetchall()
+    return {(r, a): s for r, a, s in rows}
+
+
+def _check_free(host: str, port: int, flag: str) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"{flag}: cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def _upstream_ca_bundle(cfg: ProxyConfig) -> str | None:
+    if cfg.upstream_ca is None:
+        return None
+    system = auth.system_ca_file()
+    bundle = cfg.proxy_dir / "upstream-ca-bundle.pem"
+    parts = [system.read_bytes()] if system else []
+    bundle.write_bytes(b"\n".join(parts + [Path(cfg.upstream_ca).read_bytes()]))
+    return str(bundle)
+
+
+async def serve(cfg: ProxyConfig, *, ready: asyncio.Event | None = None,
+                log_level: str = "INFO") -> None:
+    """Run until cancelled or SIGINT/SIGTERM; the store is flushed on the way out."""
+    from mitmproxy import options
+    from mitmproxy.tools.dump import DumpMaster
+
+    cfg = cfg.checked()
+    _check_free(cfg.listen_host, cfg.listen_port, "--listen-port")
+    if cfg.reverse_port:
+        _check_free(cfg.listen_host, cfg.reverse_port, "--reverse-port")
+    store = Path(cfg.store)
+    store.mkdir(parents=True, exist_ok=True)
+    secret = auth.load_secret(store, cfg.secret_file)
+    ctl_token = auth.control_token(secret)
+    setup_logging(log_level, [secret.decode(), ctl_token, cfg.upstream_api_key or ""])
+    auth.ca_bundle(cfg.proxy_dir)  # the CA and the bundle rollouts point at
+
+    writer = TableWriter(store, "calls", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync).open()
+    capture = cfg.capture_tokens == "on" or (cfg.capture_tokens == "auto" and cfg.upstream is not None)
+    rt = Runtime(
+        secret=secret,
+        writer=writer,
+        gate=Gate(cfg.pause_mode, cfg.policy_version),
+        upstream=cfg.upstream.rstrip("/") if cfg.upstream else None,
+        served_model=cfg.served_model,
+        upstream_api_key=cfg.upstream_api_key,
+        capture_tokens=capture,
+        egress=cfg.egress,
+        allow_hosts=tuple(cfg.allow_hosts),
+        max_body_bytes=int(cfg.max_body_mb * (1 << 20)),
+        retry_after_s=cfg.retry_after_s,
+        seqs=_recover_seqs(store),
+    )
+
+    modes = [f"regular@{cfg.listen_host}:{cfg.listen_port}"]
+    if cfg.reverse_port:
+        modes.append(f"reverse:{rt.upstream}@{cfg.listen_host}:{cfg.reverse_port}")
+    opts = options.Options()
+    master = DumpMaster(opts, with_termlog=False, with_dumper=False)
+    master.addons.add(Identify(rt), Record(rt), Egress(rt))
+    opts.update(
+        mode=modes,
+        confdir=str(cfg.proxy_dir),
+        connection_strategy="lazy",  # never contact the host an agent aimed at before routing
+        ssl_insecure=cfg.upstream_insecure,
+    )
+    bundle = _upstream_ca_bundle(cfg)
+    if bundle:
+        opts.update(ssl_verify_upstream_trusted_ca=bundle)
+
+    runner = web.AppRunner(make_app(rt, ctl_token), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.control_host, cfg.control_port)
+    try:
+        await site.start()
+    except OSError as e:
+        writer.close()
+        raise ConfigError(f"cannot listen on control port {cfg.control_host}:{cfg.control_port}: "
+                          f"{e.strerror}") from None
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, master.shutdown)
+        except (NotImplementedError, RuntimeError):
+            pass
+    run = asyncio.create_task(master.run())
+    try:
+        if ready is not None:
+            await _wait_listening(master, run)
+            ready.set()
+        log.info(
+            "lgt-proxy listening on %s:%d (control %s:%d), upstream %s, store %s",
+            cfg.listen_host, cfg.listen_port, cfg.control_host, cfg.control_port,
+            rt.upstream or "none (observe-only)", store,
+        )
+        await run
+    finally:
+        if not run.done():
+            master.shutdown()
+            await asyncio.gather(run, return_exceptions=True)
+        await runner.cleanup()
+        writer.close()
+
+
+async def _wait_listening(master, run: asyncio.Task) -> None:
+    from mitmproxy.addons.proxyserver import Servers  # noqa: F401  (import check)
+
+    ps = master.addons.get("proxyserver")
+    for _ in range(500):
+        if run.done():
+            await run
+            raise ConfigError("the proxy stopped while starting")
+        if ps.servers and all(s.is_running for s in ps.servers):
+            return
+        await asyncio.sleep(0.01)
+    raise ConfigError("the proxy did not start listening within 5 s")

@@ -1,0 +1,302 @@
+"""OpenAI / vLLM wire format: recognising LLM calls, rewriting requests, stripping responses, and
+re-framing server-sent events. Pure functions and small state machines, no mitmproxy: the addons in
+``addons.py`` call these, and the Hypothesis tests drive them directly.
+
+What the proxy injects into a request routed to a vLLM-compatible upstream, and so what it strips
+from every response (whole bodies and each SSE event) before the agent sees it:
+
+- ``return_token_ids: true`` → vLLM fills ``prompt_token_ids`` (chat: response root, first stream chunk;
+  completions: each choice) and ``token_ids`` (each choice / each chunk's choice).
+- sampled-token logprobs (chat ``logprobs: true``; completions ``logprobs: 0``) → ``logprobs`` of each
+  choice.
+
+vLLM 0.32 sends all three as ``null`` when they were not asked for (see ``fake_upstream.py``'s notes),
+so stripping sets a present key back to ``null``; it never deletes or adds a key.
+- ``model`` rewritten to the served model → every response's ``model`` is set back to the name the
+  agent asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+CHAT = "chat/completions"
+COMPLETIONS = "completions"
+
+
+class BadRequest(ValueError):
+    """The request looks like an LLM call (by path) but is not one the proxy can handle."""
+
+
+def endpoint_of(method: str, path: str) -> str | None:
+    """``chat/completions`` or ``completions`` for an OpenAI-style LLM call path, else None."""
+    if method.upper() != "POST":
+        return None
+    p = path.split("?", 1)[0].rstrip("/")
+    if p.endswith("/chat/completions") or p == "chat/completions":
+        return CHAT
+    if p.endswith("/completions") or p == "completions":
+        return COMPLETIONS
+    return None
+
+
+def parse_request(endpoint: str, body: bytes | None) -> dict[str, Any]:
+    """The JSON request object; BadRequest (one sentence) when it is not an OpenAI request."""
+    try:
+        req = json.loads(body or b"")
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest(f"the body of this /{endpoint} request is not valid JSON") from None
+    if not isinstance(req, dict):
+        raise BadRequest(f"the body of this /{endpoint} request is not a JSON object")
+    need = "messages" if endpoint == CHAT else "prompt"
+    if need not in req:
+        raise BadRequest(f"this /{endpoint} request has no {need!r} field")
+    if endpoint == CHAT and not isinstance(req["messages"], list):
+        raise BadRequest("'messages' must be a list")
+    if "model" in req and not isinstance(req["model"], str):
+        raise BadRequest("'model' must be a string")
+    return req
+
+
+@dataclass(frozen=True)
+class Injected:
+    """What the proxy added to one request; decides what is stripped from its responses."""
+
+    token_ids: bool = False
+    logprobs: bool = False
+    model: str | None = None  # the agent's model name, when the proxy rewrote it
+
+
+def prepare_request(
+    endpoint: str, req: dict[str, Any], *, served_model: str | None, capture_tokens: bool
+) -> tuple[dict[str, Any], Injected]:
+    """The request to send upstream and what was injected into it (``req`` is not modified)."""
+    out = dict(req)
+    model = None
+    if served_model is not None and req.get("model") != served_model:
+        model = req.get("model")
+        out["model"] = served_model
+    token_ids = logprobs = False
+    if capture_tokens:
+        if not req.get("return_token_ids"):
+            out["return_token_ids"] = True
+            token_ids = True
+        if endpoint == CHAT:
+            if not req.get("logprobs"):
+                out["logprobs"] = True
+                logprobs = True
+        elif req.get("logprobs") is None:
+            out["logprobs"] = 0
+            logprobs = True
+    return out, Injected(token_ids=token_ids, logprobs=logprobs, model=model)
+
+
+def strip_response(endpoint: str, obj: Any, inj: Injected) -> Any:
+    """Remove what ``inj`` says was injected from a response body or one stream chunk (in place)."""
+    if not isinstance(obj, dict):
+        return obj
+    if inj.model is not None and "model" in obj:
+        obj["model"] = inj.model
+    if inj.token_ids:
+        _null(obj, "prompt_token_ids")
+    for choice in obj.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if inj.token_ids:
+            _null(choice, "token_ids")
+            _null(choice, "prompt_token_ids")
+        if inj.logprobs:
+            _null(choice, "logprobs")
+    return obj
+
+
+def _null(obj: dict[str, Any], key: str) -> None:
+    # vLLM sends these fields as null when not asked for (whole bodies are dumped with every
+    # field, stream chunks with the fields it set): restore null, never delete or add the key.
+    if key in obj:
+        obj[key] = None
+
+
+# -- capture ------------------------------------------------------------------------------------
+@dataclass
+class ChoiceCapture:
+    index: int
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    text: str = ""
+    role: str | None = None
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # other message fields, e.g. reasoning
+
+    def add_ids(self, ids: Any) -> None:
+        if isinstance(ids, list):
+            self.token_ids = (self.token_ids or []) + ids
+
+    def add_logprobs(self, endpoint: str, lp: Any) -> None:
+        if not isinstance(lp, dict):
+            return
+        if endpoint == CHAT:
+            values = [e.get("logprob") for e in lp.get("content") or () if isinstance(e, dict)]
+        else:
+            values = list(lp.get("token_logprobs") or ())
+        self.logprobs = (self.logprobs or []) + values
+
+
+@dataclass
+class Capture:
+    """Token ids, logprobs and the agent-visible response of one call, from a body or from chunks."""
+
+    endpoint: str
+    prompt_token_ids: list[int] | None = None
+    choices: dict[int, ChoiceCapture] = field(default_factory=dict)
+    usage: dict[str, Any] | None = None
+    head: dict[str, Any] = field(default_factory=dict)  # id, created, model, object of the response
+    chunks: int = 0
+
+    def _choice(self, index: int) -> ChoiceCapture:
+        if index not in self.choices:
+            self.choices[index] = ChoiceCapture(index)
+        return self.choices[index]
+
+    def _take_ids(self, obj: dict[str, Any]) -> None:
+        if isinstance(obj.get("prompt_token_ids"), list) and self.prompt_token_ids is None:
+            self.prompt_token_ids = obj["prompt_token_ids"]
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+        for k in ("id", "created", "model", "system_fingerprint"):
+            if k in obj and k not in self.head:
+                self.head[k] = obj[k]
+
+    def add_body(self, obj: dict[str, Any]) -> None:
+        """A whole (non-streamed) response, before stripping."""
+        self._take_ids(obj)
+        for ch in obj.get("choices") or ():
+            c = self._choice(int(ch.get("index", 0)))
+            if isinstance(ch.get("prompt_token_ids"), list) and self.prompt_token_ids is None:
+                self.prompt_token_ids = ch["prompt_token_ids"]
+            c.add_ids(ch.get("token_ids"))
+            c.add_logprobs(self.endpoint, ch.get("logprobs"))
+            c.finish_reason = ch.get("finish_reason")
+
+    def add_chunk(self, obj: dict[str, Any]) -> None:
+        """One stream event's JSON, before stripping."""
+        self.chunks += 1
+        self._take_ids(obj)
+        for ch in obj.get("choices") or ():
+            c = self._choice(int(ch.get("index", 0)))
+            if isinstance(ch.get("prompt_token_ids"), list) and self.prompt_token_ids is None:
+                self.prompt_token_ids = ch["prompt_token_ids"]
+            c.add_ids(ch.get("token_ids"))
+            c.add_logprobs(self.endpoint, ch.get("logprobs"))
+            if ch.get("finish_reason") is not None:
+                c.finish_reason = ch["finish_reason"]
+            if self.endpoint == COMPLETIONS:
+                c.text += ch.get("text") or ""
+                continue
+            delta = ch.get("delta") or {}
+            c.role = delta.get("role") or c.role
+            c.text += delta.get("content") or ""
+            for k, v in delta.items():
+                if k not in ("role", "content", "tool_calls") and isinstance(v, str):
+                    c.extra[k] = c.extra.get(k, "") + v
+            for tc in delta.get("tool_calls") or ():
+                slot = c.tool_calls.setdefault(
+                    int(tc.get("index", 0)), {"id": None, "type": "function",
+                                               "function": {"name": "", "arguments": ""}}
+                )
+                if tc.get("id"):
+                    slot["id"] = tc["id"]
+                fn = tc.get("function") or {}
+                slot["function"]["name"] += fn.get("name") or ""
+                slot["function"]["arguments"] += fn.get("arguments") or ""
+
+    def assembled(self, inj: Injected) -> dict[str, Any]:
+        """A streamed response re-assembled as the equivalent non-streamed body (agent-visible)."""
+        choices = []
+        for c in sorted(self.choices.values(), key=lambda c: c.index):
+            if self.endpoint == CHAT:
+                msg: dict[str, Any] = {"role": c.role or "assistant", "content": c.text or None}
+                msg.update(c.extra)
+                if c.tool_calls:
+                    msg["tool_calls"] = [c.tool_calls[i] for i in sorted(c.tool_calls)]
+                choices.append({"index": c.index, "message": msg, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason})
+        head = dict(self.head)
+        if inj.model is not None:
+            head["model"] = inj.model
+        obj = "chat.completion" if self.endpoint == CHAT else "text_completion"
+        return {**head, "object": obj, "choices": choices, "usage": self.usage_dict()}
+
+    def usage_dict(self) -> dict[str, int] | None:
+        if isinstance(self.usage, dict):
+            return self.usage
+        first = self.choices.get(0)
+        if self.prompt_token_ids is None or first is None or first.token_ids is None:
+            return None
+        p = len(self.prompt_token_ids)
+        c = sum(len(ch.token_ids or ()) for ch in self.choices.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+# -- server-sent events -------------------------------------------------------------------------
+def _split_event(buf: bytes) -> tuple[bytes, bytes] | None:
+    """(event including its terminator, rest) for the first complete event in ``buf``."""
+    best = None
+    for sep in (b"\r\n\r\n", b"\n\n", b"\r\r"):
+        i = buf.find(sep)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, len(sep))
+    if best is None:
+        return None
+    end = best[0] + best[1]
+    return buf[:end], buf[end:]
+
+
+def event_data(event: bytes) -> str | None:
+    """The joined ``data:`` field of one SSE event, or None when it has none."""
+    lines = event.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+    data = [l[5:].removeprefix(b" ") for l in lines if l.startswith(b"data:")]
+    if not data:
+        return None
+    return b"\n".join(data).decode("utf-8", "replace")
+
+
+def rebuild_event(event: bytes, data: str) -> bytes:
+    """``event`` with its data field replaced by ``data``; other fields (event:, id:) kept."""
+    lines = event.replace(b"\r\n", b"\n").replace(b"\r", b"\n").rstrip(b"\n").split(b"\n")
+    out, done = [], False
+    for l in lines:
+        if l.startswith(b"data:"):
+            if not done:
+                out.extend(b"data: " + d for d in data.encode().split(b"\n"))
+                done = True
+        else:
+            out.append(l)
+    return b"\n".join(out) + b"\n\n"
+
+
+class SSEFramer:
+    """Splits an arbitrarily chunked byte stream into whole SSE events."""
+
+    def __init__(self, max_event_bytes: int = 16 << 20) -> None:
+        self.buf = b""
+        self.max_event_bytes = max_event_bytes
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        self.buf += data
+        while True:
+            split = _split_event(self.buf)
+            if split is None:
+                break
+            event, self.buf = split
+            yield event
+        if len(self.buf) > self.max_event_bytes:
+            raise ValueError(f"an SSE event exceeds {self.max_event_bytes} bytes")
+
+    def rest(self) -> bytes:
+        rest, self.buf = self.buf, b""
+        return rest

@@ -1,0 +1,80 @@
+"""The store's on-disk contract: one versioned constant per table.
+
+Both deployed tools import this module (the proxy writes ``calls``; the trainer reads it), so it
+depends on pyarrow alone. A change to a schema bumps ``SCHEMA_VERSION``; the version is written into
+every Parquet file's key-value metadata under ``lgt.schema_version``.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+SCHEMA_VERSION_KEY = b"lgt.schema_version"
+TABLE_KEY = b"lgt.table"
+
+# Call status values written by the proxy.
+STATUS_OK = "ok"  # 2xx and, when streamed, the stream ended with [DONE]
+STATUS_HTTP_ERROR = "http_error"  # the upstream answered 4xx/5xx (passed to the agent unchanged)
+STATUS_UPSTREAM_ERROR = "upstream_error"  # no answer: connect failure, reset, upstream timeout
+STATUS_STREAM_ERROR = "stream_error"  # a stream that ended without [DONE] or carried broken events
+STATUS_CLIENT_DISCONNECT = "client_disconnect"  # the agent went away before the call completed
+STATUS_REJECTED = "rejected"  # answered by the proxy itself (pause in reject mode, bad request)
+STATUSES = (
+    STATUS_OK,
+    STATUS_HTTP_ERROR,
+    STATUS_UPSTREAM_ERROR,
+    STATUS_STREAM_ERROR,
+    STATUS_CLIENT_DISCONNECT,
+    STATUS_REJECTED,
+)
+
+_TS = pa.timestamp("us", tz="UTC")
+
+EXTRA_CHOICE = pa.struct(
+    [
+        ("index", pa.int32()),
+        ("token_ids", pa.list_(pa.int32())),
+        ("logprobs", pa.list_(pa.float32())),
+        ("finish_reason", pa.string()),
+    ]
+)
+
+CALLS = pa.schema(
+    [
+        ("call_id", pa.string(), False),
+        ("rollout_id", pa.string(), False),
+        ("attempt", pa.int32(), False),
+        ("seq", pa.int64(), False),  # order of arrival within (rollout_id, attempt)
+        ("started_at", _TS, False),
+        ("first_byte_at", _TS),
+        ("ended_at", _TS),
+        ("latency_ms", pa.float64()),
+        ("ttfb_ms", pa.float64()),
+        ("endpoint", pa.string(), False),  # "chat/completions" | "completions"
+        ("original_host", pa.string()),  # the host the agent aimed at
+        ("requested_model", pa.string()),
+        ("served_model", pa.string()),
+        ("upstream", pa.string()),  # base URL the call went to; null when observe-only
+        ("policy_version", pa.int64(), False),
+        ("streamed", pa.bool_(), False),
+        ("request_json", pa.string()),  # the agent's request, as it sent it (redacted)
+        ("response_json", pa.string()),  # what the agent received (streams re-assembled)
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("response_token_ids", pa.list_(pa.int32())),  # choice 0
+        ("response_logprobs", pa.list_(pa.float32())),  # choice 0, one per response token
+        ("extra_choices", pa.list_(EXTRA_CHOICE)),  # choices 1.. when n > 1
+        ("finish_reason", pa.string()),
+        ("status", pa.string(), False),
+        ("http_status", pa.int32()),
+        ("error", pa.string()),
+        ("usage_prompt_tokens", pa.int64()),
+        ("usage_completion_tokens", pa.int64()),
+        ("usage_total_tokens", pa.int64()),
+        ("proxy_session", pa.string()),  # which proxy process wrote the record
+    ],
+    metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode(), TABLE_KEY: b"calls"},
+)
+
+TABLES: dict[str, pa.Schema] = {"calls": CALLS}
+TIMESTAMP_FIELDS = {name: [f.name for f in s if f.type == _TS] for name, s in TABLES.items()}

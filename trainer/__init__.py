@@ -1,0 +1,1 @@
+"""lgt trainer (see issues 4 and 5)."""
