@@ -1,0 +1,193 @@
+"""Fixtures: a real fake-vLLM upstream (aiohttp, in a thread) and a real ``lgt-proxy`` process.
+
+Tests talk to both over loopback only. Agents that should look as if they call a hosted API aim at
+names under ``.invalid``. This machine sets SSL_CERT_FILE / REQUESTS_CA_BUNDLE / proxy variables
+globally; the ``clean_env`` fixture removes them so each test sets exactly what it means.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from lgt.proxy import auth
+from lgt.proxy.fake_upstream import FakeUpstream
+
+ENV_VARS = (
+    "HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy", "ALL_PROXY", "all_proxy",
+    "NO_PROXY", "no_proxy", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+    "NODE_EXTRA_CA_CERTS", "LGT_PROXY_SECRET", "LGT_CONTROL_TOKEN", "OPENAI_API_KEY",
+    "OPENAI_BASE_URL",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _no_proxy_opener() -> urllib.request.OpenerDirector:
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class ProxyProc:
+    """``lgt-proxy`` started for real as a subprocess (``python -m lgt.proxy.cli``)."""
+
+    def __init__(self, store: Path, upstream: str | None = None, *args: str,
+                 served_model: str | None = "policy") -> None:
+        self.store = Path(store)
+        self.upstream = upstream
+        self.port = free_port()
+        self.control_port = free_port()
+        self.args = list(args)
+        if upstream:
+            self.args += ["--upstream", upstream]
+            if served_model:
+                self.args += ["--served-model", served_model]
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.store.parent / f"proxy-{self.port}.log"
+
+    def start(self, timeout: float = 30) -> "ProxyProc":
+        cmd = [sys.executable, "-m", "lgt.proxy.cli", "--store", str(self.store),
+               "--listen-port", str(self.port), "--control-port", str(self.control_port),
+               "--flush-seconds", "0.2", *self.args]
+        env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lgt-proxy exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    pass
+                if self.control("GET", "/healthz", auth_=False)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"lgt-proxy did not start in {timeout}s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    @property
+    def secret(self) -> bytes:
+        return auth.load_secret(self.store)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, rollout: str, attempt: int = 0) -> dict[str, str]:
+        return auth.rollout_env(self.store, rollout, attempt=attempt, port=self.port)
+
+    def proxy_url(self, rollout: str, attempt: int = 0) -> str:
+        return self.env(rollout, attempt)["HTTPS_PROXY"]
+
+    def base_url(self, rollout: str, attempt: int = 0) -> str:
+        return self.env(rollout, attempt)["LGT_PROXY_BASE_URL"]
+
+    @property
+    def ca_bundle(self) -> str:
+        return str(auth.ca_bundle(auth.proxy_dir(self.store)))
+
+    def control(self, method: str, path: str, body: Any = None, auth_: bool = True,
+                token: str | None = None, timeout: float = 60) -> tuple[int, Any]:
+        headers = {"Content-Type": "application/json"}
+        if auth_:
+            headers["Authorization"] = f"Bearer {token or auth.control_token(self.secret)}"
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.control_port}{path}", data=data,
+                                     headers=headers, method=method)
+        try:
+            with _no_proxy_opener().open(req, timeout=timeout) as r:
+                raw, status = r.read(), r.status
+        except urllib.error.HTTPError as e:
+            raw, status = e.read(), e.code
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode()
+
+    def flush(self) -> None:
+        status, body = self.control("POST", "/flush", {})
+        assert status == 200, body
+
+    def calls(self, where: str = "true", params: list | None = None) -> list[dict[str, Any]]:
+        """Rows of the calls view (after a flush), as dicts ordered by rollout, attempt, seq."""
+        from lgt.store.query import connect
+
+        self.flush()
+        con = connect(self.store)
+        cur = con.execute(f"SELECT * FROM calls WHERE {where} ORDER BY rollout_id, attempt, seq",
+                          params or [])
+        cols = [d[0] for d in cur.description]
+        return [dict(zip(cols, row)) for row in cur.fetchall()]
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[FakeUpstream]:
+    with FakeUpstream.in_thread(port=0) as up:
+        yield up
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory, upstream: FakeUpstream) -> Iterator[ProxyProc]:
+    p = ProxyProc(tmp_path_factory.mktemp("proxy") / "store", upstream.url).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def rollout(request: pytest.FixtureRequest) -> str:
+    """A rollout id unique to the test, so module-scoped proxies keep tests' records apart."""
+    return "t-" + re.sub(r"[^A-Za-z0-9._-]", "-", request.node.name)[:100]
+
+
+@pytest.fixture
+def agent_env(proxy: ProxyProc, rollout: str, clean_env: pytest.MonkeyPatch) -> dict[str, str]:
+    """This process's environment set as ``eval "$(lgt-proxy creds ...)"`` would set it."""
+    env = proxy.env(rollout)
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    return env

@@ -1,0 +1,485 @@
+"""lgt-proxy end to end: a real proxy process, a real fake-vLLM upstream, real HTTP clients."""
+
+from __future__ import annotations
+
+import json
+import re
+import ssl
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from lgt.proxy.fake_upstream import FakeUpstream, render_chat, token_logprob, tokenize
+
+from conftest import ProxyProc
+
+HOSTED = "https://api.openai.invalid/v1"
+VOLATILE = ("id", "created", "system_fingerprint")
+
+
+def client(proxy: ProxyProc, rollout: str, **kw: Any) -> httpx.Client:
+    ctx = ssl.create_default_context(cafile=proxy.ca_bundle)
+    return httpx.Client(proxy=proxy.proxy_url(rollout), verify=ctx, trust_env=False,
+                        timeout=kw.pop("timeout", 30), **kw)
+
+
+def direct(upstream: FakeUpstream) -> httpx.Client:
+    return httpx.Client(base_url=upstream.url, trust_env=False, timeout=30)
+
+
+def stable(obj: Any) -> Any:
+    """A response without the fields that differ between any two calls."""
+    if isinstance(obj, dict):
+        return {k: stable(v) for k, v in obj.items() if k not in VOLATILE}
+    if isinstance(obj, list):
+        return [stable(v) for v in obj]
+    return obj
+
+
+def sse_objects(text: str) -> list[Any]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def no_token_ids(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return all((k not in ("token_ids", "prompt_token_ids") or v is None) and no_token_ids(v)
+                   for k, v in obj.items())
+    return all(no_token_ids(v) for v in obj) if isinstance(obj, list) else True
+
+
+CHAT = {"model": "gpt-4o", "messages": [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "What is 6*7?"}]}
+COMPLETION = {"model": "gpt-4o", "prompt": "The answer to 6*7 is", "max_tokens": 8}
+
+
+# -- what the agent sees ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path,body", [("chat/completions", CHAT), ("completions", COMPLETION)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_agent_sees_exactly_what_the_upstream_would_have_sent(
+    proxy: ProxyProc, upstream: FakeUpstream, rollout: str, path: str, body: dict, stream: bool
+) -> None:
+    req = {**body, "stream": stream}
+    with direct(upstream) as d:
+        want = d.post(f"/{path}", json=req)
+    with client(proxy, rollout) as c:
+        got = c.post(f"{HOSTED}/{path}", json=req, headers={"Authorization": "Bearer sk-agent"})
+    assert got.status_code == want.status_code == 200
+    if stream:
+        assert got.headers["content-type"].startswith("text/event-stream")
+        w, g = sse_objects(want.text), sse_objects(got.text)
+        assert g[-1] == "[DONE]" and len(g) == len(w) > 3
+        assert stable(g) == stable(w)
+        assert all(no_token_ids(o) for o in g[:-1])
+    else:
+        assert stable(got.json()) == stable(want.json())
+        assert no_token_ids(got.json())
+    # ... while the upstream was asked for token ids and logprobs under the served model name
+    sent = upstream.requests[-1].body
+    assert sent["model"] == "policy" and sent["return_token_ids"] is True
+    assert sent["logprobs"] in (True, 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_record_holds_the_tokens_and_logprobs_vllm_produced(
+    proxy: ProxyProc, rollout: str, stream: bool
+) -> None:
+    with client(proxy, rollout) as c:
+        r = c.post(f"{HOSTED}/chat/completions", json={**CHAT, "stream": stream})
+        assert r.status_code == 200
+    [row] = proxy.calls("rollout_id = ?", [rollout])
+    prompt = tokenize(render_chat(CHAT["messages"]))
+    assert row["prompt_token_ids"] == prompt
+    text = (r.json()["choices"][0]["message"]["content"] if not stream else
+            "".join(o["choices"][0]["delta"].get("content") or ""
+                    for o in sse_objects(r.text)[:-1] if o["choices"]))
+    assert row["response_token_ids"] == tokenize(text)
+    want_lp = [token_logprob(t, i) for i, t in enumerate(row["response_token_ids"])]
+    assert row["response_logprobs"] == pytest.approx(want_lp, abs=1e-6)
+    assert row["status"] == "ok" and row["http_status"] == 200 and row["streamed"] is stream
+    assert row["original_host"] == "api.openai.invalid"
+    assert (row["requested_model"], row["served_model"]) == ("gpt-4o", "policy")
+    assert row["upstream"] == proxy.upstream and row["policy_version"] == 0
+    assert row["usage_prompt_tokens"] == len(prompt)
+    assert row["usage_total_tokens"] == len(prompt) + len(tokenize(text))
+    assert row["finish_reason"] == "stop"
+    assert json.loads(row["request_json"]) == {**CHAT, "stream": stream}
+    assert json.loads(row["response_json"])["choices"][0]["message"]["content"] == text
+    assert row["ended_at"] >= row["first_byte_at"] >= row["started_at"]
+
+
+def test_calls_of_one_rollout_are_numbered_in_order(proxy: ProxyProc, rollout: str) -> None:
+    with client(proxy, rollout) as c:
+        for i in range(4):
+            c.post(f"{HOSTED}/chat/completions",
+                   json={"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]})
+    rows = proxy.calls("rollout_id = ?", [rollout])
+    assert [r["seq"] for r in rows] == [0, 1, 2, 3]
+    assert [json.loads(r["request_json"])["messages"][0]["content"] for r in rows] == \
+        ["q0", "q1", "q2", "q3"]
+
+
+def test_attempts_are_kept_apart(proxy: ProxyProc, rollout: str) -> None:
+    for attempt in (0, 1):
+        ctx = ssl.create_default_context(cafile=proxy.ca_bundle)
+        with httpx.Client(proxy=proxy.proxy_url(rollout, attempt), verify=ctx,
+                          trust_env=False) as c:
+            assert c.post(f"{HOSTED}/completions", json=COMPLETION).status_code == 200
+    rows = proxy.calls("rollout_id = ?", [rollout])
+    assert [(r["attempt"], r["seq"]) for r in rows] == [(0, 0), (1, 0)]
+
+
+def test_streamed_chunks_reach_the_agent_as_they_arrive(
+    tmp_path: Path, rollout: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    with FakeUpstream.in_thread(port=0, chunk_delay_s=0.05) as slow:
+        p = ProxyProc(tmp_path / "store", slow.url).start()
+        try:
+            req = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "__long:30__"}]}
+            with client(p, rollout) as c, c.stream("POST", f"{HOSTED}/chat/completions",
+                                                   json=req) as r:
+                t0 = time.monotonic()
+                lines = []
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        lines.append((time.monotonic() - t0, line))
+            arrivals = [t for t, _ in lines]
+            text = "".join(o["choices"][0]["delta"].get("content") or ""
+                           for o in sse_objects("\n".join(l for _, l in lines))[:-1] if o["choices"])
+            # 30 tokens at 50 ms: the stream lasts ~1.5 s; buffering would deliver all at the end
+            assert arrivals[-1] > 1.0
+            assert arrivals[1] < arrivals[-1] / 3
+            [row] = p.calls()
+            assert row["response_token_ids"] == tokenize(text) and len(text) == 30, row
+            assert row["ttfb_ms"] < row["latency_ms"] / 3
+        finally:
+            p.stop()
+
+
+# -- identity ---------------------------------------------------------------------------------------
+
+
+def test_missing_or_wrong_credentials_get_407_and_nothing_is_forwarded(
+    proxy: ProxyProc, upstream: FakeUpstream, rollout: str
+) -> None:
+    before = len(upstream.requests)
+    good = proxy.proxy_url(rollout)
+    wrong = re.sub(r":([0-9a-f]{32})@", ":" + "0" * 32 + "@", good)
+    bare = re.sub(r"//[^@]+@", "//", good)
+    for url in (wrong, bare):
+        with httpx.Client(proxy=url, trust_env=False) as c:  # plain HTTP: the 407 is visible
+            r = c.post(f"{upstream.url}/chat/completions", json=CHAT)
+        assert r.status_code == 407
+        assert r.headers["proxy-authenticate"].startswith("Basic")
+        ctx = ssl.create_default_context(cafile=proxy.ca_bundle)
+        with httpx.Client(proxy=url, verify=ctx, trust_env=False) as c:  # HTTPS: CONNECT refused
+            with pytest.raises(httpx.ProxyError, match="407"):
+                c.post(f"{HOSTED}/chat/completions", json=CHAT)
+    assert len(upstream.requests) == before
+    assert proxy.calls("rollout_id = ?", [rollout]) == []
+    status, state = proxy.control("GET", "/state")
+    assert state["auth_failures"] >= 4
+
+
+def test_another_rollouts_token_is_refused(proxy: ProxyProc, rollout: str) -> None:
+    mine = proxy.proxy_url(rollout)
+    theirs_token = re.search(r":([0-9a-f]{32})@", proxy.proxy_url(rollout + "-other"))[1]
+    forged = re.sub(r":([0-9a-f]{32})@", f":{theirs_token}@", mine)
+    with httpx.Client(proxy=forged, trust_env=False) as c:
+        assert c.post(f"{proxy.upstream}/completions", json=COMPLETION).status_code == 407
+
+
+# -- errors are recorded and passed through ----------------------------------------------------------
+
+
+def test_upstream_error_reaches_the_agent_unchanged_and_is_recorded(
+    proxy: ProxyProc, upstream: FakeUpstream, rollout: str
+) -> None:
+    req = {"model": "m", "messages": [{"role": "user", "content": "__status:503__"}]}
+    with direct(upstream) as d:
+        want = d.post("/chat/completions", json=req)
+    with client(proxy, rollout) as c:
+        got = c.post(f"{HOSTED}/chat/completions", json=req)
+    assert got.status_code == want.status_code == 503
+    assert got.json() == want.json()
+    [row] = proxy.calls("rollout_id = ?", [rollout])
+    assert (row["status"], row["http_status"]) == ("http_error", 503)
+    assert row["error"] == want.json()["error"]["message"]
+
+
+def test_broken_sse_is_passed_through_recorded_and_survived(
+    proxy: ProxyProc, upstream: FakeUpstream, rollout: str
+) -> None:
+    req = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "__broken_sse__"}]}
+    with client(proxy, rollout) as c:
+        got = c.post(f"{HOSTED}/chat/completions", json=req)
+        assert got.status_code == 200 and "data: {not json" in got.text
+        assert c.post(f"{HOSTED}/chat/completions", json=CHAT).status_code == 200  # still alive
+    rows = proxy.calls("rollout_id = ?", [rollout])
+    assert [r["status"] for r in rows] == ["stream_error", "ok"]
+    assert "without [DONE]" in rows[0]["error"]
+
+
+def test_a_stream_cut_by_the_upstream_is_recorded(proxy: ProxyProc, rollout: str) -> None:
+    req = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "__drop__"}]}
+    with client(proxy, rollout) as c:
+        with pytest.raises(httpx.HTTPError):
+            with c.stream("POST", f"{HOSTED}/chat/completions", json=req) as r:
+                for _ in r.iter_lines():
+                    pass
+    [row] = proxy.calls("rollout_id = ?", [rollout])
+    assert row["status"] in ("stream_error", "upstream_error") and row["error"]
+
+
+def test_client_disconnect_is_recorded(proxy: ProxyProc, rollout: str) -> None:
+    req = {"model": "m", "messages": [{"role": "user", "content": "__sleep:1.5__"}]}
+    with client(proxy, rollout, timeout=0.3) as c:
+        with pytest.raises(httpx.TimeoutException):
+            c.post(f"{HOSTED}/chat/completions", json=req)
+    deadline = time.monotonic() + 10
+    rows: list = []
+    while not rows and time.monotonic() < deadline:
+        rows = proxy.calls("rollout_id = ?", [rollout])
+        time.sleep(0.1)
+    assert [r["status"] for r in rows] == ["client_disconnect"]
+
+
+@pytest.mark.parametrize("body,message", [
+    (b"{not json", "not valid JSON"),
+    (b'{"model": "m", "input": "x"}', "no 'messages' field"),
+    (b'["a"]', "not a JSON object"),
+])
+def test_bad_llm_requests_get_a_clear_400_and_are_not_forwarded(
+    proxy: ProxyProc, upstream: FakeUpstream, rollout: str, body: bytes, message: str
+) -> None:
+    before = len(upstream.requests)
+    with client(proxy, rollout) as c:
+        r = c.post(f"{HOSTED}/chat/completions", content=body,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert message in r.json()["error"]["message"]
+    assert r.json()["error"]["message"].startswith("lgt-proxy:")
+    assert len(upstream.requests) == before
+
+
+def test_huge_bodies_are_refused_before_forwarding(
+    tmp_path: Path, upstream: FakeUpstream, rollout: str
+) -> None:
+    p = ProxyProc(tmp_path / "store", upstream.url, "--max-body-mb", "0.01").start()
+    try:
+        before = len(upstream.requests)
+        big = {"model": "m", "messages": [{"role": "user", "content": "x" * 20_000}]}
+        with client(p, rollout) as c:
+            r = c.post(f"{HOSTED}/chat/completions", json=big)
+            assert r.status_code == 413 and "exceeds the proxy's limit" in r.json()["error"]["message"]
+            assert c.post(f"{HOSTED}/chat/completions", json=CHAT).status_code == 200
+        assert len(upstream.requests) == before + 1
+    finally:
+        p.stop()
+
+
+def test_non_llm_traffic_passes_through_untouched(
+    proxy: ProxyProc, upstream: FakeUpstream, rollout: str
+) -> None:
+    with client(proxy, rollout) as c:
+        r = c.get(f"{upstream.url}/models", headers={"Authorization": "Bearer sk-kept"})
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "policy"
+    assert upstream.requests[-1].headers.get("authorization") == "Bearer sk-kept"
+    assert proxy.calls("rollout_id = ?", [rollout]) == []
+
+
+# -- pause / resume and the control API --------------------------------------------------------------
+
+
+def _in_thread(fn) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn()
+        except Exception as e:  # surfaced by the test's asserts
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_pause_drains_in_flight_holds_new_calls_and_resume_sets_the_version(
+    proxy: ProxyProc, rollout: str
+) -> None:
+    slow = {"model": "m", "messages": [{"role": "user", "content": "__sleep:0.8__ slow"}]}
+    with client(proxy, rollout) as c:
+        t1, r1 = _in_thread(lambda: c.post(f"{HOSTED}/chat/completions", json=slow))
+        time.sleep(0.3)
+        status, paused = proxy.control("POST", "/pause", {"timeout": 10})
+        assert status == 200 and paused["drained"] is True
+        assert paused["in_flight_at_pause"] == 1 and paused["drain_seconds"] > 0.2
+        t1.join(5)
+        assert r1["result"].status_code == 200  # the in-flight call finished normally
+        t2, r2 = _in_thread(lambda: c.post(f"{HOSTED}/chat/completions", json=CHAT))
+        time.sleep(0.5)
+        assert t2.is_alive() and not r2  # held open, not failed
+        _, state = proxy.control("GET", "/state")
+        assert state["paused"] is True and state["held"] == 1 and state["in_flight"] == 0
+        status, resumed = proxy.control("POST", "/resume", {"policy_version": 7})
+        assert status == 200 and resumed["paused"] is False and resumed["policy_version"] == 7
+        t2.join(5)
+        assert r2["result"].status_code == 200
+    rows = proxy.calls("rollout_id = ?", [rollout])
+    assert [r["policy_version"] for r in rows] == [0, 7]
+    proxy.control("POST", "/resume", {"policy_version": 0})
+
+
+def test_pause_times_out_with_504_while_a_call_is_still_running(
+    proxy: ProxyProc, rollout: str
+) -> None:
+    slow = {"model": "m", "messages": [{"role": "user", "content": "__sleep:1.5__"}]}
+    with client(proxy, rollout) as c:
+        t, r = _in_thread(lambda: c.post(f"{HOSTED}/chat/completions", json=slow))
+        time.sleep(0.3)
+        status, body = proxy.control("POST", "/pause", {"timeout": 0.2})
+        assert status == 504 and body["drained"] is False and body["in_flight"] == 1
+        proxy.control("POST", "/resume", {})
+        t.join(5)
+        assert r["result"].status_code == 200
+
+
+def test_reject_mode_answers_429_with_retry_after(
+    tmp_path: Path, upstream: FakeUpstream, rollout: str
+) -> None:
+    p = ProxyProc(tmp_path / "store", upstream.url, "--pause-mode", "reject",
+                  "--retry-after", "3").start()
+    try:
+        assert p.control("POST", "/pause", {})[0] == 200
+        with client(p, rollout) as c:
+            r = c.post(f"{HOSTED}/chat/completions", json=CHAT)
+            assert r.status_code == 429 and r.headers["retry-after"] == "3"
+            p.control("POST", "/resume", {"policy_version": 1})
+            assert c.post(f"{HOSTED}/chat/completions", json=CHAT).status_code == 200
+        assert [r["policy_version"] for r in p.calls()] == [1]
+        assert p.control("GET", "/state")[1]["rejected"] == 1
+    finally:
+        p.stop()
+
+
+def test_control_api_needs_the_bearer_token(proxy: ProxyProc) -> None:
+    assert proxy.control("GET", "/state", auth_=False)[0] == 401
+    assert proxy.control("GET", "/state", token="wrong")[0] == 401
+    assert proxy.control("GET", "/healthz", auth_=False)[0] == 200
+    status, body = proxy.control("POST", "/resume", {"policy_version": "seven"})
+    assert status == 400 and "non-negative integer" in body["error"]
+
+
+def test_metrics_are_prometheus_text(proxy: ProxyProc, rollout: str) -> None:
+    with client(proxy, rollout) as c:
+        c.post(f"{HOSTED}/chat/completions", json=CHAT)
+    status, text = proxy.control("GET", "/metrics")
+    assert status == 200
+    ok = re.search(r'^lgt_proxy_calls_total\{status="ok"\} (\d+)$', text, re.M)
+    assert ok and int(ok[1]) >= 1
+    count = re.search(r"^lgt_proxy_latency_seconds_count (\d+)$", text, re.M)
+    inf = re.search(r'^lgt_proxy_latency_seconds_bucket\{le="\+Inf"\} (\d+)$', text, re.M)
+    assert count and inf and count[1] == inf[1] and int(count[1]) >= int(ok[1])
+    assert re.search(r"^lgt_proxy_drain_seconds_count \d+$", text, re.M)
+    assert re.search(r"^# TYPE lgt_proxy_in_flight gauge$", text, re.M)
+
+
+# -- egress -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_server() -> Iterator[FakeUpstream]:
+    """A second local server standing in for 'the internet'."""
+    with FakeUpstream.in_thread(port=0) as s:
+        yield s
+
+
+@pytest.mark.parametrize("mode,args,allowed", [
+    ("deny", [], False),
+    ("allowlist", ["--allow-host", "localhost"], True),
+    ("allowlist", ["--allow-host", "example.invalid"], False),
+])
+def test_egress_policy(tmp_path: Path, upstream: FakeUpstream, other_server: FakeUpstream,
+                       rollout: str, mode: str, args: list[str], allowed: bool) -> None:
+    p = ProxyProc(tmp_path / "store", upstream.url, "--egress", mode, *args).start()
+    try:
+        with client(p, rollout) as c:
+            r = c.get(f"http://localhost:{other_server.port}/v1/models")
+            assert (r.status_code == 200) is allowed
+            if not allowed:
+                assert r.status_code == 403 and "egress policy" in r.text
+            # LLM calls and the upstream itself are always reachable
+            assert c.post(f"{HOSTED}/chat/completions", json=CHAT).status_code == 200
+            assert c.get(f"{upstream.url}/models").status_code == 200
+    finally:
+        p.stop()
+
+
+# -- observe-only ---------------------------------------------------------------------------------------
+
+
+def test_observe_only_records_calls_where_the_agent_sent_them(
+    tmp_path: Path, upstream: FakeUpstream, rollout: str
+) -> None:
+    p = ProxyProc(tmp_path / "store", None).start()
+    try:
+        with client(p, rollout) as c:
+            r = c.post(f"{upstream.url}/chat/completions", json=CHAT)
+        assert r.status_code == 200 and r.json()["model"] == "gpt-4o"
+        sent = upstream.requests[-1].body
+        assert "return_token_ids" not in sent and sent["model"] == "gpt-4o"
+        [row] = p.calls()
+        assert row["status"] == "ok" and row["upstream"] is None and row["served_model"] is None
+        assert row["prompt_token_ids"] is None
+        assert json.loads(row["response_json"])["choices"][0]["message"]["content"]
+    finally:
+        p.stop()
+
+
+# -- secrets -------------------------------------------------------------------------------------------
+
+
+def test_secrets_never_reach_the_store_or_the_logs(
+    tmp_path: Path, upstream: FakeUpstream, rollout: str
+) -> None:
+    p = ProxyProc(tmp_path / "store", upstream.url, "--upstream-api-key", "up-key-SECRET-42",
+                  "--log-level", "DEBUG").start()
+    try:
+        token = re.search(r":([0-9a-f]{32})@", p.proxy_url(rollout))[1]
+        agent_key = "sk-agent-SECRET-1234567890"
+        with client(p, rollout) as c:
+            for stream in (False, True):
+                c.post(f"{HOSTED}/chat/completions", json={**CHAT, "stream": stream},
+                       headers={"Authorization": f"Bearer {agent_key}", "api-key": agent_key})
+            c.post(f"{HOSTED}/chat/completions", content=b"{bad", headers={"api-key": agent_key})
+        with httpx.Client(trust_env=False) as c:  # reverse mode carries the token in the path
+            assert c.post(f"{p.base_url(rollout)}/chat/completions", json=CHAT).status_code == 200
+            assert c.post(p.base_url(rollout).replace(token, "f" * 32) + "/chat/completions",
+                          json=CHAT).status_code == 401
+        assert upstream.requests[-1].headers["authorization"] == "Bearer up-key-SECRET-42"
+        assert len(p.calls()) == 3
+        p.stop()
+        secret = p.secret.decode()
+        from lgt.proxy.auth import control_token
+
+        needles = [agent_key, token, secret, control_token(p.secret), "up-key-SECRET-42"]
+        files = [f for f in p.store.rglob("*") if f.is_file() and f.parent.name != "_proxy"]
+        files.append(p.log_path)
+        assert any(f.suffix == ".parquet" for f in files)
+        for f in files:
+            data = f.read_bytes()
+            for needle in needles:
+                assert needle.encode() not in data, f"{needle[:6]}… found in {f}"
+    finally:
+        p.stop()

@@ -1,0 +1,224 @@
+"""The wire module: recognising calls, request rewriting, response stripping, the SSE re-framer."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lgt.proxy import wire
+
+# -- recognising LLM calls ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method,path,expected",
+    [
+        ("POST", "/v1/chat/completions", wire.CHAT),
+        ("POST", "/openai/deployments/x/chat/completions?api-version=1", wire.CHAT),
+        ("POST", "/v1/completions", wire.COMPLETIONS),
+        ("POST", "/v1/completions/", wire.COMPLETIONS),
+        ("GET", "/v1/chat/completions", None),
+        ("POST", "/v1/embeddings", None),
+        ("POST", "/v1/chat/completions2", None),
+        ("POST", "/v1/models", None),
+    ],
+)
+def test_endpoint_of(method: str, path: str, expected: str | None) -> None:
+    assert wire.endpoint_of(method, path) == expected
+
+
+@pytest.mark.parametrize(
+    "endpoint,body,message",
+    [
+        (wire.CHAT, b"{not json", "not valid JSON"),
+        (wire.CHAT, b"[1, 2]", "not a JSON object"),
+        (wire.CHAT, b'{"model": "m"}', "no 'messages' field"),
+        (wire.COMPLETIONS, b'{"model": "m", "messages": []}', "no 'prompt' field"),
+        (wire.CHAT, b'{"model": 3, "messages": []}', "'model' must be a string"),
+        (wire.CHAT, b"\xff\xfe", "not valid JSON"),
+    ],
+)
+def test_parse_request_rejects_with_one_sentence(endpoint: str, body: bytes, message: str) -> None:
+    with pytest.raises(wire.BadRequest, match=message):
+        wire.parse_request(endpoint, body)
+
+
+# -- request rewriting ----------------------------------------------------------------------------
+
+
+def test_prepare_request_injects_and_reports_what_it_injected() -> None:
+    req = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    original = copy.deepcopy(req)
+    out, inj = wire.prepare_request(wire.CHAT, req, served_model="policy", capture_tokens=True)
+    assert req == original  # the agent's request object is not modified
+    assert out["model"] == "policy" and out["return_token_ids"] is True and out["logprobs"] is True
+    assert inj == wire.Injected(token_ids=True, logprobs=True, model="gpt-4o")
+
+
+def test_prepare_request_keeps_what_the_agent_asked_for() -> None:
+    req = {"model": "policy", "messages": [], "logprobs": True, "top_logprobs": 3,
+           "return_token_ids": True}
+    out, inj = wire.prepare_request(wire.CHAT, req, served_model="policy", capture_tokens=True)
+    assert out == req
+    assert inj == wire.Injected()
+
+
+def test_prepare_request_completions_uses_integer_logprobs() -> None:
+    out, inj = wire.prepare_request(wire.COMPLETIONS, {"model": "m", "prompt": "x"},
+                                    served_model=None, capture_tokens=True)
+    assert out["logprobs"] == 0 and inj.logprobs and inj.model is None
+    out, inj = wire.prepare_request(wire.COMPLETIONS, {"model": "m", "prompt": "x", "logprobs": 2},
+                                    served_model=None, capture_tokens=True)
+    assert out["logprobs"] == 2 and not inj.logprobs
+
+
+def test_observe_only_changes_nothing() -> None:
+    req = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    out, inj = wire.prepare_request(wire.CHAT, req, served_model=None, capture_tokens=False)
+    assert out == req and inj == wire.Injected()
+
+
+# -- response stripping ---------------------------------------------------------------------------
+
+
+def _vllm_chat_body(with_ids: bool, with_logprobs: bool, model: str) -> dict:
+    """A vLLM 0.32 chat body: every field present, unset ones null."""
+    return {
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": "ok", "tool_calls": None},
+            "logprobs": {"content": [{"token": "o", "logprob": -0.5}]} if with_logprobs else None,
+            "finish_reason": "stop", "stop_reason": None,
+            "token_ids": [5, 6] if with_ids else None,
+        }],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        "prompt_logprobs": None,
+        "prompt_token_ids": [1, 2, 3] if with_ids else None,
+        "kv_transfer_params": None,
+    }
+
+
+def test_strip_restores_the_body_the_agent_would_have_got() -> None:
+    injected = _vllm_chat_body(True, True, "policy")
+    inj = wire.Injected(token_ids=True, logprobs=True, model="gpt-4o")
+    assert wire.strip_response(wire.CHAT, injected, inj) == _vllm_chat_body(False, False, "gpt-4o")
+
+
+def test_strip_keeps_fields_the_agent_asked_for() -> None:
+    body = _vllm_chat_body(True, True, "policy")
+    assert wire.strip_response(wire.CHAT, copy.deepcopy(body), wire.Injected()) == body
+
+
+def test_strip_never_adds_keys_to_chunks() -> None:
+    chunk = {"id": "c", "model": "policy", "choices": [{"index": 0, "delta": {"content": "a"}}]}
+    out = wire.strip_response(wire.CHAT, copy.deepcopy(chunk), wire.Injected(True, True, "m"))
+    assert out == {**chunk, "model": "m"}
+
+
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda children: st.lists(children, max_size=3)
+    | st.dictionaries(st.sampled_from(["choices", "model", "token_ids", "prompt_token_ids",
+                                       "logprobs", "x"]), children, max_size=4),
+    max_leaves=12,
+))
+def test_strip_never_raises_on_any_json(obj: object) -> None:
+    wire.strip_response(wire.CHAT, obj, wire.Injected(True, True, "m"))
+
+
+# -- capture ---------------------------------------------------------------------------------------
+
+
+def test_capture_from_body_and_chunks_agree() -> None:
+    body = _vllm_chat_body(True, True, "policy")
+    body["choices"][0]["logprobs"] = {"content": [{"logprob": -0.5}, {"logprob": -0.25}]}
+    whole = wire.Capture(wire.CHAT)
+    whole.add_body(body)
+    chunks = wire.Capture(wire.CHAT)
+    chunks.add_chunk({"prompt_token_ids": [1, 2, 3], "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": None}]})
+    chunks.add_chunk({"choices": [{"index": 0, "delta": {"content": "o"}, "token_ids": [5],
+                                   "logprobs": {"content": [{"logprob": -0.5}]}}]})
+    chunks.add_chunk({"choices": [{"index": 0, "delta": {"content": "k"}, "token_ids": [6],
+                                   "logprobs": {"content": [{"logprob": -0.25}]},
+                                   "finish_reason": "stop"}]})
+    for cap in (whole, chunks):
+        assert cap.prompt_token_ids == [1, 2, 3]
+        assert cap.choices[0].token_ids == [5, 6]
+        assert cap.choices[0].logprobs == [-0.5, -0.25]
+        assert cap.choices[0].finish_reason == "stop"
+    assembled = chunks.assembled(wire.Injected(model="gpt-4o"))
+    assert assembled["model"] == "gpt-4o"
+    assert assembled["choices"][0]["message"]["content"] == "ok"
+    assert assembled["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_capture_reassembles_streamed_tool_calls() -> None:
+    cap = wire.Capture(wire.CHAT)
+    cap.add_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function",
+         "function": {"name": "calc", "arguments": '{"expr'}}]}}]})
+    cap.add_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": {"arguments": 'ession": "1+1"}'}}]},
+        "finish_reason": "tool_calls"}]})
+    msg = cap.assembled(wire.Injected())["choices"][0]["message"]
+    assert msg["tool_calls"] == [{"id": "call_1", "type": "function",
+                                  "function": {"name": "calc", "arguments": '{"expression": "1+1"}'}}]
+
+
+# -- SSE re-framing ---------------------------------------------------------------------------------
+
+_event = st.builds(
+    lambda data, sep: b"data: " + data.encode() + sep,
+    st.text(alphabet=st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)),
+            max_size=30),
+    st.sampled_from([b"\n\n", b"\r\n\r\n"]),
+)
+
+
+@given(st.lists(_event, max_size=12), st.data())
+@settings(max_examples=200)
+def test_framer_yields_each_event_whole_however_the_bytes_are_cut(events, data) -> None:
+    stream = b"".join(events)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=10)))
+    pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+    framer = wire.SSEFramer()
+    out = [e for p in pieces for e in framer.feed(p)]
+    assert out == events
+    assert framer.rest() == b""
+
+
+@given(st.binary(max_size=300), st.data())
+@settings(max_examples=200)
+def test_framer_loses_no_byte_of_any_input(blob: bytes, data) -> None:
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(blob)), max_size=8)))
+    pieces = [blob[a:b] for a, b in zip([0, *cuts], [*cuts, len(blob)])]
+    framer = wire.SSEFramer()
+    out = b"".join(e for p in pieces for e in framer.feed(p))
+    assert out + framer.rest() == blob
+
+
+@given(st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5), max_size=4),
+       st.sampled_from([b"", b"event: x\n", b"id: 7\n"]))
+def test_rebuild_event_round_trips_json(obj: dict, prefix: bytes) -> None:
+    event = prefix + b"data: " + json.dumps(obj).encode() + b"\n\n"
+    rebuilt = wire.rebuild_event(event, json.dumps(obj, separators=(",", ":")))
+    assert json.loads(wire.event_data(rebuilt)) == obj
+    assert rebuilt.startswith(prefix) and rebuilt.endswith(b"\n\n")
+
+
+def test_event_data_joins_multiline_data() -> None:
+    assert wire.event_data(b"data: a\ndata: b\n\n") == "a\nb"
+    assert wire.event_data(b": comment\n\n") is None
+    assert wire.event_data(b"data:[DONE]\r\n\r\n") == "[DONE]"
+
+
+def test_framer_refuses_an_endless_event() -> None:
+    framer = wire.SSEFramer(max_event_bytes=100)
+    with pytest.raises(ValueError, match="exceeds 100 bytes"):
+        list(framer.feed(b"data: " + b"x" * 200))
