@@ -163,9 +163,14 @@ class StreamRewriter:
             return event
         if isinstance(obj, dict):
             self.call.capture.add_chunk(obj)
-            if self.call.injected != wire.Injected():
-                wire.strip_response(self.call.endpoint, obj, self.call.injected)
+            inj = self.call.injected
+            if inj != wire.Injected():
+                wire.strip_response(self.call.endpoint, obj, inj)
+                if (inj.token_ids or inj.logprobs) and wire.is_silent_chunk(obj):
+                    return b""  # only there because of what the proxy injected
                 return wire.rebuild_event(event, json.dumps(obj, separators=(",", ":")))
+        else:
+            self.broken += 1
         return event
 
     def __call__(self, data: bytes) -> list[bytes]:
@@ -408,12 +413,13 @@ class Record:
         first = cap.choices.get(0)
         token_ids = first.token_ids if first else None
         logprobs = first.logprobs if first else None
-        if logprobs is not None and (token_ids is None or len(logprobs) != len(token_ids)):
+        if logprobs is not None and (token_ids is None or len(logprobs) != len(token_ids)
+                                     or None in logprobs):
             logprobs = None  # never store logprobs that cannot be aligned with their tokens
         extra = [
             {"index": c.index, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-             "logprobs": c.logprobs if c.logprobs and len(c.logprobs) == len(c.token_ids or ())
-             else None}
+             "logprobs": c.logprobs if c.logprobs and None not in c.logprobs
+             and len(c.logprobs) == len(c.token_ids or ()) else None}
             for i, c in sorted(cap.choices.items()) if i > 0
         ] or None
         usage = cap.usage_dict() or {}

@@ -101,9 +101,7 @@ def strip_response(endpoint: str, obj: Any, inj: Injected) -> Any:
         obj["model"] = inj.model
     if inj.token_ids:
         _null(obj, "prompt_token_ids")
-    for choice in obj.get("choices") or ():
-        if not isinstance(choice, dict):
-            continue
+    for choice in _choices(obj):
         if inj.token_ids:
             _null(choice, "token_ids")
             _null(choice, "prompt_token_ids")
@@ -112,11 +110,47 @@ def strip_response(endpoint: str, obj: Any, inj: Injected) -> Any:
     return obj
 
 
+def is_silent_chunk(obj: Any) -> bool:
+    """A stream chunk that says nothing once stripped: vLLM sends these (``"delta": {}``) for tokens
+    that produce no text only because token ids or logprobs were asked for, so an agent that asked
+    for neither would not have seen them."""
+    if not isinstance(obj, dict) or obj.get("usage") or obj.get("prompt_token_ids"):
+        return False
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    return all(
+        isinstance(c, dict) and c.get("delta") == {} and c.get("finish_reason") is None
+        and c.get("logprobs") is None and c.get("token_ids") is None
+        for c in choices
+    )
+
+
+def _choices(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    choices = obj.get("choices")
+    return [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+
+
+def _index(choice: dict[str, Any]) -> int:
+    i = choice.get("index", 0)
+    return i if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1024 else 0
+
+
 def _null(obj: dict[str, Any], key: str) -> None:
     # vLLM sends these fields as null when not asked for (whole bodies are dumped with every
     # field, stream chunks with the fields it set): restore null, never delete or add the key.
     if key in obj:
         obj[key] = None
+
+
+def _ids(v: Any) -> list[int] | None:
+    if isinstance(v, list) and all(type(i) is int and 0 <= i < 2**31 for i in v):
+        return v
+    return None
+
+
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
 
 
 # -- capture ------------------------------------------------------------------------------------
@@ -132,17 +166,24 @@ class ChoiceCapture:
     extra: dict[str, Any] = field(default_factory=dict)  # other message fields, e.g. reasoning
 
     def add_ids(self, ids: Any) -> None:
-        if isinstance(ids, list):
+        ids = _ids(ids)
+        if ids is not None:
             self.token_ids = (self.token_ids or []) + ids
 
     def add_logprobs(self, endpoint: str, lp: Any) -> None:
         if not isinstance(lp, dict):
             return
+        entries = lp.get("content") if endpoint == CHAT else lp.get("token_logprobs")
+        if not isinstance(entries, list):
+            return
         if endpoint == CHAT:
-            values = [e.get("logprob") for e in lp.get("content") or () if isinstance(e, dict)]
+            values = [e.get("logprob") if isinstance(e, dict) else None for e in entries]
         else:
-            values = list(lp.get("token_logprobs") or ())
-        self.logprobs = (self.logprobs or []) + values
+            values = entries
+        self.logprobs = (self.logprobs or []) + [
+            float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+            for v in values
+        ]
 
 
 @dataclass
@@ -162,8 +203,8 @@ class Capture:
         return self.choices[index]
 
     def _take_ids(self, obj: dict[str, Any]) -> None:
-        if isinstance(obj.get("prompt_token_ids"), list) and self.prompt_token_ids is None:
-            self.prompt_token_ids = obj["prompt_token_ids"]
+        if self.prompt_token_ids is None:
+            self.prompt_token_ids = _ids(obj.get("prompt_token_ids"))
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
         for k in ("id", "created", "model", "system_fingerprint"):
@@ -173,45 +214,50 @@ class Capture:
     def add_body(self, obj: dict[str, Any]) -> None:
         """A whole (non-streamed) response, before stripping."""
         self._take_ids(obj)
-        for ch in obj.get("choices") or ():
-            c = self._choice(int(ch.get("index", 0)))
-            if isinstance(ch.get("prompt_token_ids"), list) and self.prompt_token_ids is None:
-                self.prompt_token_ids = ch["prompt_token_ids"]
+        for ch in _choices(obj):
+            c = self._choice(_index(ch))
+            if self.prompt_token_ids is None:
+                self.prompt_token_ids = _ids(ch.get("prompt_token_ids"))
             c.add_ids(ch.get("token_ids"))
             c.add_logprobs(self.endpoint, ch.get("logprobs"))
-            c.finish_reason = ch.get("finish_reason")
+            c.finish_reason = _str(ch.get("finish_reason"))
 
     def add_chunk(self, obj: dict[str, Any]) -> None:
         """One stream event's JSON, before stripping."""
         self.chunks += 1
         self._take_ids(obj)
-        for ch in obj.get("choices") or ():
-            c = self._choice(int(ch.get("index", 0)))
-            if isinstance(ch.get("prompt_token_ids"), list) and self.prompt_token_ids is None:
-                self.prompt_token_ids = ch["prompt_token_ids"]
+        for ch in _choices(obj):
+            c = self._choice(_index(ch))
+            if self.prompt_token_ids is None:
+                self.prompt_token_ids = _ids(ch.get("prompt_token_ids"))
             c.add_ids(ch.get("token_ids"))
             c.add_logprobs(self.endpoint, ch.get("logprobs"))
             if ch.get("finish_reason") is not None:
-                c.finish_reason = ch["finish_reason"]
+                c.finish_reason = _str(ch["finish_reason"])
             if self.endpoint == COMPLETIONS:
-                c.text += ch.get("text") or ""
+                c.text += _str(ch.get("text")) or ""
                 continue
-            delta = ch.get("delta") or {}
-            c.role = delta.get("role") or c.role
-            c.text += delta.get("content") or ""
+            delta = ch.get("delta")
+            if not isinstance(delta, dict):
+                continue
+            c.role = _str(delta.get("role")) or c.role
+            c.text += _str(delta.get("content")) or ""
             for k, v in delta.items():
                 if k not in ("role", "content", "tool_calls") and isinstance(v, str):
                     c.extra[k] = c.extra.get(k, "") + v
-            for tc in delta.get("tool_calls") or ():
+            calls = delta.get("tool_calls")
+            for tc in calls if isinstance(calls, list) else ():
+                if not isinstance(tc, dict):
+                    continue
                 slot = c.tool_calls.setdefault(
-                    int(tc.get("index", 0)), {"id": None, "type": "function",
-                                               "function": {"name": "", "arguments": ""}}
+                    _index(tc), {"id": None, "type": "function",
+                                 "function": {"name": "", "arguments": ""}}
                 )
                 if tc.get("id"):
-                    slot["id"] = tc["id"]
-                fn = tc.get("function") or {}
-                slot["function"]["name"] += fn.get("name") or ""
-                slot["function"]["arguments"] += fn.get("arguments") or ""
+                    slot["id"] = _str(tc["id"])
+                fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+                slot["function"]["name"] += _str(fn.get("name")) or ""
+                slot["function"]["arguments"] += _str(fn.get("arguments")) or ""
 
     def assembled(self, inj: Injected) -> dict[str, Any]:
         """A streamed response re-assembled as the equivalent non-streamed body (agent-visible)."""
@@ -233,7 +279,11 @@ class Capture:
 
     def usage_dict(self) -> dict[str, int] | None:
         if isinstance(self.usage, dict):
-            return self.usage
+            ints = {k: v for k, v in self.usage.items()
+                    if k in ("prompt_tokens", "completion_tokens", "total_tokens")
+                    and isinstance(v, int) and not isinstance(v, bool)}
+            if ints:
+                return ints
         first = self.choices.get(0)
         if self.prompt_token_ids is None or first is None or first.token_ids is None:
             return None

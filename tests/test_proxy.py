@@ -58,13 +58,16 @@ def no_token_ids(obj: Any) -> bool:
 
 CHAT = {"model": "gpt-4o", "messages": [{"role": "system", "content": "Be brief."},
                                         {"role": "user", "content": "What is 6*7?"}]}
+TOOLS_CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "17*23"}], "tools": [
+    {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]}
 COMPLETION = {"model": "gpt-4o", "prompt": "The answer to 6*7 is", "max_tokens": 8}
 
 
 # -- what the agent sees ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path,body", [("chat/completions", CHAT), ("completions", COMPLETION)])
+@pytest.mark.parametrize("path,body", [("chat/completions", CHAT), ("completions", COMPLETION),
+                                       ("chat/completions", TOOLS_CHAT)])
 @pytest.mark.parametrize("stream", [False, True])
 def test_agent_sees_exactly_what_the_upstream_would_have_sent(
     proxy: ProxyProc, upstream: FakeUpstream, rollout: str, path: str, body: dict, stream: bool

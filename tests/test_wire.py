@@ -222,3 +222,78 @@ def test_framer_refuses_an_endless_event() -> None:
     framer = wire.SSEFramer(max_event_bytes=100)
     with pytest.raises(ValueError, match="exceeds 100 bytes"):
         list(framer.feed(b"data: " + b"x" * 200))
+
+
+# -- rewriting round trip (Hypothesis) ---------------------------------------------------------------
+
+_agent_asks = st.fixed_dictionaries({}, optional={
+    "logprobs": st.sampled_from([None, False, True]),
+    "top_logprobs": st.integers(0, 5),
+    "return_token_ids": st.sampled_from([None, False, True]),
+    "stream": st.booleans(),
+    "temperature": st.floats(0, 2),
+})
+
+
+def _vllm_answer(req: dict, n_tokens: int, chunk: bool) -> dict:
+    """What vLLM answers to ``req``: token fields filled when asked, null otherwise."""
+    ids = req.get("return_token_ids") is True
+    lp = bool(req.get("logprobs"))
+    choice = {"index": 0, "logprobs": {"content": [{"logprob": -1.0}] * n_tokens} if lp else None,
+              "finish_reason": "stop", "token_ids": list(range(n_tokens)) if ids else None}
+    choice["delta" if chunk else "message"] = {"role": "assistant", "content": "x" * n_tokens}
+    return {"id": "x", "model": req["model"], "choices": [choice],
+            "prompt_token_ids": [1, 2] if ids else None}
+
+
+@given(_agent_asks, st.sampled_from(["gpt-4o", "policy"]), st.integers(0, 4), st.booleans(),
+       st.booleans())
+def test_injected_then_stripped_equals_what_the_agent_asked_for(
+    extra: dict, model: str, n: int, chunk: bool, capture: bool
+) -> None:
+    req = {"model": model, "messages": [{"role": "user", "content": "q"}], **extra}
+    sent, inj = wire.prepare_request(wire.CHAT, req, served_model="policy", capture_tokens=capture)
+    assert sent["model"] == "policy"
+    if capture:  # the upstream is always asked for what training needs
+        assert sent["return_token_ids"] is True and sent["logprobs"]
+    got = wire.strip_response(wire.CHAT, _vllm_answer(sent, n, chunk), inj)
+    assert got == _vllm_answer(req, n, chunk)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(
+        st.sampled_from(["choices", "index", "delta", "content", "tool_calls", "function",
+                         "arguments", "name", "id", "token_ids", "prompt_token_ids", "logprobs",
+                         "logprob", "token_logprobs", "usage", "prompt_tokens", "text",
+                         "finish_reason", "role", "message"]), children, max_size=5),
+    max_leaves=20,
+)
+
+
+@given(st.lists(st.dictionaries(st.sampled_from(["choices", "usage", "prompt_token_ids", "model"]),
+                                _json, max_size=4), max_size=4),
+       st.sampled_from([wire.CHAT, wire.COMPLETIONS]))
+@settings(max_examples=300)
+def test_capture_never_raises_and_always_yields_storable_values(chunks: list, endpoint: str) -> None:
+    """Whatever an upstream sends, capture gives JSON-able output and well-typed token columns."""
+    cap = wire.Capture(endpoint)
+    for c in chunks:
+        cap.add_chunk(copy.deepcopy(c))
+        cap.add_body(copy.deepcopy(c))
+    json.dumps(cap.assembled(wire.Injected(model="m")))
+    for ch in cap.choices.values():
+        assert ch.token_ids is None or all(type(i) is int for i in ch.token_ids)
+        assert ch.logprobs is None or all(v is None or type(v) is float for v in ch.logprobs)
+    assert cap.prompt_token_ids is None or all(type(i) is int for i in cap.prompt_token_ids)
+    usage = cap.usage_dict()
+    assert usage is None or all(type(v) is int for v in usage.values())
+
+
+def test_silent_chunks_are_recognised() -> None:
+    silent = {"choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None,
+                           "token_ids": None}]}
+    assert wire.is_silent_chunk(silent)
+    assert not wire.is_silent_chunk({"choices": [{**silent["choices"][0], "finish_reason": "stop"}]})
+    assert not wire.is_silent_chunk({"choices": [{**silent["choices"][0], "delta": {"content": ""}}]})
+    assert not wire.is_silent_chunk({"choices": [], "usage": {"total_tokens": 1}})
