@@ -177,7 +177,8 @@ async def serve(cfg: ProxyConfig, *, ready: asyncio.Event | None = None,
 
     modes = [f"regular@{cfg.listen_host}:{cfg.listen_port}"]
     if cfg.reverse_port:
-        modes.append(f"reverse:{rt.upstream}@{cfg.listen_host}:{cfg.reverse_port}")
+        up = urlsplit(rt.upstream)  # mitmproxy takes scheme://host:port; Record adds the path
+        modes.append(f"reverse:{up.scheme}://{up.netloc}@{cfg.listen_host}:{cfg.reverse_port}")
     opts = options.Options()
     master = DumpMaster(opts, with_termlog=False, with_dumper=False)
     master.addons.add(Identify(rt), Record(rt), Egress(rt))
