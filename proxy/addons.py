@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -73,7 +72,7 @@ class Runtime:
 
 
 def _json_response(status: int, message: str, kind: str, headers: dict[str, str] | None = None):
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}})
+    body = wire.dumps({"error": {"message": message, "type": kind, "code": status}})
     return http.Response.make(status, body, {"content-type": "application/json", **(headers or {})})
 
 
@@ -151,13 +150,13 @@ class StreamRewriter:
         data = wire.event_data(event)
         if data is None:
             return event
-        if data.strip() == "[DONE]":
+        if data.strip() == b"[DONE]":
             self.saw_done = True
             if not self.addon.finish_stream(self.flow, self.call):
                 return b""  # not recorded: the agent must not see a complete stream
             return event
         try:
-            obj = json.loads(data)
+            obj = wire.loads(data)
         except ValueError:
             self.broken += 1
             return event
@@ -168,12 +167,13 @@ class StreamRewriter:
                 wire.strip_response(self.call.endpoint, obj, inj)
                 if (inj.token_ids or inj.logprobs) and wire.is_silent_chunk(obj):
                     return b""  # only there because of what the proxy injected
-                return wire.rebuild_event(event, json.dumps(obj, separators=(",", ":")))
+                return wire.rebuild_event(event, wire.dumps(obj))
         else:
             self.broken += 1
         return event
 
     def __call__(self, data: bytes) -> list[bytes]:
+        # one write to the agent per upstream read (not per event): fewer TLS records and syscalls
         if self.passthrough:
             return [data] if data else []
         if not data:  # end of the upstream body
@@ -181,7 +181,7 @@ class StreamRewriter:
             if rest.strip():
                 self.broken += 1
             return [rest] if rest else []
-        out = []
+        out: list[bytes] = []
         try:
             for event in self.framer.feed(data):
                 if self.call.first_chunk_us is None:
@@ -194,7 +194,8 @@ class StreamRewriter:
             self.broken += 1
             self.passthrough = True
             out.append(self.framer.rest())
-        return out
+        joined = b"".join(out)
+        return [joined] if joined else []
 
 
 @dataclass
@@ -223,7 +224,7 @@ def _error_text(content: bytes | None, limit: int = 2000) -> str:
     if not content:
         return ""
     try:
-        obj = json.loads(content)
+        obj = wire.loads(content)
         if isinstance(obj, dict):
             err = obj.get("error", obj)
             msg = err.get("message") if isinstance(err, dict) else err
@@ -325,7 +326,7 @@ class Record:
             call.upstream = rt.upstream
             call.served_model = prepared.get("model")
         if prepared != req:
-            flow.request.content = json.dumps(prepared, separators=(",", ":")).encode()
+            flow.request.content = wire.dumps(prepared)
 
     # -- response side -----------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -351,7 +352,7 @@ class Record:
                          response_json=None)
             return
         try:
-            obj = json.loads(resp.get_content(strict=False) or b"")
+            obj = wire.loads(resp.get_content(strict=False) or b"")
         except (ValueError, UnicodeDecodeError):
             self._record(call, STATUS_UPSTREAM_ERROR, resp.status_code,
                          "the upstream's 2xx answer is not JSON", response_json=None)
@@ -360,7 +361,7 @@ class Record:
             call.capture.add_body(obj)
             if call.injected != wire.Injected():
                 wire.strip_response(call.endpoint, obj, call.injected)
-                resp.content = json.dumps(obj, separators=(",", ":")).encode()
+                resp.content = wire.dumps(obj)
         ok = self._record(call, STATUS_OK, resp.status_code, None,
                           response_json=resp.get_text(strict=False))
         if not ok:  # never hand the agent a response the store does not have
@@ -380,7 +381,7 @@ class Record:
             status, error = STATUS_STREAM_ERROR, f"{stream.broken} stream event(s) were not valid JSON"
         assembled = call.capture.assembled(call.injected)
         return self._record(call, status, flow.response.status_code if flow.response else None,
-                            error, response_json=json.dumps(assembled, separators=(",", ":")))
+                            error, response_json=wire.dumps(assembled).decode())
 
     def error(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(CALL)
@@ -398,7 +399,7 @@ class Record:
             status = STATUS_UPSTREAM_ERROR
         response_json = None
         if call.capture.choices:
-            response_json = json.dumps(call.capture.assembled(call.injected), separators=(",", ":"))
+            response_json = wire.dumps(call.capture.assembled(call.injected)).decode()
         self._record(call, status, flow.response.status_code if flow.response else None,
                      None if status == STATUS_OK else msg, response_json=response_json)
 

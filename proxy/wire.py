@@ -22,8 +22,26 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import orjson
+
 CHAT = "chat/completions"
 COMPLETIONS = "completions"
+
+
+def loads(data: bytes | str) -> Any:
+    """JSON from the wire (orjson; the stdlib for the NaN/Infinity literals orjson refuses)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact UTF-8 JSON, as vLLM writes it."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # e.g. integers beyond 64 bits, which only the stdlib writes
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 class BadRequest(ValueError):
@@ -45,7 +63,7 @@ def endpoint_of(method: str, path: str) -> str | None:
 def parse_request(endpoint: str, body: bytes | None) -> dict[str, Any]:
     """The JSON request object; BadRequest (one sentence) when it is not an OpenAI request."""
     try:
-        req = json.loads(body or b"")
+        req = loads(body or b"")
     except (ValueError, UnicodeDecodeError):
         raise BadRequest(f"the body of this /{endpoint} request is not valid JSON") from None
     if not isinstance(req, dict):
@@ -306,23 +324,27 @@ def _split_event(buf: bytes) -> tuple[bytes, bytes] | None:
     return buf[:end], buf[end:]
 
 
-def event_data(event: bytes) -> str | None:
+def event_data(event: bytes) -> bytes | None:
     """The joined ``data:`` field of one SSE event, or None when it has none."""
+    if event.startswith(b"data: ") and event.count(b"\n") <= 2 and b"\r" not in event:
+        return event[6:].rstrip(b"\n")  # the usual one-line event
     lines = event.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
     data = [l[5:].removeprefix(b" ") for l in lines if l.startswith(b"data:")]
     if not data:
         return None
-    return b"\n".join(data).decode("utf-8", "replace")
+    return b"\n".join(data)
 
 
-def rebuild_event(event: bytes, data: str) -> bytes:
+def rebuild_event(event: bytes, data: bytes) -> bytes:
     """``event`` with its data field replaced by ``data``; other fields (event:, id:) kept."""
+    if event.startswith(b"data:") and event.count(b"\n") <= 2 and b"\r" not in event:
+        return b"data: " + data + b"\n\n"  # the usual one-line event
     lines = event.replace(b"\r\n", b"\n").replace(b"\r", b"\n").rstrip(b"\n").split(b"\n")
     out, done = [], False
     for l in lines:
         if l.startswith(b"data:"):
             if not done:
-                out.extend(b"data: " + d for d in data.encode().split(b"\n"))
+                out.extend(b"data: " + d for d in data.split(b"\n"))
                 done = True
         else:
             out.append(l)

@@ -17,7 +17,6 @@ Layout under the store root::
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -26,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -50,7 +50,7 @@ def rows_from_wal(path: Path) -> list[dict[str, Any]]:
         if not line:
             continue
         try:
-            rows.append(json.loads(line))
+            rows.append(orjson.loads(line))
         except ValueError:
             if i == len(lines) - 1:  # unterminated tail: never acknowledged to anyone
                 log.warning("dropping a torn last line in %s", path.name)
@@ -177,7 +177,10 @@ class TableWriter:
             v = row.get(name)
             if v is not None and not isinstance(v, int):
                 row[name] = int(v.timestamp() * 1_000_000)
-        line = json.dumps(row, separators=(",", ":"), default=_encode).encode() + b"\n"
+        try:
+            line = orjson.dumps(row, default=_encode) + b"\n"
+        except TypeError as e:  # orjson wraps what _encode raised
+            raise TypeError(str(e.__cause__ or e)) from None
         with self._lock:
             if self._stop:
                 raise RuntimeError("the store writer is closed")

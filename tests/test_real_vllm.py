@@ -98,8 +98,15 @@ def stable(obj: Any) -> Any:
 
 
 def sse(text: str) -> list[Any]:
-    return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
-            for line in text.splitlines() if line.startswith("data: ")]
+    """The stream's events; with n > 1, grouped by choice (vLLM interleaves choices in whatever
+    order their tokens are ready, which differs between any two runs), each choice in order."""
+    events = [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
+              for line in text.splitlines() if line.startswith("data: ")]
+
+    def choice(e: Any) -> int:
+        return e["choices"][0]["index"] if isinstance(e, dict) and e["choices"] else 1 << 30
+
+    return sorted(events, key=choice)
 
 
 ASK = {"model": "policy", "messages": [{"role": "user", "content": "What is 2+3?"}],

@@ -207,15 +207,16 @@ def test_framer_loses_no_byte_of_any_input(blob: bytes, data) -> None:
        st.sampled_from([b"", b"event: x\n", b"id: 7\n"]))
 def test_rebuild_event_round_trips_json(obj: dict, prefix: bytes) -> None:
     event = prefix + b"data: " + json.dumps(obj).encode() + b"\n\n"
-    rebuilt = wire.rebuild_event(event, json.dumps(obj, separators=(",", ":")))
+    rebuilt = wire.rebuild_event(event, json.dumps(obj, separators=(",", ":")).encode())
     assert json.loads(wire.event_data(rebuilt)) == obj
     assert rebuilt.startswith(prefix) and rebuilt.endswith(b"\n\n")
 
 
 def test_event_data_joins_multiline_data() -> None:
-    assert wire.event_data(b"data: a\ndata: b\n\n") == "a\nb"
+    assert wire.event_data(b"data: a\ndata: b\n\n") == b"a\nb"
     assert wire.event_data(b": comment\n\n") is None
-    assert wire.event_data(b"data:[DONE]\r\n\r\n") == "[DONE]"
+    assert wire.event_data(b"data:[DONE]\r\n\r\n") == b"[DONE]"
+    assert wire.event_data(b"data: {}\n\n") == b"{}"
 
 
 def test_framer_refuses_an_endless_event() -> None:
