@@ -1,9 +1,11 @@
 """What lgt-proxy adds to an LLM call: the same workload direct, through plain mitmdump (the floor)
 and through lgt-proxy, in one run, over loopback HTTPS with an instant fake-vLLM upstream.
 
-    /tmp/pv/bin/python bench/proxy_overhead.py                  # 2000 calls, 16 clients, 3 repeats
-    /tmp/pv/bin/python bench/proxy_overhead.py --stream         # SSE responses
-    /tmp/pv/bin/python bench/proxy_overhead.py --calls 500 --repeat 1 --json > summary.json
+    .venv-proxy/bin/python bench/proxy_overhead.py                  # 2000 calls, 16 clients, 3 repeats
+    .venv-proxy/bin/python bench/proxy_overhead.py --stream         # SSE responses
+    .venv-proxy/bin/python bench/proxy_overhead.py --stream --chunk-delay-ms 20 --calls 200 \
+        --concurrency 4    # a slow stream: time to first chunk vs the whole stream
+    .venv-proxy/bin/python bench/proxy_overhead.py --calls 500 --repeat 1 --json > summary.json
 
 Processes: the fake upstream (``lgt.proxy.fake_upstream`` over TLS, throw-away CA), the proxies,
 and this script as the client load (aiohttp, ``--concurrency`` workers on one keep-alive pool, short
@@ -188,8 +190,8 @@ async def load(t: Target, args: argparse.Namespace, upstream_pid: int) -> dict:
                                      ssl=ssl.create_default_context(cafile=t.cafile))
     async with aiohttp.ClientSession(connector=connector, trace_configs=[trace],
                                      headers={"content-type": "application/json"}) as session:
-        async def phase(n: int, workers: int) -> tuple[list[float], int]:
-            left, lat, errors = [n], [], [0]
+        async def phase(n: int, workers: int) -> tuple[list[float], list[float], int]:
+            left, lat, first, errors = [n], [], [], [0]
 
             async def worker() -> None:
                 while left[0] > 0:
@@ -198,7 +200,9 @@ async def load(t: Target, args: argparse.Namespace, upstream_pid: int) -> dict:
                     try:
                         async with session.post(t.url, data=body, proxy=proxy,
                                                 proxy_headers=proxy_headers) as r:
-                            data = await r.read()
+                            data = await r.content.readany()  # the first chunk of the body
+                            first.append(time.perf_counter() - t0)
+                            data += await r.read()
                         ok = r.status == 200 and (b"data: [DONE]" in data if args.stream
                                                   else b'"choices"' in data)
                     except (TimeoutError, aiohttp.ClientError):
@@ -207,18 +211,19 @@ async def load(t: Target, args: argparse.Namespace, upstream_pid: int) -> dict:
                     errors[0] += not ok
             await asyncio.gather(*(worker() for _ in range(workers)))
             t.served += n
-            return sorted(lat), errors[0]
+            return sorted(lat), first, errors[0]
 
         await phase(args.warmup, args.concurrency)
         pids = [t.pid or os.getpid(), upstream_pid, os.getpid()]
         cpu0, t0 = [cpu_s(p) for p in pids], time.perf_counter()
-        lat, errors = await phase(args.calls, args.concurrency)
+        lat, _, errors = await phase(args.calls, args.concurrency)
         wall, cpu = time.perf_counter() - t0, [cpu_s(p) for p in pids]
-        solo, solo_errors = await phase(args.solo_calls, 1)
+        solo, solo_first, solo_errors = await phase(args.solo_calls, 1)
     per_call = [(b - a) / args.calls * 1e3 for a, b in zip(cpu0, cpu, strict=True)]
     q = statistics.quantiles(lat, n=100, method="inclusive")
     return {"calls_s": args.calls / wall, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
             "solo_p50_ms": statistics.median(solo) * 1e3, "errors": errors + solo_errors,
+            "solo_first_chunk_ms": statistics.median(solo_first) * 1e3,
             "connections": conns[0], "proxy_cpu_ms": per_call[0] if t.pid else None,
             "upstream_cpu_ms": per_call[1], "client_cpu_ms": per_call[2]}
 
@@ -272,6 +277,9 @@ def render(res: dict[str, dict], rss: dict[str, tuple[float, float]], args) -> l
             f"{r['upstream_cpu_ms']:>6.2f}{r['client_cpu_ms']:>7.2f} |{mem:>13}")
     lines.append("+p50/+p99: added vs direct (ms); direct/x, floor/x: throughput of direct (of the "
                  "mitmdump floor) over this path's; CPU over the timed calls, per call")
+    if args.stream:
+        lines.append("time to first chunk, 1 client (median ms; whole stream in brackets): " + ", ".join(
+            f"{n} {r['solo_first_chunk_ms']:.2f} ({r['solo_p50_ms']:.2f})" for n, r in res.items()))
     return lines
 
 
@@ -285,6 +293,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=200, help="untimed calls before each run")
     ap.add_argument("--solo-calls", type=int, default=200, help="single-client calls per run")
     ap.add_argument("--json", action="store_true", help="JSON summary on stdout (table on stderr)")
+    ap.add_argument("--chunk-delay-ms", type=float, default=0.0,
+                    help="upstream pause between stream chunks (shows time to first chunk)")
     args = ap.parse_args()
     out = sys.stderr if args.json else sys.stdout
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` cleans up
@@ -298,7 +308,8 @@ def main() -> int:
         up_port, mitm_port, lgt_port, ctl_port = (free_port() for _ in range(4))
         up_pid = procs.start("upstream", [
             PY, "-m", "lgt.proxy.fake_upstream", "--port", str(up_port),
-            "--tls-cert", str(cert), "--tls-key", str(key)], up_port)
+            "--tls-cert", str(cert), "--tls-key", str(key),
+            "--chunk-delay-ms", str(args.chunk_delay_ms)], up_port)
         up_url = f"https://127.0.0.1:{up_port}/v1"
 
         confdir = tmp / "mitmdump"
