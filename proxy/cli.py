@@ -33,7 +33,10 @@ class DefaultGroup(click.Group):
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """lgt's recording proxy: wraps any agent with HTTPS_PROXY= (or base_url=) and records every
-    model call, token by token, into a Parquet store."""
+    model call, token by token, into a Parquet store.
+
+    `lgt-proxy --store DIR ...` runs the proxy (see `lgt-proxy run --help` for its options).
+    """
 
 
 store_option = click.option(

@@ -157,8 +157,7 @@ def _upstream_ca_bundle(cfg: ProxyConfig) -> str | None:
     return str(bundle)
 
 
-async def serve(cfg: ProxyConfig, *, ready: asyncio.Event | None = None,
-                log_level: str = "INFO") -> None:
+async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
     """Run until cancelled or SIGINT/SIGTERM; the store is flushed on the way out."""
     from mitmproxy import options
 
@@ -166,6 +165,7 @@ async def serve(cfg: ProxyConfig, *, ready: asyncio.Event | None = None,
     _check_free(cfg.listen_host, cfg.listen_port, "--listen-port")
     if cfg.reverse_port:
         _check_free(cfg.listen_host, cfg.reverse_port, "--reverse-port")
+    _check_free(cfg.control_host, cfg.control_port, "--control-port")
     store = Path(cfg.store)
     store.mkdir(parents=True, exist_ok=True)
     secret = auth.load_secret(store, cfg.secret_file)
@@ -225,9 +225,7 @@ async def serve(cfg: ProxyConfig, *, ready: asyncio.Event | None = None,
             pass
     run = asyncio.create_task(master.run())
     try:
-        if ready is not None:
-            await _wait_listening(master, run)
-            ready.set()
+        await _wait_listening(master, run)
         log.info(
             "lgt-proxy listening on %s:%d (control %s:%d), upstream %s, store %s",
             cfg.listen_host, cfg.listen_port, cfg.control_host, cfg.control_port,
@@ -243,8 +241,6 @@ async def serve(cfg: ProxyConfig, *, ready: asyncio.Event | None = None,
 
 
 async def _wait_listening(master, run: asyncio.Task) -> None:
-    from mitmproxy.addons.proxyserver import Servers  # noqa: F401  (import check)
-
     ps = master.addons.get("proxyserver")
     for _ in range(500):
         if run.done():
