@@ -139,7 +139,7 @@ class StreamRewriter:
     logprobs, strips injected fields per event, and records the call when ``[DONE]`` passes —
     before that last event is handed to the agent."""
 
-    def __init__(self, addon: "Record", flow: http.HTTPFlow, call: "Call") -> None:
+    def __init__(self, addon: Record, flow: http.HTTPFlow, call: Call) -> None:
         self.addon, self.flow, self.call = addon, flow, call
         self.framer = wire.SSEFramer()
         self.saw_done = False

@@ -76,7 +76,7 @@ class Gate:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             drained = True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             drained = False
         return drained, at_pause, time.monotonic() - t0
 

@@ -55,7 +55,7 @@ class ProxyConfig:
     flush_seconds: float = 1.0
     fsync: bool = False
 
-    def checked(self) -> "ProxyConfig":
+    def checked(self) -> ProxyConfig:
         if self.upstream is not None:
             u = urlsplit(self.upstream)
             if u.scheme not in ("http", "https") or not u.hostname:

@@ -19,8 +19,9 @@ so stripping sets a present key back to ``null``; it never deletes or adds a key
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import orjson
 

@@ -37,7 +37,7 @@ build_venv() {
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1
   # this machine's pip config names find-links folders that may be absent: drop those warnings
-  "$venv/bin/python" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2)
+  PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2)
   fingerprint > "$stamp"
 }
 

@@ -142,7 +142,7 @@ class TableWriter:
         self.files_written = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def open(self) -> "TableWriter":
+    def open(self) -> TableWriter:
         (self.root / self.table).mkdir(parents=True, exist_ok=True)
         (self.root / WAL_DIR / self.table).mkdir(parents=True, exist_ok=True)
         recovered = recover(self.root, self.table)
@@ -163,7 +163,7 @@ class TableWriter:
             self._thread = None
         self._convert_closed()
 
-    def __enter__(self) -> "TableWriter":
+    def __enter__(self) -> TableWriter:
         return self.open()
 
     def __exit__(self, *exc: object) -> None:

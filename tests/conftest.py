@@ -17,8 +17,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,28 @@ ENV_VARS = (
     "NODE_EXTRA_CA_CERTS", "LGT_PROXY_SECRET", "LGT_CONTROL_TOKEN", "OPENAI_API_KEY",
     "OPENAI_BASE_URL",
 )
+
+
+VOLATILE = ("id", "created", "system_fingerprint")
+
+
+def stable(obj: Any) -> Any:
+    """A response without the fields that differ between any two calls."""
+    if isinstance(obj, dict):
+        return {k: stable(v) for k, v in obj.items() if k not in VOLATILE}
+    if isinstance(obj, list):
+        return [stable(v) for v in obj]
+    return obj
+
+
+def sse_objects(text: str) -> list[Any]:
+    """The data of each SSE event of a response body: parsed JSON, or the string "[DONE]"."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
 
 
 def free_port() -> int:
@@ -60,7 +83,7 @@ class ProxyProc:
         self.proc: subprocess.Popen | None = None
         self.log_path = self.store.parent / f"proxy-{self.port}.log"
 
-    def start(self, timeout: float = 30) -> "ProxyProc":
+    def start(self, timeout: float = 30) -> ProxyProc:
         cmd = [sys.executable, "-m", "lgt.proxy.cli", "--store", str(self.store),
                "--listen-port", str(self.port), "--control-port", str(self.control_port),
                "--flush-seconds", "0.2", *self.args]

@@ -29,9 +29,10 @@ import ssl
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import pytest
 
@@ -110,7 +111,7 @@ def tls_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lgt test upstream")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name).issuer_name(name).public_key(key.public_key())
@@ -536,6 +537,19 @@ CHAT_URL = f"{INVALID_BASE}/chat/completions"
 AUTH = {"Authorization": "Bearer sk-test"}
 
 
+def check_chat(proxy: ProxyProc, upstream: FakeUpstream, rollout: str, body: dict[str, Any],
+               got: Any) -> None:
+    """What a raw client got for ``body`` — a whole JSON body, or (chunks, done) from a stream —
+    equals the upstream's direct answer, and the store holds the one matching record."""
+    ref = reference(upstream, CHAT, body)
+    stream = isinstance(got, tuple)
+    if stream:
+        check_stream(CHAT, *got, ref)
+    else:
+        assert_same_body(got, ref)
+    check_records(proxy, rollout, [Expect(ref, streamed=stream)])
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_httpx(proxy, upstream, agent_env, rollout, stream):
     import httpx
@@ -550,12 +564,7 @@ def test_httpx(proxy, upstream, agent_env, rollout, stream):
         else:
             r = client.post(CHAT_URL, json=body, headers=AUTH)
             assert r.status_code == 200, r.text
-    ref = reference(upstream, CHAT, body)
-    if stream:
-        check_stream(CHAT, chunks, done, ref)
-    else:
-        assert_same_body(r.json(), ref)
-    check_records(proxy, rollout, [Expect(ref, streamed=stream)])
+    check_chat(proxy, upstream, rollout, body, (chunks, done) if stream else r.json())
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -568,12 +577,7 @@ def test_requests(proxy, upstream, agent_env, rollout, stream):
         assert r.status_code == 200, r.text
         if stream:
             chunks, done = parse_sse(r.iter_lines())
-    ref = reference(upstream, CHAT, body)
-    if stream:
-        check_stream(CHAT, chunks, done, ref)
-    else:
-        assert_same_body(r.json(), ref)
-    check_records(proxy, rollout, [Expect(ref, streamed=stream)])
+    check_chat(proxy, upstream, rollout, body, (chunks, done) if stream else r.json())
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -590,13 +594,10 @@ def test_aiohttp(proxy, upstream, agent_env, rollout, stream):
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["status"] == 200, got
-    ref = reference(upstream, CHAT, body)
     if stream:
         assert got["content_type"].startswith("text/event-stream")
-        check_stream(CHAT, *parse_sse(got["body"].splitlines()), ref)
-    else:
-        assert_same_body(json.loads(got["body"]), ref)
-    check_records(proxy, rollout, [Expect(ref, streamed=stream)])
+    check_chat(proxy, upstream, rollout, body,
+               parse_sse(got["body"].splitlines()) if stream else json.loads(got["body"]))
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -612,12 +613,7 @@ def test_urllib(proxy, upstream, agent_env, rollout, stream, monkeypatch):
             chunks, done = parse_sse(r)
         else:
             got = json.loads(r.read())
-    ref = reference(upstream, CHAT, body)
-    if stream:
-        check_stream(CHAT, chunks, done, ref)
-    else:
-        assert_same_body(got, ref)
-    check_records(proxy, rollout, [Expect(ref, streamed=stream)])
+    check_chat(proxy, upstream, rollout, body, (chunks, done) if stream else got)
 
 
 def test_wrong_proxy_token_is_refused(proxy, upstream, rollout, clean_env):

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
 from lgt.proxy.fake_upstream import (
     FakeUpstream,
     render_chat,

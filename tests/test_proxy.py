@@ -7,18 +7,17 @@ import re
 import ssl
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
+from conftest import ProxyProc, sse_objects, stable
 from lgt.proxy.fake_upstream import FakeUpstream, render_chat, token_logprob, tokenize
 
-from conftest import ProxyProc
-
 HOSTED = "https://api.openai.invalid/v1"
-VOLATILE = ("id", "created", "system_fingerprint")
 
 
 def client(proxy: ProxyProc, rollout: str, **kw: Any) -> httpx.Client:
@@ -29,24 +28,6 @@ def client(proxy: ProxyProc, rollout: str, **kw: Any) -> httpx.Client:
 
 def direct(upstream: FakeUpstream) -> httpx.Client:
     return httpx.Client(base_url=upstream.url, trust_env=False, timeout=30)
-
-
-def stable(obj: Any) -> Any:
-    """A response without the fields that differ between any two calls."""
-    if isinstance(obj, dict):
-        return {k: stable(v) for k, v in obj.items() if k not in VOLATILE}
-    if isinstance(obj, list):
-        return [stable(v) for v in obj]
-    return obj
-
-
-def sse_objects(text: str) -> list[Any]:
-    out = []
-    for line in text.splitlines():
-        if line.startswith("data: "):
-            data = line[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def no_token_ids(obj: Any) -> bool:

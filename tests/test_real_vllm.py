@@ -16,17 +16,17 @@ import shutil
 import ssl
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from conftest import ENV_VARS, ProxyProc, free_port
+from conftest import ENV_VARS, ProxyProc, free_port, sse_objects, stable
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PY = os.environ.get("LGT_ENGINE_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
-VOLATILE = ("id", "created", "system_fingerprint")
 
 pytestmark = pytest.mark.slow
 
@@ -89,19 +89,10 @@ def real_proxy(tmp_path_factory: pytest.TempPathFactory, vllm_url: str) -> Itera
     p.stop()
 
 
-def stable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: stable(v) for k, v in obj.items() if k not in VOLATILE}
-    if isinstance(obj, list):
-        return [stable(v) for v in obj]
-    return obj
-
-
 def sse(text: str) -> list[Any]:
     """The stream's events; with n > 1, grouped by choice (vLLM interleaves choices in whatever
     order their tokens are ready, which differs between any two runs), each choice in order."""
-    events = [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
-              for line in text.splitlines() if line.startswith("data: ")]
+    events = sse_objects(text)
 
     def choice(e: Any) -> int:
         return e["choices"][0]["index"] if isinstance(e, dict) and e["choices"] else 1 << 30

@@ -16,7 +16,7 @@ from lgt.store import schema
 from lgt.store.query import connect
 from lgt.store.writer import WAL_DIR, TableWriter, recover
 
-NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 
 
 def row(i: int, rollout: str = "r") -> dict:
