@@ -130,6 +130,7 @@ class TableWriter:
         self.session = session or uuid.uuid4().hex[:8]
         self._ts_fields = TIMESTAMP_FIELDS[table]
         self._lock = threading.Lock()
+        self._converting = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
         self._fd: int | None = None
@@ -224,16 +225,20 @@ class TableWriter:
         self._seg = None
 
     def _convert_closed(self) -> None:
-        while True:
-            with self._lock:
-                if not self._closed_segments:
-                    return
-                seg = self._closed_segments.pop(0)
-            try:
-                if convert_segment(self.root, self.table, seg) is not None:
-                    self.files_written += 1
-            except Exception:  # keep the WAL segment: the next start recovers it
-                log.exception("could not convert %s; it stays in the WAL for the next start", seg.name)
+        # One converter at a time: flush() returns only after a conversion the background thread
+        # had already started is finished too, so "flushed" means every row is in Parquet.
+        with self._converting:
+            while True:
+                with self._lock:
+                    if not self._closed_segments:
+                        return
+                    seg = self._closed_segments.pop(0)
+                try:
+                    if convert_segment(self.root, self.table, seg) is not None:
+                        self.files_written += 1
+                except Exception:  # keep the WAL segment: the next start recovers it
+                    log.exception("could not convert %s; it stays in the WAL for the next start",
+                                  seg.name)
 
     def _run(self) -> None:
         while True:

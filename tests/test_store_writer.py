@@ -118,3 +118,34 @@ def test_background_flush_makes_rows_visible_without_close(tmp_path: Path) -> No
         time.sleep(0.02)
     assert connect(tmp_path).execute("SELECT count(*) FROM calls").fetchone() == (1,)
     w.close()
+
+
+def test_flush_waits_for_a_conversion_already_under_way(tmp_path: Path, monkeypatch) -> None:
+    """flush() must not return while the background thread is still converting a segment."""
+    import threading
+    import time
+
+    from lgt.store import writer as writer_mod
+
+    started, release = threading.Event(), threading.Event()
+    real = writer_mod.convert_segment
+
+    def slow_convert(root, table, seg):
+        if threading.current_thread().name.startswith("lgt-"):
+            started.set()
+            release.wait(5)
+        return real(root, table, seg)
+
+    monkeypatch.setattr(writer_mod, "convert_segment", slow_convert)
+    w = TableWriter(tmp_path, flush_seconds=0.01).open()
+    w.append(row(0))
+    assert started.wait(5)  # the background thread is converting segment 1
+    w.append(row(1))
+    done = threading.Event()
+    threading.Thread(target=lambda: (w.flush(), done.set()), daemon=True).start()
+    time.sleep(0.2)
+    assert not done.is_set()
+    release.set()
+    assert done.wait(5)
+    assert connect(tmp_path).execute("SELECT count(*) FROM calls").fetchone() == (2,)
+    w.close()
