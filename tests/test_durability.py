@@ -66,6 +66,8 @@ def test_kill_9_under_load_loses_no_acknowledged_call(tmp_path: Path, upstream: 
         recorded = {json.loads(r["request_json"])["messages"][0]["content"] for r in rows}
         missing = acked - recorded
         assert not missing, f"{len(missing)} acknowledged calls lost, e.g. {sorted(missing)[:3]}"
+        print(f"killed at {killed_at} acknowledged calls; {len(acked)} acknowledged in all; "
+              f"{len(rows)} recorded after the restart")
         assert len({r["call_id"] for r in rows}) == len(rows)  # nothing recorded twice
         assert all(r["status"] == "ok" for r in rows)
         # the restarted proxy continues each rollout's numbering
