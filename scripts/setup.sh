@@ -47,7 +47,7 @@ if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
   echo "setup: warning: no Python >= 3.12 found; mitmproxy 11 (h11<=0.14) on $("$py" --version)" >&2
   proxy_extra=("openai<3")
 fi
-build_venv .venv-proxy "$py" -e ".[proxy,test]" "${proxy_extra[@]}"
+build_venv .venv-proxy "$py" -e ".[proxy,inspect,test]" "${proxy_extra[@]}"
 
 if [ "${LGT_SKIP_ENGINE:-0}" != 1 ]; then
   build_venv .venv "$(find_python 3.11)" -e ".[engine]"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -26,10 +27,11 @@ def connect(store: str | Path, database: str = ":memory:") -> duckdb.DuckDBPyCon
         body = "\n".join(l for l in stmt.splitlines() if not l.strip().startswith("--")).strip()
         if not body:
             continue
-        table = next((t for t in TABLES if f"VIEW {t} " in body), None)
-        if table is not None and not any((root / table).glob("*.parquet")):
+        m = re.search(r"read_parquet\('(\w+)/\*\.parquet'", body)
+        if m and not any((root / m[1]).glob("*.parquet")):  # no files yet: an empty table
+            table, view = m[1], re.search(r"VIEW (\w+)", body)[1]
             con.register(f"_empty_{table}", pa.Table.from_pylist([], schema=TABLES[table]))
-            con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM _empty_{table}")
+            con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM _empty_{table}")
         else:
             con.execute(body)
     return con

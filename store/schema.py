@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 1: calls; 2: + rollouts, rewards
 SCHEMA_VERSION_KEY = b"lgt.schema_version"
 TABLE_KEY = b"lgt.table"
 
@@ -76,5 +76,42 @@ CALLS = pa.schema(
     metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode(), TABLE_KEY: b"calls"},
 )
 
-TABLES: dict[str, pa.Schema] = {"calls": CALLS}
+# Rollout status values (written by the rollout controller or `lgt-train rollout`).
+ROLLOUT_OK = "ok"  # the agent finished; its reward counts
+ROLLOUT_FAILED = "failed"  # the agent crashed / exited non-zero: retried, never trained as reward 0
+ROLLOUT_TIMEOUT = "timeout"
+ROLLOUT_STATUSES = (ROLLOUT_OK, ROLLOUT_FAILED, ROLLOUT_TIMEOUT)
+
+ROLLOUTS = pa.schema(
+    [
+        ("rollout_id", pa.string(), False),
+        ("attempt", pa.int32(), False),
+        ("task_id", pa.string()),
+        ("group_id", pa.string()),  # the rollouts of one task in one step; advantages are per group
+        ("step", pa.int64()),
+        ("status", pa.string(), False),
+        ("exit_code", pa.int32()),
+        ("started_at", _TS),
+        ("ended_at", _TS),
+        ("resource_version", pa.string()),  # e.g. the prompt template's version (APO)
+        ("metadata_json", pa.string()),
+        ("recorded_at", _TS, False),  # the latest row per (rollout_id, attempt) wins
+    ],
+    metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode(), TABLE_KEY: b"rollouts"},
+)
+
+REWARDS = pa.schema(
+    [
+        ("reward_id", pa.string(), False),
+        ("rollout_id", pa.string(), False),
+        ("attempt", pa.int32()),  # null: the rollout's latest attempt
+        ("call_id", pa.string()),  # null: a reward for the whole rollout
+        ("value", pa.float64(), False),
+        ("source", pa.string(), False),  # cli | proxy | file | stdout | evaluator
+        ("recorded_at", _TS, False),  # the latest reward per (rollout, attempt, call) wins
+    ],
+    metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode(), TABLE_KEY: b"rewards"},
+)
+
+TABLES: dict[str, pa.Schema] = {"calls": CALLS, "rollouts": ROLLOUTS, "rewards": REWARDS}
 TIMESTAMP_FIELDS = {name: [f.name for f in s if f.type == _TS] for name, s in TABLES.items()}
