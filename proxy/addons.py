@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 import uuid
@@ -53,6 +54,7 @@ class Runtime:
     secret: bytes
     writer: TableWriter
     gate: Gate
+    rewards: TableWriter | None = None
     metrics: Metrics = field(default_factory=Metrics)
     upstream: str | None = None  # base URL, e.g. http://127.0.0.1:8000/v1
     served_model: str | None = None
@@ -64,11 +66,38 @@ class Runtime:
     retry_after_s: int = 5
     seqs: dict[tuple[str, int], int] = field(default_factory=dict)
 
+    def add_reward(self, identity: Identity, body: Any, source: str) -> dict[str, Any]:
+        """Validate and durably record one reward; ValueError (one sentence) for bad input."""
+        if self.rewards is None:
+            raise ValueError("this proxy records no rewards")
+        row = reward_row(identity, body, source)
+        self.rewards.append(row)
+        return {"reward_id": row["reward_id"], "rollout_id": row["rollout_id"],
+                "attempt": row["attempt"], "value": row["value"]}
+
     def next_seq(self, identity: Identity) -> int:
         key = (identity.rollout_id, identity.attempt)
         n = self.seqs.get(key, -1) + 1
         self.seqs[key] = n
         return n
+
+
+REWARD_HOST = "lgt.invalid"  # agents report rewards to http://lgt.invalid/reward through the proxy
+
+
+def reward_row(identity: Identity, body: Any, source: str) -> dict[str, Any]:
+    """A ``rewards`` row from a JSON body ``{"value": 1.0, "call_id": optional}``."""
+    if not isinstance(body, dict):
+        raise ValueError("a reward must be a JSON object like {\"value\": 1.0}")
+    value = body.get("value")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"reward value must be a finite number, not {value!r}")
+    call_id = body.get("call_id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise ValueError("call_id must be a string")
+    return {"reward_id": uuid.uuid4().hex, "rollout_id": identity.rollout_id,
+            "attempt": identity.attempt, "call_id": call_id, "value": float(value),
+            "source": source, "recorded_at": _now_us()}
 
 
 def _json_response(status: int, message: str, kind: str, headers: dict[str, str] | None = None):
@@ -132,6 +161,45 @@ class Identify:
             return self._refuse(flow, str(e), reverse=bool(m) or reverse_mode)
         headers.pop("proxy-authorization", None)
         flow.metadata[IDENT] = identity
+
+
+class Rewards:
+    """``POST http://lgt.invalid/reward {"value": 1.0}`` through the proxy (or ``POST /r/<id>/<token>/
+    reward`` in reverse mode): the authenticated rollout reports its own reward, recorded durably
+    before the 200. Nothing is forwarded anywhere."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        identity = flow.metadata.get(IDENT)
+        if flow.response is not None or identity is None:
+            return
+        path = flow.request.path.partition("?")[0].rstrip("/")
+        ours = (flow.request.pretty_host == REWARD_HOST
+                or (flow.metadata.get(REVERSE) and path in ("/reward", "/v1/reward")))
+        if not ours:
+            return
+        if flow.request.method != "POST" or not path.endswith("/reward"):
+            flow.response = _json_response(404, "lgt-proxy: POST /reward {\"value\": 1.0} is the "
+                                                "only endpoint here", "invalid_request_error")
+            return
+        try:
+            body = wire.loads(flow.request.raw_content or b"")
+        except ValueError:
+            body = None
+        try:
+            result = self.rt.add_reward(identity, body, "proxy")
+        except ValueError as e:
+            flow.response = _json_response(400, f"lgt-proxy: {e}", "invalid_request_error")
+            return
+        except Exception:
+            log.exception("could not record a reward for %s", identity.name)
+            flow.response = _json_response(503, "lgt-proxy: the reward could not be recorded",
+                                           "server_error")
+            return
+        flow.response = http.Response.make(200, wire.dumps(result),
+                                           {"content-type": "application/json"})
 
 
 class StreamRewriter:

@@ -199,4 +199,5 @@ def rollout_env(
     env["LGT_ROLLOUT_ID"] = identity.rollout_id
     env["LGT_ATTEMPT"] = str(identity.attempt)
     env["LGT_PROXY_BASE_URL"] = f"http://{host}:{port}/r/{identity.name}/{token}/v1"
+    env["LGT_REWARD_URL"] = "http://lgt.invalid/reward"  # POST {"value": 1.0} through the proxy
     return env

@@ -5,7 +5,9 @@
     POST /resume  {"policy_version": 3}    release held calls; new calls run under version 3
     GET  /state                            paused, in_flight, held, policy_version, counts
     GET  /metrics                          Prometheus text
-    POST /flush                            make every recorded call visible as Parquet now
+    POST /rewards {"rollout_id": "r1", "value": 1.0, "attempt": 0, "call_id": null}
+                                           record a reward (an evaluator's; agents use lgt.invalid)
+    POST /flush                            make every recorded call and reward visible as Parquet
     GET  /healthz                          no token needed
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from .addons import Runtime
+from .auth import AuthError, Identity, parse_identity
 
 RT_KEY: web.AppKey[Runtime] = web.AppKey("rt", Runtime)
 
@@ -103,7 +106,30 @@ def make_app(rt: Runtime, token: str) -> web.Application:
 
     async def flush(request: web.Request) -> web.Response:
         await asyncio.to_thread(rt.writer.flush)
+        if rt.rewards is not None:
+            await asyncio.to_thread(rt.rewards.flush)
         return web.json_response({"rows_written": rt.writer.rows_written})
+
+    async def rewards(request: web.Request) -> web.Response:
+        body = await _body(request)
+        rid, attempt = body.get("rollout_id"), body.get("attempt")
+        try:
+            who = parse_identity(rid) if isinstance(rid, str) else None
+        except AuthError:
+            who = None
+        if who is None:
+            return _error(400, f"rollout_id {rid!r} is not a rollout id")
+        attempts = [a for (r, a) in rt.seqs if r == who.rollout_id]
+        if attempt is None:
+            attempt = max(attempts, default=None)
+        if attempt not in attempts:
+            return _error(404, f"rollout {who.rollout_id!r} (attempt {attempt}) has made no call "
+                               "through this proxy's store")
+        try:
+            result = rt.add_reward(Identity(who.rollout_id, attempt), body, "proxy")
+        except ValueError as e:
+            return _error(400, str(e))
+        return web.json_response(result)
 
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -115,5 +141,6 @@ def make_app(rt: Runtime, token: str) -> web.Application:
     app.router.add_get("/state", get_state)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/flush", flush)
+    app.router.add_post("/rewards", rewards)
     app.router.add_get("/healthz", healthz)
     return app

@@ -16,7 +16,7 @@ from aiohttp import web
 from lgt.store.writer import TableWriter
 
 from . import auth
-from .addons import Egress, Identify, Record, Runtime
+from .addons import Egress, Identify, Record, Rewards, Runtime
 from .control import make_app
 from .gate import HOLD, REJECT, Gate
 
@@ -174,10 +174,13 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
     auth.ca_bundle(cfg.proxy_dir)  # the CA and the bundle rollouts point at
 
     writer = TableWriter(store, "calls", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync).open()
+    rewards = TableWriter(store, "rewards", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync,
+                          session=writer.session).open()
     capture = cfg.capture_tokens == "on" or (cfg.capture_tokens == "auto" and cfg.upstream is not None)
     rt = Runtime(
         secret=secret,
         writer=writer,
+        rewards=rewards,
         gate=Gate(cfg.pause_mode, cfg.policy_version),
         upstream=cfg.upstream.rstrip("/") if cfg.upstream else None,
         served_model=cfg.served_model,
@@ -196,7 +199,7 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         modes.append(f"reverse:{up.scheme}://{up.netloc}@{cfg.listen_host}:{cfg.reverse_port}")
     opts = options.Options()
     master = lean_master(opts)
-    master.addons.add(Identify(rt), Record(rt), Egress(rt))
+    master.addons.add(Identify(rt), Rewards(rt), Record(rt), Egress(rt))
     opts.update(
         mode=modes,
         confdir=str(cfg.proxy_dir),
@@ -214,6 +217,7 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         await site.start()
     except OSError as e:
         writer.close()
+        rewards.close()
         raise ConfigError(f"cannot listen on control port {cfg.control_host}:{cfg.control_port}: "
                           f"{e.strerror}") from None
 
@@ -238,6 +242,7 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
             await asyncio.gather(run, return_exceptions=True)
         await runner.cleanup()
         writer.close()
+        rewards.close()
 
 
 async def _wait_listening(master, run: asyncio.Task) -> None:

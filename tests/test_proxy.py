@@ -467,3 +467,50 @@ def test_secrets_never_reach_the_store_or_the_logs(
                 assert needle.encode() not in data, f"{needle[:6]}… found in {f}"
     finally:
         p.stop()
+
+
+# -- rewards -------------------------------------------------------------------------------------------
+
+
+def rewards_of(p: ProxyProc, rollout: str) -> list[tuple]:
+    from lgt.store.query import connect
+
+    p.flush()
+    return connect(p.store).execute(
+        "SELECT attempt, call_id, value, source FROM rewards_log WHERE rollout_id = ? "
+        "ORDER BY recorded_at", [rollout]).fetchall()
+
+
+def test_an_agent_reports_its_reward_through_the_proxy(
+    proxy: ProxyProc, upstream: FakeUpstream, rollout: str
+) -> None:
+    before = len(upstream.requests)
+    with client(proxy, rollout) as c:
+        url = proxy.env(rollout)["LGT_REWARD_URL"]
+        r = c.post(url, json={"value": 0.75})
+        assert r.status_code == 200 and r.json()["value"] == 0.75 and r.json()["attempt"] == 0
+        for bad, message in (({"value": "high"}, "finite number"), ({"value": float("nan")}, None),
+                             ([1], "JSON object")):
+            r = c.post(url, content=json.dumps(bad), headers={"content-type": "application/json"})
+            assert r.status_code == 400
+            assert message is None or message in r.json()["error"]["message"]
+        assert c.get(url).status_code == 404
+        assert c.post("https://lgt.invalid/reward", json={"value": 1}).status_code == 200  # HTTPS
+    with httpx.Client(trust_env=False) as c:  # reverse mode, attempt 2
+        base = proxy.base_url(rollout, attempt=2)
+        assert c.post(base.removesuffix("/v1") + "/reward", json={"value": 0.5}).status_code == 200
+    assert len(upstream.requests) == before  # nothing was forwarded
+    assert rewards_of(proxy, rollout) == [(0, None, 0.75, "proxy"), (0, None, 1.0, "proxy"),
+                                          (2, None, 0.5, "proxy")]
+
+
+def test_an_evaluator_posts_rewards_to_the_control_api(proxy: ProxyProc, rollout: str) -> None:
+    with client(proxy, rollout) as c:
+        assert c.post(f"{HOSTED}/completions", json=COMPLETION).status_code == 200
+    status, body = proxy.control("POST", "/rewards", {"rollout_id": rollout, "value": 1})
+    assert status == 200 and body["attempt"] == 0
+    status, body = proxy.control("POST", "/rewards", {"rollout_id": rollout + "-never", "value": 1})
+    assert status == 404 and "has made no call" in body["error"]
+    status, body = proxy.control("POST", "/rewards", {"rollout_id": rollout, "value": None})
+    assert status == 400 and "finite number" in body["error"]
+    assert rewards_of(proxy, rollout) == [(0, None, 1.0, "proxy")]
