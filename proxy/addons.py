@@ -3,6 +3,7 @@
 - :class:`Identify` — who is calling: proxy credentials (on the CONNECT for HTTPS, on each request
   for plain HTTP) or the reverse-mode path prefix ``/r/<rollout>/<token>``; anything else gets 407/401
   and is never forwarded.
+- :class:`Rewards` — ``POST http://lgt.invalid/reward``: a rollout reports its own reward.
 - :class:`Record` — LLM calls: recognise, hold while paused, route to the upstream with the served
   model, inject token capture, strip it from what the agent gets (whole bodies and each SSE event),
   and append one record per call to the store before the agent receives the end of the response.

@@ -1,0 +1,146 @@
+"""``lgt-train report``: one self-contained HTML page about a store, charts as inline SVG.
+
+No plotting library (the page is made where only the proxy's light dependencies are installed):
+reward per step, samples per rollout, merge breaks by reason, policy staleness of calls, and the
+calls' status counts. Every chart is built from one SQL query over the store's views or from the
+sample build, so what the page shows is what ``lgt-train sql`` shows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import html
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+W, H, PAD = 560, 220, 40
+
+
+def _svg_bars(labels: list[str], values: list[float], color: str = "#4c78a8") -> str:
+    if not values:
+        return '<p class="empty">nothing recorded yet</p>'
+    top = max(values) or 1.0
+    bw = (W - 2 * PAD) / len(values)
+    parts = [f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img">',
+             f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="#999"/>']
+    for i, (label, v) in enumerate(zip(labels, values)):
+        h = (H - 2 * PAD) * v / top
+        x = PAD + i * bw
+        parts.append(f'<rect x="{x + 1:.1f}" y="{H - PAD - h:.1f}" width="{max(bw - 2, 1):.1f}" '
+                     f'height="{h:.1f}" fill="{color}"><title>{html.escape(label)}: {v:g}</title>'
+                     "</rect>")
+        if len(values) <= 24:
+            parts.append(f'<text x="{x + bw / 2:.1f}" y="{H - PAD + 14}" font-size="10" '
+                         f'text-anchor="middle">{html.escape(label[:12])}</text>')
+            parts.append(f'<text x="{x + bw / 2:.1f}" y="{H - PAD - h - 3:.1f}" font-size="10" '
+                         f'text-anchor="middle">{v:g}</text>')
+    parts.append(f'<text x="{PAD}" y="{PAD - 10}" font-size="10">max {top:g}</text></svg>')
+    return "".join(parts)
+
+
+def _svg_line(xs: list[float], ys: list[float], color: str = "#e45756") -> str:
+    if not xs:
+        return '<p class="empty">no rewards with a step yet (steps come from the rollouts table)</p>'
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = min(min(ys), 0.0), max(max(ys), 1.0)
+
+    def px(x: float) -> float:
+        return PAD + (W - 2 * PAD) * ((x - x0) / (x1 - x0) if x1 > x0 else 0.5)
+
+    def py(y: float) -> float:
+        return H - PAD - (H - 2 * PAD) * (y - y0) / (y1 - y0)
+
+    pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys))
+    dots = "".join(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{color}">'
+                   f"<title>step {x:g}: {y:.3f}</title></circle>" for x, y in zip(xs, ys))
+    return (f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img">'
+            f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="#999"/>'
+            f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{H - PAD}" stroke="#999"/>'
+            f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>{dots}'
+            f'<text x="{PAD - 4}" y="{py(y1) + 4:.1f}" font-size="10" text-anchor="end">{y1:g}</text>'
+            f'<text x="{PAD - 4}" y="{py(y0) + 4:.1f}" font-size="10" text-anchor="end">{y0:g}</text>'
+            f'<text x="{PAD}" y="{H - PAD + 14}" font-size="10">step {x0:g}</text>'
+            f'<text x="{W - PAD}" y="{H - PAD + 14}" font-size="10" text-anchor="end">'
+            f"step {x1:g}</text></svg>")
+
+
+def report_data(con: duckdb.DuckDBPyConnection, build: Any | None = None) -> dict[str, Any]:
+    """The numbers behind the page (also what the tests check)."""
+    rows = con.execute("""
+        SELECT o.step, avg(w.value), count(*)
+        FROM rollouts o JOIN rewards w USING (rollout_id, attempt)
+        WHERE w.call_id IS NULL AND o.step IS NOT NULL AND o.status = 'ok'
+        GROUP BY 1 ORDER BY 1""").fetchall()
+    status = con.execute("SELECT status, count(*) FROM calls GROUP BY 1 ORDER BY 2 DESC").fetchall()
+    stale = con.execute("""
+        SELECT (SELECT max(policy_version) FROM calls) - policy_version AS behind, count(*)
+        FROM calls WHERE status = 'ok' GROUP BY 1 ORDER BY 1""").fetchall()
+    totals = con.execute("""
+        SELECT (SELECT count(*) FROM calls), (SELECT count(*) FROM rollouts),
+               (SELECT count(*) FROM rewards WHERE call_id IS NULL),
+               (SELECT coalesce(sum(usage_total_tokens), 0) FROM calls)""").fetchone()
+    data: dict[str, Any] = {
+        "reward_per_step": [(float(s), float(v), int(n)) for s, v, n in rows],
+        "call_status": [(s, int(n)) for s, n in status],
+        "staleness": [(int(b), int(n)) for b, n in stale if b is not None],
+        "totals": dict(zip(("calls", "rollouts", "rewarded_rollouts", "tokens"),
+                           (int(t) for t in totals))),
+        "samples_per_rollout": [],
+        "merge_breaks": [],
+    }
+    if build is not None:
+        per_rollout = Counter(zip(build.samples.column("rollout_id").to_pylist(),
+                                  build.samples.column("attempt").to_pylist()))
+        hist = Counter(per_rollout.values())
+        data["samples_per_rollout"] = sorted(hist.items())
+        reasons = Counter(build.merge_breaks.column("reason").to_pylist())
+        data["merge_breaks"] = sorted(reasons.items(), key=lambda kv: -kv[1])
+    return data
+
+
+def render_html(data: dict[str, Any], title: str) -> str:
+    t = data["totals"]
+    steps = data["reward_per_step"]
+    sections = [
+        ("Reward per step", "Mean rollout reward of the rollouts of each step (ok rollouts only).",
+         _svg_line([s for s, _, _ in steps], [v for _, v, _ in steps])),
+        ("Samples per rollout", "How many training samples each rollout became (1 is ideal: every "
+         "call extended the previous one).",
+         _svg_bars([str(k) for k, _ in data["samples_per_rollout"]],
+                   [float(n) for _, n in data["samples_per_rollout"]], "#54a24b")),
+        ("Merge breaks", "Why a rollout's calls did not merge into one sample.",
+         _svg_bars([r for r, _ in data["merge_breaks"]],
+                   [float(n) for _, n in data["merge_breaks"]], "#f58518")),
+        ("Staleness", "Calls by how many policy versions they are behind the newest in the store.",
+         _svg_bars([str(b) for b, _ in data["staleness"]],
+                   [float(n) for _, n in data["staleness"]], "#b279a2")),
+        ("Calls by status", "", _svg_bars([s for s, _ in data["call_status"]],
+                                          [float(n) for _, n in data["call_status"]], "#9d755d")),
+    ]
+    body = "".join(f"<section><h2>{html.escape(h)}</h2><p>{html.escape(d)}</p>{svg}</section>"
+                   for h, d, svg in sections)
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}}
+section{{display:inline-block;vertical-align:top;margin:0 2em 2em 0}}h2{{font-size:1.1em}}
+p{{color:#555;font-size:.9em;max-width:{W}px}}.empty{{color:#999;font-style:italic}}</style></head>
+<body><h1>{html.escape(title)}</h1>
+<p>{t['calls']} calls · {t['rollouts']} rollout attempts · {t['rewarded_rollouts']} rewarded ·
+{t['tokens']} tokens · made {when}</p>{body}</body></html>
+"""
+
+
+def write_report(con: duckdb.DuckDBPyConnection, out: str | os.PathLike, *, title: str,
+                 build: Any | None = None) -> dict[str, Any]:
+    """Write the page whole (temp file + rename); returns the numbers it shows."""
+    data = report_data(con, build)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(render_html(data, title))
+    os.replace(tmp, out)
+    return data

@@ -1,0 +1,61 @@
+"""lgt-train report: the numbers behind the page, and the page itself."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from lgt.store.query import connect
+from lgt.store.report import report_data, write_report
+from lgt.store.writer import TableWriter
+
+T0 = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
+
+
+def make_store(root: Path) -> None:
+    """Two steps of two rollouts each; step 0 on policy version 0, step 1 on version 1."""
+    rewards = {("s0a", 0): 0.0, ("s0b", 0): 0.5, ("s1a", 1): 1.0, ("s1b", 1): 0.5}
+    with TableWriter(root, "calls") as calls, TableWriter(root, "rollouts") as rollouts, \
+            TableWriter(root, "rewards") as rw:
+        for (rid, step), value in rewards.items():
+            for seq in range(2):
+                calls.append({"call_id": f"{rid}-{seq}", "rollout_id": rid, "attempt": 0,
+                              "seq": seq, "started_at": T0, "endpoint": "chat/completions",
+                              "policy_version": step, "streamed": False, "status": "ok",
+                              "usage_total_tokens": 10})
+            rollouts.append({"rollout_id": rid, "attempt": 0, "task_id": "t", "step": step,
+                             "group_id": f"g{step}", "status": "ok", "recorded_at": T0})
+            rw.append({"reward_id": rid, "rollout_id": rid, "attempt": 0, "value": value,
+                       "source": "cli", "recorded_at": T0})
+        calls.append({"call_id": "bad", "rollout_id": "s1a", "attempt": 0, "seq": 2,
+                      "started_at": T0, "endpoint": "chat/completions", "policy_version": 1,
+                      "streamed": False, "status": "http_error"})
+
+
+def test_report_numbers(tmp_path: Path) -> None:
+    make_store(tmp_path)
+    data = report_data(connect(tmp_path))
+    assert data["reward_per_step"] == [(0.0, 0.25, 2), (1.0, 0.75, 2)]
+    assert data["call_status"] == [("ok", 8), ("http_error", 1)]
+    assert data["staleness"] == [(0, 4), (1, 4)]  # ok calls only
+    assert data["totals"] == {"calls": 9, "rollouts": 4, "rewarded_rollouts": 4, "tokens": 80}
+
+
+def test_report_page_is_written_whole(tmp_path: Path) -> None:
+    make_store(tmp_path / "store")
+    out = tmp_path / "report.html"
+    write_report(connect(tmp_path / "store"), out, title="run 7")
+    page = out.read_text()
+    assert page.startswith("<!doctype html>") and page.rstrip().endswith("</html>")
+    for heading in ("Reward per step", "Samples per rollout", "Merge breaks", "Staleness",
+                    "Calls by status"):
+        assert f"<h2>{heading}</h2>" in page
+    assert page.count("<svg") >= 3 and "step 0: 0.250" in page and "step 1: 0.750" in page
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_report_of_an_empty_store(tmp_path: Path) -> None:
+    out = tmp_path / "r.html"
+    data = write_report(connect(tmp_path), out, title="empty")
+    assert data["totals"] == {"calls": 0, "rollouts": 0, "rewarded_rollouts": 0, "tokens": 0}
+    assert "nothing recorded yet" in out.read_text()
