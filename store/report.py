@@ -24,7 +24,7 @@ def _svg_bars(labels: list[str], values: list[float], color: str = "#4c78a8") ->
     if not values:
         return '<p class="empty">nothing recorded yet</p>'
     top = max(values) or 1.0
-    bw = (W - 2 * PAD) / len(values)
+    bw = min((W - 2 * PAD) / len(values), 60.0)
     parts = [f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img">',
              f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="#999"/>']
     for i, (label, v) in enumerate(zip(labels, values)):
@@ -38,7 +38,9 @@ def _svg_bars(labels: list[str], values: list[float], color: str = "#4c78a8") ->
                          f'text-anchor="middle">{html.escape(label[:12])}</text>')
             parts.append(f'<text x="{x + bw / 2:.1f}" y="{H - PAD - h - 3:.1f}" font-size="10" '
                          f'text-anchor="middle">{v:g}</text>')
-    parts.append(f'<text x="{PAD}" y="{PAD - 10}" font-size="10">max {top:g}</text></svg>')
+    if len(values) > 24:  # bars too many to label one by one
+        parts.append(f'<text x="{PAD}" y="{PAD - 10}" font-size="10">max {top:g}</text>')
+    parts.append("</svg>")
     return "".join(parts)
 
 
@@ -127,7 +129,7 @@ def render_html(data: dict[str, Any], title: str) -> str:
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}}
-section{{display:inline-block;vertical-align:top;margin:0 2em 2em 0}}h2{{font-size:1.1em}}
+section{{display:inline-block;vertical-align:top;margin:0 2em 2em 0;width:{W}px}}h2{{font-size:1.1em}}
 p{{color:#555;font-size:.9em;max-width:{W}px}}.empty{{color:#999;font-style:italic}}</style></head>
 <body><h1>{html.escape(title)}</h1>
 <p>{t['calls']} calls · {t['rollouts']} rollout attempts · {t['rewarded_rollouts']} rewarded ·
