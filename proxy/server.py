@@ -168,6 +168,12 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
     _check_free(cfg.control_host, cfg.control_port, "--control-port")
     store = Path(cfg.store)
     store.mkdir(parents=True, exist_ok=True)
+    from lgt.store.migrations import StoreVersionError, migrate
+
+    try:
+        migrate(store)  # a new directory becomes a store; an older one is brought up to date
+    except StoreVersionError as e:
+        raise ConfigError(str(e)) from None
     secret = auth.load_secret(store, cfg.secret_file)
     ctl_token = auth.control_token(secret)
     setup_logging(log_level, [secret.decode(), ctl_token, cfg.upstream_api_key or ""])

@@ -17,6 +17,7 @@ Layout under the store root::
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -96,14 +97,33 @@ def convert_segment(root: Path, table: str, wal_path: Path) -> Path | None:
 
 
 def recover(root: Path, table: str) -> int:
-    """Convert every WAL segment left behind by a process that died; returns how many."""
+    """Convert every WAL segment left behind by a process that died; returns how many.
+
+    A live writer holds an exclusive ``flock`` on each of its segments until that segment is
+    converted (the kernel drops it when the process dies, ``kill -9`` included), so segments of
+    another running process sharing the store are skipped, never converted under its feet.
+    """
     wal_dir = Path(root) / WAL_DIR / table
     n = 0
     for seg in sorted(wal_dir.glob("*.jsonl")):
-        convert_segment(Path(root), table, seg)
-        n += 1
+        try:
+            fd = os.open(seg, os.O_RDONLY)
+        except FileNotFoundError:  # converted by its writer meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # a live writer's segment
+        try:
+            if seg.exists():
+                convert_segment(Path(root), table, seg)
+                n += 1
+        finally:
+            os.close(fd)
     for tmp in (Path(root) / table).glob("*.parquet.tmp"):
-        tmp.unlink()  # a conversion that died before its rename; its segment was redone above
+        if not (wal_dir / tmp.name.replace(".parquet.tmp", ".jsonl")).exists():
+            tmp.unlink()  # a conversion that died before its rename; its segment was redone above
     return n
 
 
@@ -137,7 +157,7 @@ class TableWriter:
         self._seg: Path | None = None
         self._seg_rows = 0
         self._seg_no = 0
-        self._closed_segments: list[Path] = []
+        self._closed_segments: list[tuple[Path, int]] = []  # with their still-locked fds
         self._thread: threading.Thread | None = None
         self.rows_written = 0
         self.files_written = 0
@@ -213,15 +233,15 @@ class TableWriter:
         name = f"part-{stamp}-{self.session}-{self._seg_no:06d}.jsonl"
         self._seg = self.root / WAL_DIR / self.table / name
         self._fd = os.open(self._seg, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours until converted (see recover)
         self._seg_rows = 0
 
     def _rotate_locked(self) -> None:
         if self._fd is None:
             return
-        os.close(self._fd)
-        self._fd = None
         assert self._seg is not None
-        self._closed_segments.append(self._seg)
+        self._closed_segments.append((self._seg, self._fd))  # the fd keeps the segment's lock
+        self._fd = None
         self._seg = None
 
     def _convert_closed(self) -> None:
@@ -232,13 +252,15 @@ class TableWriter:
                 with self._lock:
                     if not self._closed_segments:
                         return
-                    seg = self._closed_segments.pop(0)
+                    seg, fd = self._closed_segments.pop(0)
                 try:
                     if convert_segment(self.root, self.table, seg) is not None:
                         self.files_written += 1
                 except Exception:  # keep the WAL segment: the next start recovers it
                     log.exception("could not convert %s; it stays in the WAL for the next start",
                                   seg.name)
+                finally:
+                    os.close(fd)  # releases the lock
 
     def _run(self) -> None:
         while True:

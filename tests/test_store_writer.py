@@ -149,3 +149,17 @@ def test_flush_waits_for_a_conversion_already_under_way(tmp_path: Path, monkeypa
     assert done.wait(5)
     assert connect(tmp_path).execute("SELECT count(*) FROM calls").fetchone() == (2,)
     w.close()
+
+
+def test_a_second_writer_never_takes_a_live_writers_segment(tmp_path: Path) -> None:
+    """Another process opening the same table (a restarted tool, the CLI) recovers only the
+    segments of dead writers: the live one's stay its own."""
+    live = TableWriter(tmp_path, flush_rows=10**9, flush_seconds=3600, session="live").open()
+    live.append(row(0))
+    other = TableWriter(tmp_path, session="other").open()  # runs recover() on open
+    other.append(row(1, rollout="o"))
+    other.close()
+    live.append(row(2))
+    live.close()
+    ids = sorted(r[0] for r in connect(tmp_path).execute("SELECT call_id FROM calls").fetchall())
+    assert ids == ["c0", "c1", "c2"]
