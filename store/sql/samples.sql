@@ -1,0 +1,145 @@
+-- lgt samples: how the calls of a rollout attempt become training samples, with credit.
+-- Needs the views of views.sql. lgt loads this file with lgt.store.samples.install(con); in any
+-- DuckDB client started in the store directory, run views.sql and then this file, e.g. in the CLI:
+--   .read /path/to/lgt/store/sql/views.sql
+--   .read /path/to/lgt/store/sql/samples.sql
+-- `samples`, `sample_links` and `merge_breaks` are the exact mode with GRPO advantages divided by
+-- the group's std (eps 1e-6), in plain SQL. lgt.store.samples.build_samples gives the same rows
+-- reading the token lists once (and offers realign); the tests hold the two to each other.
+
+-- Every call, with why it cannot be trained (excluded NULL: it can): it did not succeed, or it
+-- lacks prompt or generated token ids, or one logprob per generated token.
+CREATE OR REPLACE VIEW sample_calls AS
+SELECT rollout_id, attempt, seq, policy_version, finish_reason,
+       prompt_token_ids, response_token_ids, response_logprobs,
+       CASE WHEN status <> 'ok' THEN status
+            WHEN prompt_token_ids IS NULL OR response_token_ids IS NULL THEN 'no_token_ids'
+            WHEN response_logprobs IS NULL
+                 OR len(response_logprobs) <> len(response_token_ids) THEN 'no_logprobs'
+       END AS excluded
+FROM calls;
+
+-- Rollout attempts that can be trained: finished 'ok' and given a rollout-level reward.
+CREATE OR REPLACE VIEW sample_candidates AS
+SELECT r.rollout_id, r.attempt
+FROM rollouts r
+JOIN rewards w ON w.rollout_id = r.rollout_id AND w.attempt = r.attempt AND w.call_id IS NULL
+WHERE r.status = 'ok';
+
+-- The calls of candidate attempts in seq order: the seq of the call before and after each one.
+-- Scalar columns only, so cheap on any store; build_samples reads the token lists in one pass
+-- over the calls files and takes each attempt's calls in this order.
+CREATE OR REPLACE VIEW sample_order AS
+SELECT rollout_id, attempt, seq, lag(seq) OVER w AS prev_seq, lead(seq) OVER w AS next_seq
+FROM calls SEMI JOIN sample_candidates USING (rollout_id, attempt)
+WINDOW w AS (PARTITION BY rollout_id, attempt ORDER BY seq);
+
+-- How each trainable call of a candidate attempt continues the one before it (exact mode):
+--   first          the attempt's first trainable call: it starts sample 0
+--   extends        its prompt starts with the previous call's prompt + generated tokens, token
+--                  by token: it joins that call's sample
+--   excluded_call  the call before it was excluded: a new sample
+--   truncation     its prompt is shorter than the previous prompt + generated tokens
+--   no_tokenizer   any other difference (build_samples with a tokenizer tells text_change,
+--                  retokenized and boundary_resplit apart)
+-- context_from: the first prompt token that is new to the sample; sample_index: the running
+-- count of calls that did not extend.
+CREATE OR REPLACE VIEW sample_links AS
+WITH w AS (
+    SELECT *,
+           lag(excluded) OVER w AS prev_excluded,
+           lag(prompt_token_ids) OVER w AS prev_prompt,
+           lag(response_token_ids) OVER w AS prev_response,
+           sum((excluded IS NULL)::INTEGER) OVER w - (excluded IS NULL)::INTEGER AS trainable_before
+    FROM sample_calls SEMI JOIN sample_candidates USING (rollout_id, attempt)
+    WINDOW w AS (PARTITION BY rollout_id, attempt ORDER BY seq)
+), linked AS (
+    SELECT rollout_id, attempt, seq, policy_version,
+           prompt_token_ids, response_token_ids, response_logprobs,
+           CASE WHEN trainable_before = 0 THEN 'first'
+                WHEN prev_excluded IS NOT NULL THEN 'excluded_call'
+                WHEN len(prompt_token_ids) < len(prev_prompt) + len(prev_response) THEN 'truncation'
+                WHEN prompt_token_ids[:len(prev_prompt) + len(prev_response)]
+                     = prev_prompt || prev_response THEN 'extends'
+                ELSE 'no_tokenizer' END AS link,
+           CASE WHEN link = 'extends' THEN len(prev_prompt) + len(prev_response) ELSE 0 END
+               AS context_from
+    FROM w WHERE excluded IS NULL
+)
+SELECT *, sum((link <> 'extends')::INTEGER) OVER (PARTITION BY rollout_id, attempt ORDER BY seq) - 1
+          AS sample_index
+FROM linked;
+
+-- Why samples split: one row per call that started a new sample after the attempt's first.
+CREATE OR REPLACE VIEW merge_breaks AS
+SELECT rollout_id, attempt, seq, link AS reason FROM sample_links
+WHERE link NOT IN ('first', 'extends');
+
+-- Every rollout attempt: whether it is trained (excluded NULL) and, if so, its GRPO advantage and
+-- loss weight. sample_tokens names a relation (rollout_id, attempt, rollout_tokens): how many
+-- generated (loss-masked) tokens the attempt's samples hold.
+--   excluded: the rollout's status when not 'ok' (failed, timeout), no_reward, no_trainable_calls.
+--   A group is group_id (the rollouts of one task in one step) over trained attempts only, so a
+--   failed rollout never counts as reward 0. A group of one or with equal rewards is
+--   zero_variance: advantage 0.
+--   loss_weight = 1 / (R * rollout_tokens), R the trained attempts: summing loss_weight * the
+--   per-token loss over all samples weighs every rollout the same, however it was split.
+CREATE OR REPLACE MACRO sample_rollouts(sample_tokens, std_normalize := true, eps := 1e-6) AS TABLE
+WITH a AS (
+    SELECT r.rollout_id, r.attempt, r.task_id, r.step,
+           coalesce(r.group_id, r.rollout_id || '~' || r.attempt) AS group_id,
+           w.value AS reward, coalesce(t.rollout_tokens, 0) AS rollout_tokens,
+           CASE WHEN r.status <> 'ok' THEN r.status
+                WHEN w.value IS NULL THEN 'no_reward'
+                WHEN coalesce(t.rollout_tokens, 0) = 0 THEN 'no_trainable_calls' END AS excluded
+    FROM rollouts r
+    LEFT JOIN rewards w
+           ON w.rollout_id = r.rollout_id AND w.attempt = r.attempt AND w.call_id IS NULL
+    LEFT JOIN query_table(sample_tokens) t
+           ON t.rollout_id = r.rollout_id AND t.attempt = r.attempt
+), g AS (
+    SELECT group_id, count(*) AS group_size, avg(reward) AS group_mean,
+           coalesce(stddev_samp(reward), 0) AS group_std, min(reward) = max(reward) AS zero_variance
+    FROM a WHERE excluded IS NULL GROUP BY group_id
+), n AS (
+    SELECT count(*) AS trained FROM a WHERE excluded IS NULL
+)
+SELECT a.*, g.group_size, g.group_mean, g.group_std, g.zero_variance,
+       CASE WHEN a.excluded IS NULL THEN
+           CASE WHEN g.zero_variance THEN 0.0
+                WHEN std_normalize THEN (a.reward - g.group_mean) / (g.group_std + eps)
+                ELSE a.reward - g.group_mean END
+       END AS advantage,
+       CASE WHEN a.excluded IS NULL THEN 1.0 / (n.trained * a.rollout_tokens) END AS loss_weight
+FROM a LEFT JOIN g USING (group_id) CROSS JOIN n;
+
+-- The token lists of each exact-mode sample: every call adds its new prompt tokens (mask 0,
+-- logprob 0, policy version -1) then its generated tokens (mask 1, recorded logprobs, the policy
+-- version that generated them).
+CREATE OR REPLACE VIEW sample_lists AS
+SELECT rollout_id, attempt, sample_index, count(*) AS n_calls,
+       flatten(list(prompt_token_ids[context_from + 1:] || response_token_ids ORDER BY seq))
+           AS input_ids,
+       flatten(list(list_resize([]::TINYINT[], len(prompt_token_ids) - context_from, 0)
+                    || list_resize([]::TINYINT[], len(response_token_ids), 1) ORDER BY seq))
+           AS loss_mask,
+       flatten(list(list_resize([]::FLOAT[], len(prompt_token_ids) - context_from, 0)
+                    || response_logprobs ORDER BY seq)) AS behaviour_logprobs,
+       flatten(list(list_resize([]::INTEGER[], len(prompt_token_ids) - context_from, -1)
+                    || list_resize([]::INTEGER[], len(response_token_ids), policy_version)
+                    ORDER BY seq)) AS policy_versions,
+       sum(len(response_token_ids)) AS masked_tokens
+FROM sample_links GROUP BY rollout_id, attempt, sample_index;
+
+CREATE OR REPLACE VIEW sample_tokens AS
+SELECT rollout_id, attempt, sum(masked_tokens) AS rollout_tokens FROM sample_lists GROUP BY ALL;
+
+-- What the trainer trains on (exact mode, std-normalised advantages).
+CREATE OR REPLACE VIEW samples AS
+SELECT s.rollout_id || '~' || s.attempt || '#' || s.sample_index AS sample_id,
+       s.rollout_id, s.attempt, r.group_id, r.task_id, s.sample_index, s.n_calls,
+       s.input_ids, s.loss_mask, s.behaviour_logprobs, s.policy_versions,
+       r.reward, r.advantage, r.loss_weight, r.rollout_tokens, r.group_size, r.zero_variance,
+       'exact' AS mode
+FROM sample_lists s JOIN sample_rollouts('sample_tokens') r USING (rollout_id, attempt)
+WHERE r.excluded IS NULL;

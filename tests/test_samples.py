@@ -1,0 +1,579 @@
+"""The sample builder (lgt.store.samples) on real Parquet stores, real DuckDB and a real tokenizer.
+
+The tokenizer is a byte-level BPE trained here on a few hundred sentences; conversations are rendered
+with ChatML and tokenized the way an agent's server does (the whole context each call), so merges,
+re-tokenisation drift and splits come out of real tokenization, not hand-written ids.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import math
+import random
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from lgt.store.query import connect
+from lgt.store.samples import (
+    CALL_COLUMNS,
+    MERGE_BREAKS,
+    SAMPLES,
+    build_samples,
+    call_order,
+    install,
+    merge_calls,
+    realign_offset,
+)
+from lgt.store.writer import to_arrow, write_parquet_atomic
+
+WORDS = ("the a of to and in is it that for on with as was at by an be this have from or one had but "
+         "not what all were we when your can said there use each which she do how their if will up "
+         "other about out many then them these so some her would make like him into time has look two "
+         "more write go see number no way could people my than first water been call who oil its now "
+         "find long down day did get come made may part").split()
+T0 = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
+
+
+# --- a tokenizer, a chat template and an agent ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    rng = random.Random(0)
+    sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14)))
+                 + rng.choice([".", "?", "!", ", 42."]) for _ in range(400)]
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(sentences, trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<|im_start|>", "<|im_end|>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return t
+
+
+def render(messages: list[tuple[str, str]]) -> str:
+    """ChatML, with the assistant's turn opened (add_generation_prompt)."""
+    return "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in messages) \
+        + "<|im_start|>assistant\n"
+
+
+@dataclass
+class Turn:
+    user: str
+    reply: str
+    split: bool = False  # the model generated the reply byte by byte (BPE would merge it)
+    stop: str = "<|im_end|>"  # the stop token the model generated ("</s>": the template drops it)
+    status: str = "ok"
+    forget: bool = False  # the agent drops the earlier turns from its context before this call
+    rewrite: bool = False  # the agent rewrites the first user message before this call
+    version: int = 0
+
+
+@dataclass
+class Agent:
+    """Makes the calls a ChatML agent makes: each prompt is the whole rendered context."""
+
+    tok: Tokenizer
+    calls: list[dict] = field(default_factory=list)
+
+    def enc(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def generated(self, turn: Turn) -> list[int]:
+        ids = ([i for ch in turn.reply for i in self.enc(ch)] if turn.split else self.enc(turn.reply))
+        return ids + [self.tok.token_to_id(turn.stop)]
+
+    def run(self, rollout_id: str, turns: list[Turn], attempt: int = 0) -> list[dict]:
+        messages = [("system", "You are a careful assistant.")]
+        out = []
+        for seq, t in enumerate(turns):
+            if t.forget:
+                messages = messages[:1]
+            if t.rewrite and len(messages) > 1:
+                messages[1] = ("user", messages[1][1] + " again")
+            messages.append(("user", t.user))
+            call = {"rollout_id": rollout_id, "attempt": attempt, "seq": seq, "status": t.status,
+                    "policy_version": t.version}
+            if t.status == "ok":
+                gen = self.generated(t)
+                call |= {"prompt_token_ids": self.enc(render(messages)), "response_token_ids": gen,
+                         "response_logprobs": [-0.125 * ((seq + i) % 7 + 1) for i in range(len(gen))],
+                         "finish_reason": "stop"}
+            out.append(call)
+            messages.append(("assistant", t.reply))
+        self.calls += out
+        return out
+
+
+def sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+# --- stores ---------------------------------------------------------------------------------------
+
+def call_row(c: dict) -> dict:
+    n = c["seq"]
+    return {"call_id": f"{c['rollout_id']}-{c['attempt']}-{n}", "started_at": T0 + dt.timedelta(seconds=n),
+            "endpoint": "chat/completions", "streamed": False, "policy_version": 0, "status": "ok", **c}
+
+
+def write_store(root: Path, calls: list[dict], rollouts: list[dict] = (), rewards: list[dict] = (),
+                files: int = 1) -> Path:
+    """A store of whole Parquet files, the calls spread round-robin over ``files`` files."""
+    rows = [call_row(c) for c in calls]
+    for i in range(files):
+        part = rows[i::files]
+        if part:
+            (root / "calls").mkdir(parents=True, exist_ok=True)
+            write_parquet_atomic(to_arrow(part, "calls"), root / "calls" / f"part-{i:03d}.parquet")
+    for table, items in (("rollouts", rollouts), ("rewards", rewards)):
+        if items:
+            (root / table).mkdir(parents=True, exist_ok=True)
+            write_parquet_atomic(to_arrow(list(items), table), root / table / "part-000.parquet")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def rollout(rid: str, group: str | None = None, status: str = "ok", attempt: int = 0) -> dict:
+    return {"rollout_id": rid, "attempt": attempt, "task_id": (group or rid).split("/")[0],
+            "group_id": group, "step": 0, "status": status, "recorded_at": T0}
+
+
+def reward(rid: str, value: float, attempt: int | None = 0) -> dict:
+    return {"reward_id": f"w-{rid}-{attempt}", "rollout_id": rid, "attempt": attempt, "value": value,
+            "source": "cli", "recorded_at": T0}
+
+
+def store_of(tmp_path: Path, calls: list[dict], **kw) -> duckdb.DuckDBPyConnection:
+    """A store where every attempt of ``calls`` finished ok with reward 1 (unless given otherwise)."""
+    keys = sorted({(c["rollout_id"], c["attempt"]) for c in calls})
+    rollouts = kw.pop("rollouts", [rollout(r, attempt=a) for r, a in keys])
+    rewards = kw.pop("rewards", [reward(r, 1.0, a) for r, a in keys])
+    return connect(write_store(tmp_path / "store", calls, rollouts, rewards, **kw))
+
+
+def by_id(build) -> dict[str, dict]:
+    return {r["sample_id"]: r for r in build.samples.to_pylist()}
+
+
+def breaks(build) -> list[tuple]:
+    return sorted((r["rollout_id"], r["seq"], r["reason"]) for r in build.merge_breaks.to_pylist())
+
+
+def generated_runs(sample: dict) -> list[tuple[list[int], list[float], int]]:
+    """Un-merge: the sample's generated spans (mask 1), with logprobs and policy version."""
+    runs, cur, prev_v = [], None, None
+    for i, (m, t, lp, v) in enumerate(zip(sample["loss_mask"], sample["input_ids"],
+                                          sample["behaviour_logprobs"], sample["policy_versions"])):
+        if m == 1:
+            if cur is None or v != prev_v:
+                cur = ([], [], v)
+                runs.append(cur)
+            cur[0].append(t)
+            cur[1].append(lp)
+            prev_v = v
+        else:
+            assert lp == 0.0 and v == -1, f"token {i}: context tokens have logprob 0 and version -1"
+            cur = None
+    return runs
+
+
+# --- exact mode -------------------------------------------------------------------------------------
+
+def test_a_conversation_that_only_appends_is_one_sample(tmp_path: Path, tok: Tokenizer) -> None:
+    agent = Agent(tok)
+    calls = agent.run("r1", [Turn("how do the water", "the water is 42."),
+                             Turn("and then", "then we call it a day.", version=1),
+                             Turn("why", "no way.", version=2)])
+    b = build_samples(store_of(tmp_path, calls))
+    (s,) = b.samples.to_pylist()
+    last = calls[-1]
+    # one sample: the last call's prompt + what it generated; every earlier call's tokens inside it
+    assert s["input_ids"] == last["prompt_token_ids"] + last["response_token_ids"]
+    assert (s["sample_id"], s["n_calls"], s["sample_index"], s["mode"]) == ("r1~0#0", 3, 0, "exact")
+    got = [(ids, lps, v) for ids, lps, v in generated_runs(s)]
+    want = [(c["response_token_ids"], pytest.approx(c["response_logprobs"]), c["policy_version"])
+            for c in calls]
+    assert got == want
+    for c in calls:  # each generated span sits where the next prompt puts it
+        start, n = len(c["prompt_token_ids"]), len(c["response_token_ids"])
+        assert s["loss_mask"][start:start + n] == [1] * n
+    assert sum(s["loss_mask"]) == s["rollout_tokens"] == sum(len(c["response_token_ids"]) for c in calls)
+    assert b.merge_breaks.num_rows == 0 and b.merge_breaks.schema == MERGE_BREAKS
+    assert b.samples.schema == SAMPLES
+    assert b.report["samples_per_rollout"] == {"1": 1}
+
+
+def test_exact_splits_at_excluded_calls_and_truncation(tmp_path: Path, tok: Tokenizer) -> None:
+    agent = Agent(tok)
+    calls = agent.run("r1", [Turn("hi", "", status="http_error"),  # before any sample: no split
+                             Turn("how do the water", "the water is 42."),
+                             Turn("and then", "then we call it a day."),
+                             Turn("and now", "", status="upstream_error"),
+                             Turn("why", "no way."),
+                             Turn("what", "all of them.", forget=True)])
+    calls[3] = {k: v for k, v in calls[3].items() if k != "prompt_token_ids"}  # no token ids at all
+    b = build_samples(store_of(tmp_path, calls))
+    assert breaks(b) == [("r1", 4, "excluded_call"), ("r1", 5, "truncation")]
+    samples = sorted(b.samples.to_pylist(), key=lambda s: s["sample_index"])
+    assert [s["n_calls"] for s in samples] == [2, 1, 1]
+    assert samples[1]["input_ids"] == calls[4]["prompt_token_ids"] + calls[4]["response_token_ids"]
+    assert b.report["calls"] == {"used": 4, "excluded": {"http_error": 1, "upstream_error": 1}}
+    assert b.report["samples_per_rollout"] == {"3": 1}
+
+
+def test_exact_names_token_differences_only_with_a_tokenizer(tmp_path: Path, tok: Tokenizer) -> None:
+    agent = Agent(tok)
+    calls = agent.run("r1", [Turn("how do the water", "the water is 42.", split=True),
+                             Turn("and then", "then we call it a day.")])
+    con = store_of(tmp_path, calls)
+    assert breaks(build_samples(con)) == [("r1", 1, "no_tokenizer")]
+    assert breaks(build_samples(con, tokenizer=tok)) == [("r1", 1, "retokenized")]
+
+
+# --- realign ----------------------------------------------------------------------------------------
+
+def test_realign_keeps_a_bpe_resplit_reply_in_one_sample(tmp_path: Path, tok: Tokenizer) -> None:
+    agent = Agent(tok)
+    calls = agent.run("r1", [Turn("how do the water", "the water is 42.", split=True),
+                             Turn("and then", "then we call it a day.", version=1)])
+    # the model said "the water is 42." one byte per token; the next prompt re-tokenizes it
+    assert calls[1]["prompt_token_ids"][:len(calls[0]["prompt_token_ids"])] == calls[0]["prompt_token_ids"]
+    assert calls[1]["prompt_token_ids"][len(calls[0]["prompt_token_ids"]):][:3] != \
+        calls[0]["response_token_ids"][:3]
+    con = store_of(tmp_path, calls)
+    assert build_samples(con).samples.num_rows == 2
+    b = build_samples(con, mode="realign", tokenizer=tok)
+    (s,) = b.samples.to_pylist()
+    assert b.merge_breaks.num_rows == 0 and b.report["realigned_merges"] == 1
+    # the generated tokens stay as generated; the text is the last call's
+    assert [r[0] for r in generated_runs(s)] == [c["response_token_ids"] for c in calls]
+    last = calls[-1]
+    assert tok.decode(s["input_ids"], skip_special_tokens=False) == \
+        tok.decode(last["prompt_token_ids"] + last["response_token_ids"], skip_special_tokens=False)
+    assert s["mode"] == "realign"
+
+
+def test_realign_merges_across_a_template_that_drops_the_eos(tmp_path: Path, tok: Tokenizer) -> None:
+    agent = Agent(tok)
+    eos = tok.token_to_id("</s>")
+    calls = agent.run("r1", [Turn("how do the water", "the water is 42.", stop="</s>"),
+                             Turn("and then", "then we call it a day.", stop="</s>")])
+    con = store_of(tmp_path, calls)
+    assert breaks(build_samples(con, tokenizer=tok)) == [("r1", 1, "retokenized")]
+    (s,) = build_samples(con, mode="realign", tokenizer=tok).samples.to_pylist()
+    first = calls[0]
+    end = len(first["prompt_token_ids"]) + len(first["response_token_ids"])
+    # the EOS the model generated is kept and trained; the template's <|im_end|> follows as context
+    assert s["input_ids"][end - 1] == eos and s["loss_mask"][end - 1] == 1
+    assert s["input_ids"][end] == tok.token_to_id("<|im_end|>") and s["loss_mask"][end] == 0
+    assert [r[0] for r in generated_runs(s)] == [c["response_token_ids"] for c in calls]
+
+
+def test_realign_splits_where_the_text_does_not_extend(tmp_path: Path, tok: Tokenizer) -> None:
+    agent = Agent(tok)
+    calls = agent.run("r1", [Turn("how do the water", "the water is 42."),
+                             Turn("and then", "then we call it a day.", rewrite=True),
+                             Turn("why", "no way.", forget=True)])
+    # a completions-style agent that glues the observation onto the reply: "... is 4" + "2. ..."
+    text = "Question: what is six times seven?\nAnswer: it is 4"
+    p2 = tok.encode("Question: what is six times seven?\nAnswer:").ids
+    g2 = tok.encode(" it is 4").ids
+    p3 = tok.encode(text + "2.\nQuestion: and then?\nAnswer:").ids
+    assert tok.decode(p2 + g2) == text and p3[:len(p2 + g2)] != p2 + g2
+    calls += [{"rollout_id": "r2", "attempt": 0, "seq": 0, "prompt_token_ids": p2, "response_token_ids": g2,
+               "response_logprobs": [-1.0] * len(g2), "finish_reason": "length"},
+              {"rollout_id": "r2", "attempt": 0, "seq": 1, "prompt_token_ids": p3,
+               "response_token_ids": g2, "response_logprobs": [-1.0] * len(g2), "finish_reason": "length"}]
+    b = build_samples(store_of(tmp_path, calls), mode="realign", tokenizer=tok)
+    assert breaks(b) == [("r1", 1, "text_change"), ("r1", 2, "truncation"), ("r2", 1, "boundary_resplit")]
+
+
+def test_realign_offset_finds_the_token_boundary_or_says_why_not(tok: Tokenizer) -> None:
+    dec = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    enc = lambda text: tok.encode(text).ids  # noqa: E731
+    prompt = enc("<|im_start|>user\nthe water<|im_end|>\n<|im_start|>assistant\n")
+    said = [i for ch in "it is 42." for i in enc(ch)]  # generated one byte a token
+    held = prompt + said
+    again = enc(dec(held) + " Yes")  # the same text, re-tokenized: "it", " is", " 42", "."
+    assert again[:len(held)] != held
+    boundary = len(enc(dec(held)))  # " Yes" starts a new pre-token: the held text ends a token
+    assert realign_offset(dec, held, len(prompt), False, again) == (boundary, None)
+    assert realign_offset(dec, held, len(prompt), False, held[:4]) == (None, "truncation")
+    assert realign_offset(dec, held, len(prompt), False, enc("<|im_start|>user\nno") + held) == \
+        (None, "text_change")
+    wat = prompt + enc("the wat")  # the text goes on into the same word: " water" is one token
+    assert realign_offset(dec, wat, len(prompt), False, enc(dec(wat) + "er")) == (None, "boundary_resplit")
+    eos = held + [tok.token_to_id("</s>")]  # a stop token the template does not render
+    after = enc(dec(held) + "<|im_end|>\n")
+    assert realign_offset(dec, eos, len(prompt), True, after) == (boundary, None)
+    assert realign_offset(dec, eos, len(prompt), False, after) == (None, "text_change")
+
+
+# --- merging and un-merging (Hypothesis) --------------------------------------------------------------
+
+@st.composite
+def conversations(draw) -> list[list[Turn]]:
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    rollouts = []
+    for _ in range(draw(st.integers(1, 3))):
+        turns = []
+        for k in range(draw(st.integers(1, 5))):
+            roll = rng.random()
+            turns.append(Turn(
+                user=sentence(rng, rng.randint(1, 6)),
+                reply=sentence(rng, rng.randint(0, 8)) + rng.choice(".?"),
+                split=roll < 0.25, stop="</s>" if 0.25 <= roll < 0.4 else "<|im_end|>",
+                status="http_error" if 0.4 <= roll < 0.5 else "ok",
+                forget=0.5 <= roll < 0.55 and k > 1, rewrite=0.55 <= roll < 0.6, version=k))
+        rollouts.append(turns)
+    return rollouts
+
+
+def check_unmerge(build, calls: list[dict]) -> None:
+    """Every generated token of every trained call comes back exactly once, in order, unchanged,
+    with its logprob and policy version, by reading each attempt's samples' loss masks."""
+    samples = sorted(build.samples.to_pylist(), key=lambda s: (s["rollout_id"], s["sample_index"]))
+    got: dict[str, list] = {}
+    for s in samples:
+        for ids, lps, v in generated_runs(s):
+            got.setdefault(s["rollout_id"], []).extend((t, lp, v) for t, lp in zip(ids, lps))
+    want: dict[str, list] = {}
+    for c in sorted(calls, key=lambda c: (c["rollout_id"], c["seq"])):
+        if c["status"] == "ok":
+            want.setdefault(c["rollout_id"], []).extend(
+                (t, pytest.approx(lp), c["policy_version"])
+                for t, lp in zip(c["response_token_ids"], c["response_logprobs"]))
+    assert got == want
+
+
+def last_calls(build, calls: list[dict]) -> list[tuple[dict, dict]]:
+    """Each sample with the last call merged into it (samples take an attempt's calls in turn)."""
+    ok = {}
+    for c in sorted(calls, key=lambda c: c["seq"]):
+        if c["status"] == "ok":
+            ok.setdefault(c["rollout_id"], []).append(c)
+    out, used = [], Counter()
+    for s in sorted(build.samples.to_pylist(), key=lambda s: (s["rollout_id"], s["sample_index"])):
+        used[s["rollout_id"]] += s["n_calls"]
+        out.append((s, ok[s["rollout_id"]][used[s["rollout_id"]] - 1]))
+    assert all(used[r] == len(cs) for r, cs in ok.items())
+    return out
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(conversations())
+def test_merge_then_unmerge_gives_back_every_generated_token(tmp_path_factory, tok, convs) -> None:
+    agent = Agent(tok)
+    calls = [c for i, turns in enumerate(convs) for c in agent.run(f"r{i}", turns)]
+    con = store_of(tmp_path_factory.mktemp("s"), calls, files=2)
+    exact = build_samples(con)
+    check_unmerge(exact, calls)
+    realigned = build_samples(con, mode="realign", tokenizer=tok)
+    check_unmerge(realigned, calls)  # realign never changes a generated token
+    assert realigned.samples.num_rows <= exact.samples.num_rows
+    assert realigned.samples.num_rows + realigned.report["realigned_merges"] == exact.samples.num_rows
+    eos = tok.token_to_id("</s>")
+    for s, last in last_calls(exact, calls):  # exact: a sample is its last call's prompt + output
+        assert s["input_ids"] == last["prompt_token_ids"] + last["response_token_ids"]
+    for s, last in last_calls(realigned, calls):  # realign: the same text, but for kept stop tokens
+        ids = s["input_ids"]
+        kept = [t for i, t in enumerate(ids) if not (t == eos and i < len(ids) - 1)]
+        assert tok.decode(kept, skip_special_tokens=False) == \
+            tok.decode(last["prompt_token_ids"] + last["response_token_ids"], skip_special_tokens=False)
+    # the builder and the plain-SQL views agree (exact mode)
+    install(con)
+    view = {r["sample_id"]: r for r in con.sql("FROM samples").to_arrow_table().to_pylist()}
+    assert view.keys() == by_id(exact).keys()
+    for sid, r in by_id(exact).items():
+        assert {k: v for k, v in r.items() if k not in ("loss_weight", "advantage")} == \
+            {k: v for k, v in view[sid].items() if k not in ("loss_weight", "advantage")}
+        assert r["loss_weight"] == pytest.approx(view[sid]["loss_weight"])
+    assert breaks(exact) == sorted((r, q, why) for r, _, q, why in con.sql("FROM merge_breaks").fetchall())
+
+
+def test_calls_out_of_order_merge_the_same(tmp_path: Path, tok: Tokenizer) -> None:
+    agent = Agent(tok)
+    rng = random.Random(1)
+    calls = [c for i in range(4) for c in agent.run(
+        f"r{i}", [Turn(sentence(rng, 3), sentence(rng, 5) + ".", split=i == 2 and k == 1, version=k)
+                  for k in range(4)])]
+    con = store_of(tmp_path, calls)
+    install(con)
+    order = call_order(con)
+    rows = con.sql(f"SELECT {', '.join(CALL_COLUMNS)} FROM calls").to_arrow_table()
+    in_order = merge_calls(rows.sort_by([("rollout_id", "ascending"), ("seq", "ascending")])
+                           .to_batches(), order, "exact", None)
+    backwards = merge_calls(rows.sort_by([("seq", "descending")]).to_batches(max_chunksize=3),
+                            order, "exact", None)
+    def samples(m):
+        lists = [list(itertools.chain.from_iterable(c[i].to_pylist() for c in m.chunks)) for i in range(4)]
+        return {s[:3]: [col[k] for col in lists] for k, s in enumerate(m.scalars)}
+    assert samples(in_order) == samples(backwards) and len(samples(in_order)) == 5
+    assert sorted(map(str, in_order.breaks)) == sorted(map(str, backwards.breaks)) != []
+
+
+# --- advantages ---------------------------------------------------------------------------------------
+
+def grpo_store(tmp_path: Path, tok: Tokenizer) -> duckdb.DuckDBPyConnection:
+    agent = Agent(tok)
+    rng = random.Random(2)
+    names = ["a1", "a2", "a3", "a4", "b1", "b2", "c1", "d1", "d2"]
+    calls = [c for n in names for c in agent.run(n, [Turn(sentence(rng, 3), sentence(rng, 4) + ".")])]
+    rollouts = [rollout(n, f"{n[0]}/step0", status="failed" if n == "a4" else "ok") for n in names]
+    rewards = [reward(n, v) for n, v in
+               {"a1": 1.0, "a2": 0.0, "a3": 0.5, "a4": 0.0, "b1": 1.0, "b2": 1.0, "c1": 0.3,
+                "d1": 0.7}.items()]  # d2: no reward
+    return store_of(tmp_path, calls, rollouts=rollouts, rewards=rewards)
+
+
+def test_grpo_advantages_by_group(tmp_path: Path, tok: Tokenizer) -> None:
+    con = grpo_store(tmp_path, tok)
+    std = {r["rollout_id"]: r for r in build_samples(con).samples.to_pylist()}
+    raw = {r["rollout_id"]: r for r in build_samples(con, std_normalize=False).samples.to_pylist()}
+    # group a: a4 failed, so its reward 0 never enters the group: the group is [1, 0, 0.5]
+    mean, sd = statistics.fmean([1.0, 0.0, 0.5]), statistics.stdev([1.0, 0.0, 0.5])  # 0.5, 0.5
+    for rid, r in (("a1", 1.0), ("a2", 0.0), ("a3", 0.5)):
+        assert std[rid]["advantage"] == pytest.approx((r - mean) / (sd + 1e-6))
+        assert raw[rid]["advantage"] == pytest.approx(r - mean)
+        assert std[rid]["group_size"] == 3 and not std[rid]["zero_variance"]
+    assert std["a1"]["advantage"] == pytest.approx(0.999998)  # (1 - 0.5) / (0.5 + 1e-6)
+    # had a4 counted as reward 0, the group would be [1, 0, 0.5, 0]: a1 would get 1.2247
+    as_zero = (1 - statistics.fmean([1, 0, 0.5, 0])) / (statistics.stdev([1, 0, 0.5, 0]) + 1e-6)
+    assert not math.isclose(std["a1"]["advantage"], as_zero, rel_tol=1e-3)
+    # b: equal rewards; c: alone; both flagged with advantage 0 in both modes
+    for rid in ("b1", "b2", "c1"):
+        assert std[rid]["zero_variance"] and std[rid]["advantage"] == raw[rid]["advantage"] == 0.0
+    assert "a4" not in std and "d2" not in std  # failed, and never rewarded: not trained at all
+    assert std["d1"]["group_size"] == 1
+    report = build_samples(con).report
+    assert report["rollouts"] == {"trained": 7, "excluded": {"failed": 1, "no_reward": 1}}
+    assert report["groups"] == {"trained": 4, "zero_variance": 3, "single_rollout": 2}
+
+
+# --- loss weights -------------------------------------------------------------------------------------
+
+def split_store(tmp_path: Path, tok: Tokenizer) -> duckdb.DuckDBPyConnection:
+    """Three rollouts of one group that split into 1, 2 and 5 samples (history dropped each call)."""
+    agent = Agent(tok)
+    rng = random.Random(3)
+    calls = []
+    for rid, n_samples, n_calls in (("one", 1, 4), ("two", 2, 3), ("five", 5, 5)):
+        forget = set(rng.sample(range(1, n_calls), n_samples - 1))
+        calls += agent.run(rid, [Turn(sentence(rng, 3), sentence(rng, rng.randint(2, 30)) + ".",
+                                      forget=k in forget) for k in range(n_calls)])
+    rollouts = [rollout(r, "g/0") for r in ("one", "two", "five")]
+    rewards = [reward(r, v) for r, v in (("one", 1.0), ("two", 0.0), ("five", 0.5))]
+    return store_of(tmp_path, calls, rollouts=rollouts, rewards=rewards)
+
+
+def test_each_rollout_counts_once_however_it_split(tmp_path: Path, tok: Tokenizer) -> None:
+    b = build_samples(split_store(tmp_path, tok))
+    rows = b.samples.to_pylist()
+    assert Counter(r["rollout_id"] for r in rows) == {"one": 1, "two": 2, "five": 5}
+    # L = sum over samples of loss_weight * sum_t mask * l: with l = 1 on every token, each
+    # rollout contributes sum(loss_weight * masked tokens) = 1/R = 1/3
+    share = Counter()
+    for r in rows:
+        share[r["rollout_id"]] += r["loss_weight"] * sum(r["loss_mask"])
+    assert share == {k: pytest.approx(1 / 3) for k in ("one", "two", "five")}
+    # and with a per-token loss that differs by rollout, L is the mean of the rollouts' token means
+    loss = {"one": 0.2, "two": 1.0, "five": 3.0}
+    total = sum(r["loss_weight"] * sum(r["loss_mask"]) * loss[r["rollout_id"]] for r in rows)
+    assert total == pytest.approx(statistics.fmean(loss.values()))
+
+
+def test_per_row_normalisation_would_not_weigh_rollouts_equally(tmp_path: Path, tok: Tokenizer) -> None:
+    rows = build_samples(split_store(tmp_path, tok)).samples.to_pylist()
+    # the common aggregation: mean over samples (rows) of each sample's mean token loss. A sample
+    # weighs 1/S whatever its rollout, so a rollout weighs (its samples) / S: 1/8, 2/8, 5/8.
+    share = Counter()
+    for r in rows:
+        share[r["rollout_id"]] += 1 / len(rows)
+    assert share == {"one": pytest.approx(1 / 8), "two": pytest.approx(2 / 8), "five": pytest.approx(5 / 8)}
+    loss = {"one": 0.2, "two": 1.0, "five": 3.0}
+    per_row = statistics.fmean(loss[r["rollout_id"]] for r in rows)
+    assert per_row == pytest.approx((0.2 + 2 * 1.0 + 5 * 3.0) / 8)
+    assert not math.isclose(per_row, statistics.fmean(loss.values()), rel_tol=1e-3)
+
+
+# --- bad input, empty stores --------------------------------------------------------------------------
+
+def test_bad_arguments_are_one_sentence_errors(tmp_path: Path, tok: Tokenizer) -> None:
+    con = store_of(tmp_path, Agent(tok).run("r1", [Turn("hi", "hello.")]))
+    cases = [({"mode": "fuzzy"}, "unknown sample mode 'fuzzy': use one of exact, realign"),
+             ({"mode": "realign"}, "mode 'realign' needs a tokenizer (anything with decode(ids) -> str)"),
+             ({"tokenizer": object()}, "the tokenizer (object) has no decode(ids) method"),
+             ({"eps": -1.0}, "eps must be a finite number >= 0, not -1.0")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError) as e:
+            build_samples(con, **kwargs)
+        assert str(e.value) == message
+
+
+def test_two_calls_with_one_seq_are_refused(tmp_path: Path, tok: Tokenizer) -> None:
+    calls = Agent(tok).run("r1", [Turn("hi", "hello."), Turn("and", "then.")])
+    calls[1]["seq"] = 0
+    calls[1]["call_id"] = "dup"
+    with pytest.raises(ValueError, match=r"^rollout 'r1' attempt 0 has more than one call with seq 0; "):
+        build_samples(store_of(tmp_path, calls))
+
+
+def test_a_connection_without_the_store_views_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="^build_samples needs a connection from lgt.store.query.connect"):
+        build_samples(duckdb.connect())
+    con = duckdb.connect()
+    con.execute(f"SET file_search_path = '{tmp_path}'")
+    with pytest.raises(ValueError, match="^the connection has no store views"):
+        build_samples(con)
+
+
+def test_the_builder_needs_the_store_behind_the_connection(tmp_path: Path, tok: Tokenizer) -> None:
+    con = store_of(tmp_path, Agent(tok).run("r1", [Turn("hi", "hello.")]))
+    install(con)
+    order = call_order(con)
+    rows = con.sql(f"SELECT {', '.join(CALL_COLUMNS)} FROM calls").to_arrow_table()
+    with pytest.raises(RuntimeError, match="^the calls view lists 2 calls of trainable rollout attempts, "
+                                           "the calls files hold 1; "):
+        merge_calls(rows.to_batches(), {**order, ("r1", 0, 7): (None, None)}, "exact", None)
+    con.execute("SET file_search_path = ''")
+    with pytest.raises(ValueError, match="^build_samples needs a connection from lgt.store.query.connect"):
+        build_samples(con)
+
+
+def test_an_empty_store_gives_an_empty_table_and_says_why(tmp_path: Path, tok: Tokenizer) -> None:
+    (tmp_path / "empty").mkdir()
+    b = build_samples(connect(write_store(tmp_path / "empty", [])))
+    assert b.samples.num_rows == 0 and b.samples.schema == SAMPLES
+    assert b.merge_breaks.num_rows == 0 and b.merge_breaks.schema == MERGE_BREAKS
+    assert b.report["why_empty"] == "the store has no rollouts and no calls"
+
+    agent = Agent(tok)
+    calls = agent.run("r1", [Turn("hi", "hello.")]) + agent.run("r2", [Turn("hi", "", status="http_error")])
+    b = build_samples(store_of(tmp_path, calls, rollouts=[rollout("r1", status="failed"), rollout("r2")],
+                               rewards=[reward("r1", 1.0), reward("r2", 0.0)]))
+    assert b.samples.num_rows == 0
+    assert b.report["why_empty"] == ("none of the 2 rollout attempt(s) can be trained (1 failed, "
+                                     "1 no_trainable_calls); their calls were excluded: 1 http_error")
+
+
+def test_attempts_and_calls_only_rollouts(tmp_path: Path, tok: Tokenizer) -> None:
+    agent = Agent(tok)
+    calls = (agent.run("r1", [Turn("hi", "hello.")], attempt=0)
+             + agent.run("r1", [Turn("hi", "hey.")], attempt=1)
+             + agent.run("r2", [Turn("yo", "yes.")]))
+    rollouts = [rollout("r1", "g", status="failed", attempt=0), rollout("r1", "g", attempt=1)]
+    b = build_samples(store_of(tmp_path, calls, rollouts=rollouts,
+                               rewards=[reward("r1", 1.0, None), reward("r2", 0.5)]))
+    # the reward without an attempt goes to r1's latest attempt; r2 exists only in calls: its own group
+    got = {r["sample_id"]: (r["group_id"], r["reward"], r["group_size"]) for r in b.samples.to_pylist()}
+    assert got == {"r1~1#0": ("g", 1.0, 1), "r2~0#0": ("r2~0", 0.5, 1)}
+    assert b.merge_breaks.num_rows == 0
