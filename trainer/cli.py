@@ -254,21 +254,28 @@ def rollout(store: Path, rollout_id: str, task_id: str, group_id: str, step: int
 @click.option("--no-std", is_flag=True, help="Advantages r - mean(group), without dividing by the std.")
 def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, no_std: bool) -> None:
     """Build the training samples the trainer would train on, and say how they came out."""
+    from lgt.store.writer import write_parquet_atomic
+
+    _, build = build_for(store, out, mode, tokenizer, std_normalize=not no_std)
+    write_parquet_atomic(build.samples, out)
+    for line in show_mod.render_build(build):
+        click.echo(line)
+    click.echo(f"wrote {show_mod.plural(build.samples.num_rows, 'sample')} to {out}")
+
+
+def build_for(store: Path, out: Path, mode: str, tokenizer: Path | None,
+              std_normalize: bool = True) -> tuple[duckdb.DuckDBPyConnection, Any]:
+    """Check ``--out`` and ``--mode``, then build the store's samples: (connection, SampleBuild)."""
     if not out.parent.is_dir():
         raise click.UsageError(f"--out {out}: directory {out.parent} does not exist")
     if mode == "realign" and tokenizer is None:
         raise click.UsageError("--mode realign needs --tokenizer (it compares decoded text)")
     from lgt.store.samples import build_samples  # the sample builder, only when asked for
-    from lgt.store.writer import write_parquet_atomic
 
     con = open_store(store)
     with user_errors():
         tok = show_mod.load_tokenizer(tokenizer) if tokenizer else None
-        build = build_samples(con, mode=mode, tokenizer=tok, std_normalize=not no_std)
-    write_parquet_atomic(build.samples, out)
-    for line in show_mod.render_build(build):
-        click.echo(line)
-    click.echo(f"wrote {show_mod.plural(build.samples.num_rows, 'sample')} to {out}")
+        return con, build_samples(con, mode=mode, tokenizer=tok, std_normalize=std_normalize)
 
 
 @main.command("show")
@@ -297,17 +304,9 @@ def show_cmd(store: Path, rollout_id: str, attempt: int | None, tokenizer: Path 
 @tokenizer_option
 def report(store: Path, out: Path, title: str | None, mode: str, tokenizer: Path | None) -> None:
     """Write an HTML page: reward per step, samples per rollout, merge breaks, staleness."""
-    if not out.parent.is_dir():
-        raise click.UsageError(f"--out {out}: directory {out.parent} does not exist")
-    if mode == "realign" and tokenizer is None:
-        raise click.UsageError("--mode realign needs --tokenizer (it compares decoded text)")
     from lgt.store.report import write_report
-    from lgt.store.samples import build_samples
 
-    con = open_store(store)
-    with user_errors():
-        tok = show_mod.load_tokenizer(tokenizer) if tokenizer else None
-        build = build_samples(con, mode=mode, tokenizer=tok)
+    con, build = build_for(store, out, mode, tokenizer)
     data = write_report(con, out, title=title or f"lgt store {store}", build=build)
     t = data["totals"]
     click.echo(f"wrote {out}: {t['calls']} calls, {t['rollouts']} rollout attempts, "
