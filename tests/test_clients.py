@@ -763,12 +763,18 @@ def test_reverse_path_on_proxy_port(proxy, upstream, rollout, clean_env, stream)
     assert base.startswith(f"{proxy.url}/r/{rollout}/")
     body = chat_body(f"reverse {stream}")
     with openai_client(base_url=base) as client:
-        if stream:
-            chunks = [c.model_dump() for c in client.chat.completions.create(**body, stream=True)]
-        else:
-            r = client.chat.completions.create(**body)
+        check_reverse_chat(proxy, upstream, rollout, client, body, stream)
         # Anything else under the base URL is forwarded to the upstream too.
         assert [m.id for m in client.models.list()] == [SERVED]
+
+
+def check_reverse_chat(p: ProxyProc, upstream: FakeUpstream, rollout: str, client: Any,
+                       body: dict[str, Any], stream: bool) -> None:
+    """One chat call through a reverse-mode base URL: the agent's view and the record."""
+    if stream:
+        chunks = [c.model_dump() for c in client.chat.completions.create(**body, stream=True)]
+    else:
+        r = client.chat.completions.create(**body)
     ref = reference(upstream, CHAT, body)
     if stream:
         check_stream(CHAT, chunks, True, ref)
@@ -776,7 +782,7 @@ def test_reverse_path_on_proxy_port(proxy, upstream, rollout, clean_env, stream)
         assert r.model == MODEL
         assert_clean(r.model_dump())
         assert content_of(CHAT, r.model_dump()) == content_of(CHAT, ref)
-    check_records(proxy, rollout, [Expect(ref, streamed=stream, host="127.0.0.1")])
+    check_records(p, rollout, [Expect(ref, streamed=stream, host="127.0.0.1")])
 
 
 def reverse_port_base(p: ProxyProc, port: int, rollout: str, token: str | None = None) -> str:
@@ -790,18 +796,7 @@ def test_reverse_port(reverse_proxy, upstream, rollout, clean_env, stream):
     p = lazy.get()
     body = chat_body(f"reverse port {stream}")
     with openai_client(base_url=reverse_port_base(p, port, rollout)) as client:
-        if stream:
-            chunks = [c.model_dump() for c in client.chat.completions.create(**body, stream=True)]
-        else:
-            r = client.chat.completions.create(**body)
-    ref = reference(upstream, CHAT, body)
-    if stream:
-        check_stream(CHAT, chunks, True, ref)
-    else:
-        assert r.model == MODEL
-        assert_clean(r.model_dump())
-        assert content_of(CHAT, r.model_dump()) == content_of(CHAT, ref)
-    check_records(p, rollout, [Expect(ref, streamed=stream, host="127.0.0.1")])
+        check_reverse_chat(p, upstream, rollout, client, body, stream)
 
 
 @pytest.mark.parametrize("bad", ["zeros", "other-rollout"])
