@@ -154,19 +154,24 @@ def system_ca_file() -> Path | None:
         return None
 
 
-def ca_bundle(confdir: str | os.PathLike) -> Path:
-    """``ca-bundle.pem`` next to the CA: the system CAs followed by the proxy CA (rewritten whole)."""
-    cert = ensure_ca(confdir)
-    bundle = Path(confdir) / "ca-bundle.pem"
+def system_bundle_with(extra: str | os.PathLike, bundle: str | os.PathLike) -> Path:
+    """Write ``bundle``: the system CAs followed by the certificate(s) in ``extra`` (whole: temp
+    file + rename; left alone when already up to date)."""
+    bundle = Path(bundle)
     system = system_ca_file()
     parts = [system.read_bytes().rstrip(b"\n") + b"\n"] if system else []
-    parts.append(cert.read_bytes())
+    parts.append(Path(extra).read_bytes())
     data = b"".join(parts)
     if not bundle.exists() or bundle.read_bytes() != data:
-        tmp = bundle.with_name(f".ca-bundle.{os.getpid()}.tmp")
+        tmp = bundle.with_name(f".{bundle.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, bundle)
     return bundle
+
+
+def ca_bundle(confdir: str | os.PathLike) -> Path:
+    """``ca-bundle.pem`` next to the CA: the system CAs followed by the proxy CA."""
+    return system_bundle_with(ensure_ca(confdir), Path(confdir) / "ca-bundle.pem")
 
 
 def rollout_env(

@@ -150,11 +150,7 @@ def _check_free(host: str, port: int, flag: str) -> None:
 def _upstream_ca_bundle(cfg: ProxyConfig) -> str | None:
     if cfg.upstream_ca is None:
         return None
-    system = auth.system_ca_file()
-    bundle = cfg.proxy_dir / "upstream-ca-bundle.pem"
-    parts = [system.read_bytes()] if system else []
-    bundle.write_bytes(b"\n".join(parts + [Path(cfg.upstream_ca).read_bytes()]))
-    return str(bundle)
+    return str(auth.system_bundle_with(cfg.upstream_ca, cfg.proxy_dir / "upstream-ca-bundle.pem"))
 
 
 async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
