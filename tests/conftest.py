@@ -56,6 +56,18 @@ def sse_objects(text: str) -> list[Any]:
     return out
 
 
+def proxy_python() -> str:
+    """The interpreter that runs ``lgt-proxy``: this one when it has mitmproxy, else the proxy's own
+    environment (tests/trainer/ run in the trainer's, which has no mitmproxy)."""
+    if os.environ.get("LGT_PROXY_PYTHON"):
+        return os.environ["LGT_PROXY_PYTHON"]
+    try:
+        import mitmproxy  # noqa: F401
+        return sys.executable
+    except ImportError:
+        return str(Path(__file__).resolve().parent.parent / ".venv-proxy" / "bin" / "python")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -84,7 +96,7 @@ class ProxyProc:
         self.log_path = self.store.parent / f"proxy-{self.port}.log"
 
     def start(self, timeout: float = 30) -> ProxyProc:
-        cmd = [sys.executable, "-m", "lgt.proxy.cli", "--store", str(self.store),
+        cmd = [proxy_python(), "-m", "lgt.proxy.cli", "--store", str(self.store),
                "--listen-port", str(self.port), "--control-port", str(self.control_port),
                "--flush-seconds", "0.2", *self.args]
         env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
