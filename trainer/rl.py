@@ -1,0 +1,500 @@
+"""The RL math of lgt: pure functions over ``(B, T)`` tensors with explicit masks.
+
+Both trainer backends (torch and verl) use this module, so a loss means the same thing on either.
+Shapes: ``B`` samples (rows), ``T`` token positions, ``V`` vocabulary. A *mask* is ``(B, T)`` with 1
+on the tokens that are trained (the tokens the model generated: the store's ``loss_mask``) and 0
+elsewhere (prompt tokens, tool output, padding). Every function computes in float32 (float64
+inputs stay float64) whatever the input dtype, so bf16 logits give float32 log-probabilities.
+Modes are registered by name in dicts (``AGG_MODES``, ``IS_MODES``, ``KL_KINDS``); an unknown name
+raises ``ValueError`` naming it and listing the choices.
+
+Choices, and where they depart from the usual recipes:
+
+- **Decoupled PPO** (asynchronous training). Three policies meet in one loss: the *behaviour*
+  policy that generated the tokens (its log-probabilities recorded by the engine, the store's
+  ``behaviour_logprobs``), the trainer's *old* policy (the weights at the start of the update,
+  ``old_logprobs``) and the *current* policy (``logp``, with gradient). The PPO ratio
+  ``exp(logp - old)`` is clipped as usual; the importance weight ``exp(old - behaviour)``, truncated
+  (``"truncate"``, TIS) or used as a 0/1 filter (``"mask"``, MIS), is a detached per-token factor
+  that corrects for the behaviour policy being stale (or a different numeric implementation: vLLM
+  vs. the trainer). With one update per batch ``old`` defaults to ``logp.detach()``: ratio 1 and
+  the loss is REINFORCE with advantages, times the IS weight. IS is token-level only.
+- **Asymmetric clip** ("clip-higher"): ``ratio`` is clipped to ``[1 - clip_low, 1 + clip_high]``
+  with ``clip_high`` > ``clip_low`` by default (0.2 / 0.28), so unlikely tokens with positive
+  advantage can grow. Optional **dual clip** (``dual_clip=c``, off by default): for negative
+  advantages the loss is also capped at ``-A * c``, so a huge ratio cannot blow the loss up.
+- ``approx_kl`` (the PPO statistic) is the k3 estimate ``(r - 1) - log r`` of KL(old || current).
+- **KL penalty** against a reference policy, added per token: ``k1 = logp - ref``,
+  ``k2 = (logp - ref)^2 / 2``, ``k3 = exp(ref - logp) - (ref - logp) - 1`` (low variance, always
+  >= 0; its log-ratio clamped to [-20, 20] and value to <= 10 so one odd token cannot dominate).
+- **GRPO advantages** use the *sample* standard deviation (n - 1) and ``eps = 1e-6`` added to it,
+  and give 0 to a group of one or a group whose rewards are all equal — exactly the store's
+  ``sample_rollouts`` macro (store/sql/samples.sql), so advantages computed here and in the store
+  agree.
+- **Loss aggregation** (``AGG_MODES``): ``"token-mean"``, ``"seq-mean-token-mean"``,
+  ``"seq-mean-token-sum"`` as in verl, and ``"rollout"``: ``Σ_i w_i Σ_t mask·l`` with the store's
+  ``loss_weight`` ``w_i = 1 / (R · masked tokens of sample i's rollout)``, so each *rollout* counts
+  once however many samples its calls split into (a rollout split in two samples weighs the same as
+  one unsplit). All modes take the *whole batch's* ``num_tokens`` / ``num_samples`` so that the sum
+  of micro-batch losses equals the whole-batch loss (gradient accumulation needs no rescaling).
+  "Samples" counted by default are the rows with at least one masked token.
+- ``token_logprobs`` never keeps a float32 ``(B, T, V)`` copy: it walks ``T`` in chunks, computes
+  ``logit[target] - logsumexp(logits)`` per chunk in float32, saves only the input logits for
+  backward and recomputes each chunk's softmax there (a custom autograd function).
+- Masked positions never leak: per-token outputs are 0 where the mask is 0 (IS weights are 1 there:
+  no correction) and values at masked-out positions (even inf/NaN) do not reach sums.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AGG_MODES",
+    "IS_MODES",
+    "KL_KINDS",
+    "LossConfig",
+    "aggregate_loss",
+    "grpo_advantages",
+    "importance_weights",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "policy_loss",
+    "ppo_clip_loss",
+    "token_logprobs",
+]
+
+# Elements of one float32 chunk in token_logprobs (B * chunk * V): 2**24 floats = 64 MiB.
+DEFAULT_CHUNK_ELEMENTS = 2**24
+# Largest |log ratio| exponentiated (exp(20) ~ 4.9e8): keeps ratios finite.
+MAX_LOG_RATIO = 20.0
+
+
+def _upcast(x: Tensor) -> Tensor:
+    """``x`` as float32, or float64 when it already is."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _unknown(kind: str, value: object, choices: Mapping[str, object]) -> ValueError:
+    return ValueError(f"unknown {kind} {value!r}; choose one of: {', '.join(choices)}")
+
+
+def _check_same_shape(**tensors: Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"these tensors must have the same shape: {listed}")
+
+
+# --- masks ----------------------------------------------------------------------------------------
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ x·mask over ``dim`` (all dims when None); positions where mask is 0 are ignored even if
+    ``x`` is inf or NaN there. ``x``, ``mask``: same shape (or broadcastable). Float32 or wider."""
+    x = _upcast(x)
+    m = mask.to(x.dtype)
+    y = torch.where(m != 0, x * m, torch.zeros((), dtype=x.dtype, device=x.device))
+    return y.sum() if dim is None else y.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ x·mask / Σ mask over ``dim`` (all dims when None); 0 where the mask is empty."""
+    num = masked_sum(x, mask, dim)
+    den = mask.to(num.dtype).sum() if dim is None else mask.to(num.dtype).sum(dim)
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(num.dtype).tiny), torch.zeros_like(num))
+
+
+# --- log-probabilities ----------------------------------------------------------------------------
+
+def _chunk_len(batch: int, vocab: int, chunk_size: int | None) -> int:
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of positions, not {chunk_size}")
+        return chunk_size
+    return max(1, DEFAULT_CHUNK_ELEMENTS // max(1, batch * vocab))
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """out[:, t] = logits[:, t-1, ids[:, t]] - logsumexp(logits[:, t-1]) for t >= 1, out[:, 0] = 0,
+    chunked over T; backward recomputes each chunk's softmax, so only ``logits`` itself is saved."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, input_ids: Tensor, chunk: int) -> Tensor:  # type: ignore[override]
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        t = input_ids.shape[1]
+        out = torch.zeros(input_ids.shape, dtype=dtype, device=logits.device)
+        for s in range(0, t - 1, chunk):
+            e = min(s + chunk, t - 1)
+            x = logits[:, s:e].to(dtype)  # (B, c, V): the only float32 chunk alive
+            out[:, s + 1:e + 1] = x.gather(-1, input_ids[:, s + 1:e + 1, None]).squeeze(-1) - x.logsumexp(-1)
+        ctx.save_for_backward(logits, input_ids)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        # d out[b, t+1] / d logits[b, t, v] = 1[v == ids[b, t+1]] - softmax(logits[b, t])[v]
+        logits, input_ids = ctx.saved_tensors
+        chunk, t = ctx.chunk, input_ids.shape[1]
+        grad = torch.empty_like(logits)
+        grad[:, t - 1:] = 0  # the last position predicts no input token
+        for s in range(0, t - 1, chunk):
+            e = min(s + chunk, t - 1)
+            g = grad_out[:, s + 1:e + 1, None]
+            p = logits[:, s:e].to(grad_out.dtype).softmax(-1)
+            p.mul_(-g).scatter_add_(-1, input_ids[:, s + 1:e + 1, None], g)
+            grad[:, s:e] = p
+        return grad, None, None
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, *, chunk_size: int | None = None) -> Tensor:
+    """Log-probability of each input token under the model that produced ``logits``.
+
+    logits: (B, T, V), any float dtype; input_ids: (B, T) integer. Returns (B, T) float32 (float64
+    for float64 logits): ``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` for t >= 1 (the
+    logits at position t-1 predict token t) and ``out[:, 0] = 0``, aligned with the store's
+    ``loss_mask`` / ``behaviour_logprobs``. Memory: processes ``chunk_size`` positions at a time
+    (default: as many as keep one float32 chunk under 2**24 elements), saves only ``logits`` for
+    backward (no float32 copy) and writes the gradient straight into one tensor like ``logits``.
+    """
+    if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
+        raise ValueError(f"logits must be (B, T, V) and input_ids (B, T); got {tuple(logits.shape)} "
+                         f"and {tuple(input_ids.shape)}")
+    if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"logits must be floating point, not {logits.dtype}")
+    b, _, v = logits.shape
+    return _TokenLogprobs.apply(logits, input_ids.long(), _chunk_len(b, v, chunk_size))
+
+
+# --- advantages -----------------------------------------------------------------------------------
+
+def grpo_advantages(rewards: Tensor, group_index: Tensor, *, std_normalize: bool = True,
+                    eps: float = 1e-6) -> Tensor:
+    """GRPO advantages: each reward minus its group's mean, divided by (group std + eps).
+
+    rewards: (N,) float; group_index: (N,) integer group ids (any values; equal id = same group).
+    Returns (N,) float32 (float64 for float64 rewards). std is the *sample* standard deviation
+    (n - 1 denominator); a group of one, or whose rewards are all equal, gets 0. This is the store's
+    rule (``sample_rollouts`` in store/sql/samples.sql: ``stddev_samp``, ``eps := 1e-6``,
+    ``zero_variance``). ``std_normalize=False`` gives ``r - mean`` (Dr. GRPO).
+    """
+    if rewards.dim() != 1 or group_index.shape != rewards.shape:
+        raise ValueError(f"rewards and group_index must both be (N,); got {tuple(rewards.shape)} "
+                         f"and {tuple(group_index.shape)}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, not {eps!r}")
+    r = _upcast(rewards.detach())
+    if r.numel() == 0:
+        return r.clone()
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
+    mean = torch.zeros_like(count).index_add_(0, inverse, r) / count
+    dev = r - mean[inverse]
+    lo = torch.full_like(count, math.inf).scatter_reduce_(0, inverse, r, "amin")
+    hi = torch.full_like(count, -math.inf).scatter_reduce_(0, inverse, r, "amax")
+    flat = (lo == hi)[inverse]  # a group of one is flat too
+    if std_normalize:
+        ss = torch.zeros_like(count).index_add_(0, inverse, dev * dev)
+        std = (ss / (count - 1).clamp_min(1)).sqrt()
+        dev = dev / (std[inverse] + eps)
+    return torch.where(flat, torch.zeros_like(dev), dev)
+
+
+# --- importance sampling correction ---------------------------------------------------------------
+
+def _is_ratio(logp_old: Tensor, behaviour_logp: Tensor) -> Tensor:
+    log_ratio = (_upcast(logp_old.detach()) - _upcast(behaviour_logp.detach()))
+    return log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+
+
+def _is_none(ratio: Tensor, cap: float) -> Tensor:
+    return torch.ones_like(ratio)
+
+
+def _is_truncate(ratio: Tensor, cap: float) -> Tensor:
+    return ratio.clamp(max=cap)
+
+
+def _is_mask(ratio: Tensor, cap: float) -> Tensor:
+    return ((ratio >= 1.0 / cap) & (ratio <= cap)).to(ratio.dtype)
+
+
+IS_MODES: dict[str, Callable[[Tensor, float], Tensor]] = {
+    "none": _is_none,          # no correction: weight 1
+    "truncate": _is_truncate,  # TIS: min(exp(old - behaviour), cap)
+    "mask": _is_mask,          # MIS: 1 where exp(old - behaviour) in [1/cap, cap], else 0
+}
+
+
+def _check_is(mode: str, cap: float) -> None:
+    if mode not in IS_MODES:
+        raise _unknown("importance-sampling mode", mode, IS_MODES)
+    if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap >= 1.0):
+        raise ValueError(f"the importance-weight cap must be a finite number >= 1, not {cap!r}")
+
+
+def importance_weights(logp_old: Tensor, behaviour_logp: Tensor, mask: Tensor, *, mode: str = "truncate",
+                       cap: float = 2.0) -> Tensor:
+    """Per-token importance weights correcting the behaviour (engine) policy to the old policy.
+
+    logp_old, behaviour_logp, mask: (B, T). Returns (B, T) float32, detached (no gradient flows into
+    the weights). ``mode`` in ``IS_MODES``: "none" (1), "truncate" (``min(exp(old - behaviour),
+    cap)``), "mask" (1 where ``exp(old - behaviour)`` is within ``[1/cap, cap]``, else 0). Where the
+    mask is 0 the weight is 1 (nothing to correct; the loss masks those positions anyway).
+    """
+    _check_is(mode, cap)
+    _check_same_shape(logp_old=logp_old, behaviour_logp=behaviour_logp, mask=mask)
+    ratio = _is_ratio(logp_old, behaviour_logp)
+    w = IS_MODES[mode](ratio, float(cap))
+    return torch.where(mask != 0, w, torch.ones_like(w)).detach()
+
+
+# --- policy-gradient and KL terms -----------------------------------------------------------------
+
+def _broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
+    a = _upcast(advantages.detach()).to(like.dtype)
+    if a.dim() == 1 and a.shape[0] == like.shape[0]:
+        return a[:, None].expand_as(like)
+    if a.shape != like.shape:
+        raise ValueError(f"advantages must be (B,) or (B, T) = {tuple(like.shape)}, not {tuple(a.shape)}")
+    return a
+
+
+def ppo_clip_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor, *,
+                  clip_low: float = 0.2, clip_high: float = 0.28,
+                  dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate, per token.
+
+    logp (B, T) with gradient; logp_old (B, T) (treated as constant); advantages (B, T) or (B,);
+    mask (B, T). ``ratio = exp(logp - old)``; ``loss = max(-A·ratio, -A·clip(ratio, 1 - clip_low,
+    1 + clip_high))``, and with ``dual_clip = c`` (> 1) the loss of negative-advantage tokens is
+    capped at ``-A·c``. Returns (per-token loss (B, T), 0 where the mask is 0; stats of detached
+    scalar tensors: ``clipfrac`` (tokens where the clipped term was taken), ``ratio_mean``,
+    ``approx_kl`` (k3 estimate of KL(old || current)), and ``dual_clipfrac`` when dual clip is on).
+    """
+    _check_clip(clip_low, clip_high, dual_clip)
+    _check_same_shape(logp=logp, logp_old=logp_old, mask=mask)
+    logp = _upcast(logp)
+    log_ratio = (logp - _upcast(logp_old.detach()).to(logp.dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    adv = _broadcast_advantages(advantages, logp)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    stats = {
+        "clipfrac": masked_mean((clipped > unclipped).to(logp.dtype), mask).detach(),
+        "ratio_mean": masked_mean(ratio.detach(), mask),
+        "approx_kl": masked_mean((ratio - 1.0 - log_ratio).detach(), mask),
+    }
+    if dual_clip is not None:
+        capped = (adv < 0) & (loss > -adv * dual_clip)
+        loss = torch.where(capped, -adv * dual_clip, loss)
+        stats["dual_clipfrac"] = masked_mean(capped.to(logp.dtype), mask)
+    loss = torch.where(mask != 0, loss, torch.zeros_like(loss))
+    return loss, stats
+
+
+def _kl_k1(log_ratio: Tensor) -> Tensor:
+    return log_ratio
+
+
+def _kl_k2(log_ratio: Tensor) -> Tensor:
+    return 0.5 * log_ratio.square()
+
+
+def _kl_k3(log_ratio: Tensor) -> Tensor:
+    # with d = ref - logp: exp(d) - d - 1 >= 0, unbiased for KL(current || ref) on current's samples
+    d = (-log_ratio).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return (d.exp() - d - 1.0).clamp(max=10.0)
+
+
+KL_KINDS: dict[str, Callable[[Tensor], Tensor]] = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token KL estimate of the current policy against a reference policy.
+
+    logp (B, T) with gradient, ref_logp (B, T) (constant). Returns (B, T) float32; ``kind`` in
+    ``KL_KINDS``: "k1" ``logp - ref``, "k2" ``(logp - ref)^2 / 2``, "k3" ``exp(ref - logp) - (ref -
+    logp) - 1`` (>= 0, clamped to <= 10). Not masked: aggregate it with the loss mask.
+    """
+    if kind not in KL_KINDS:
+        raise _unknown("KL estimator", kind, KL_KINDS)
+    _check_same_shape(logp=logp, ref_logp=ref_logp)
+    logp = _upcast(logp)
+    return KL_KINDS[kind](logp - _upcast(ref_logp.detach()).to(logp.dtype))
+
+
+# --- loss aggregation -----------------------------------------------------------------------------
+
+def _agg_token_mean(per_token: Tensor, mask: Tensor, sample_weights: Tensor | None, num_tokens: float | None,
+                    num_samples: float | None) -> Tensor:
+    total = masked_sum(per_token, mask)
+    if num_tokens is not None:
+        return total / float(num_tokens) if num_tokens > 0 else total * 0  # 0 tokens: total is 0
+    return total / mask.to(total.dtype).sum().clamp_min(1.0)  # no tokens: total is 0
+
+
+def _per_rows(total: Tensor, mask: Tensor, num_samples: float | None) -> Tensor:
+    if num_samples is not None:
+        return total / float(num_samples) if num_samples > 0 else total * 0
+    return total / (mask != 0).any(-1).to(total.dtype).sum().clamp_min(1.0)  # no rows: total is 0
+
+
+def _agg_seq_mean_token_mean(per_token: Tensor, mask: Tensor, sample_weights: Tensor | None,
+                             num_tokens: float | None, num_samples: float | None) -> Tensor:
+    return _per_rows(masked_mean(per_token, mask, dim=-1).sum(), mask, num_samples)
+
+
+def _agg_seq_mean_token_sum(per_token: Tensor, mask: Tensor, sample_weights: Tensor | None,
+                            num_tokens: float | None, num_samples: float | None) -> Tensor:
+    return _per_rows(masked_sum(per_token, mask), mask, num_samples)
+
+
+def _agg_rollout(per_token: Tensor, mask: Tensor, sample_weights: Tensor | None, num_tokens: float | None,
+                 num_samples: float | None) -> Tensor:
+    if sample_weights is None:
+        raise ValueError('loss aggregation "rollout" needs sample_weights (the samples\' loss_weight column)')
+    if sample_weights.shape != per_token.shape[:1]:
+        raise ValueError(f"sample_weights must be (B,) = ({per_token.shape[0]},), "
+                         f"not {tuple(sample_weights.shape)}")
+    per_sample = masked_sum(per_token, mask, dim=-1)
+    return (per_sample * _upcast(sample_weights.detach()).to(per_sample.dtype)).sum()
+
+
+AggFn = Callable[[Tensor, Tensor, Tensor | None, float | None, float | None], Tensor]
+AGG_MODES: dict[str, AggFn] = {
+    "token-mean": _agg_token_mean,                    # Σ mask·l / num_tokens
+    "seq-mean-token-mean": _agg_seq_mean_token_mean,  # Σ_i mean_t l_i / num_samples
+    "seq-mean-token-sum": _agg_seq_mean_token_sum,    # Σ_i Σ_t l_i / num_samples
+    "rollout": _agg_rollout,                          # Σ_i w_i Σ_t mask·l, w_i = 1 / (R · rollout tokens)
+}
+
+
+def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str, *, sample_weights: Tensor | None = None,
+                   num_tokens: float | None = None, num_samples: float | None = None) -> Tensor:
+    """Reduce a per-token loss (B, T) under ``mask`` (B, T) to a scalar; ``mode`` in ``AGG_MODES``.
+
+    "token-mean": ``Σ mask·l / num_tokens`` (default ``mask.sum()``); "seq-mean-token-mean":
+    ``Σ_i (Σ_t mask·l_i / Σ_t mask_i) / num_samples``; "seq-mean-token-sum": ``Σ_i Σ_t mask·l_i /
+    num_samples`` (default: rows with at least one masked token); "rollout": ``Σ_i w_i Σ_t mask·l_i``
+    with ``sample_weights`` w (B,) the store's ``loss_weight`` (each rollout counts once; the weights
+    are already global, so num_tokens / num_samples are not used). For micro-batches pass the whole
+    batch's ``num_tokens`` / ``num_samples``: the micro-batch losses then sum to the batch loss.
+    An empty mask (or num_tokens / num_samples 0) gives 0, still connected to the graph.
+    """
+    if mode not in AGG_MODES:
+        raise _unknown("loss aggregation", mode, AGG_MODES)
+    _check_same_shape(per_token=per_token, mask=mask)
+    if per_token.dim() != 2:
+        raise ValueError(f"per_token and mask must be (B, T), not {tuple(per_token.shape)}")
+    for name, value in (("num_tokens", num_tokens), ("num_samples", num_samples)):
+        if value is not None and not (math.isfinite(float(value)) and float(value) >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
+    return AGG_MODES[mode](per_token, mask, sample_weights, num_tokens, num_samples)
+
+
+# --- the loss of one (micro-)batch ----------------------------------------------------------------
+
+def _check_clip(clip_low: float, clip_high: float, dual_clip: float | None) -> None:
+    if not (0.0 <= clip_low < 1.0):
+        raise ValueError(f"clip_low must be in [0, 1), not {clip_low!r}")
+    if not (math.isfinite(clip_high) and clip_high >= 0.0):
+        raise ValueError(f"clip_high must be a finite number >= 0, not {clip_high!r}")
+    if dual_clip is not None and not (math.isfinite(dual_clip) and dual_clip > 1.0):
+        raise ValueError(f"dual_clip must be a finite number > 1 (or None to turn it off), not {dual_clip!r}")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Policy-loss settings (see the module docstring for what each means)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    is_mode: str = "truncate"
+    is_cap: float = 2.0
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    agg: str = "rollout"
+    dual_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_clip(self.clip_low, self.clip_high, self.dual_clip)
+        _check_is(self.is_mode, self.is_cap)
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0.0):
+            raise ValueError(f"kl_coef must be a finite number >= 0, not {self.kl_coef!r}")
+        if self.kl_kind not in KL_KINDS:
+            raise _unknown("KL estimator", self.kl_kind, KL_KINDS)
+        if self.agg not in AGG_MODES:
+            raise _unknown("loss aggregation", self.agg, AGG_MODES)
+
+
+def _batch_tensor(batch: Mapping[str, Tensor], key: str, why: str) -> Tensor:
+    if key not in batch or batch[key] is None:
+        raise ValueError(f'the batch has no "{key}" ({why})')
+    return batch[key]
+
+
+def policy_loss(logp: Tensor, batch: Mapping[str, Tensor], cfg: LossConfig, *,
+                num_tokens: float | None = None,
+                num_samples: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The loss of one (micro-)batch: ``aggregate(ppo_clip · is_weight + kl_coef · kl)``.
+
+    logp: (B, T) current log-probabilities with gradient (``token_logprobs``). batch:
+    "loss_mask" (B, T); "advantages" (B,) or (B, T); "behaviour_logprobs" (B, T) (engine's, 0 off the
+    mask); optional "old_logprobs" (B, T) (default ``logp.detach()``: ratio 1), "loss_weight" (B,)
+    (needed by agg "rollout"), "ref_logprobs" (B, T) (needed when ``kl_coef`` > 0). ``num_tokens`` /
+    ``num_samples``: whole-batch totals when this is a micro-batch (see ``aggregate_loss``).
+    Returns (scalar loss, metrics). "loss/*" metrics are this micro-batch's contributions (they sum
+    over micro-batches to the batch's value; "loss/kl" is before ``kl_coef``); "actor/*" are means
+    over this micro-batch's masked tokens.
+    """
+    mask = _batch_tensor(batch, "loss_mask", "1 on the tokens to train")
+    advantages = _batch_tensor(batch, "advantages", "one per sample or per token")
+    behaviour = _batch_tensor(batch, "behaviour_logprobs", "the engine's log-probabilities")
+    old = batch.get("old_logprobs")
+    old = logp.detach() if old is None else old
+    _check_same_shape(logp=logp, loss_mask=mask, behaviour_logprobs=behaviour, old_logprobs=old)
+    weights = batch.get("loss_weight")
+    if cfg.agg == "rollout":
+        weights = _batch_tensor(batch, "loss_weight", 'loss aggregation "rollout" weighs samples by it')
+
+    def agg(x: Tensor) -> Tensor:
+        return aggregate_loss(x, mask, cfg.agg, sample_weights=weights, num_tokens=num_tokens,
+                              num_samples=num_samples)
+
+    is_w = importance_weights(old, behaviour, mask, mode=cfg.is_mode, cap=cfg.is_cap)
+    pg, stats = ppo_clip_loss(logp, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                              dual_clip=cfg.dual_clip)
+    pg_loss = agg(pg * is_w)
+    loss = pg_loss
+    metrics = {"loss/pg": float(pg_loss.detach())}
+    if cfg.kl_coef > 0:
+        ref = _batch_tensor(batch, "ref_logprobs",
+                            "kl_coef > 0 needs the reference policy's log-probabilities")
+        _check_same_shape(logp=logp, ref_logprobs=ref)
+        kl_loss = agg(kl_penalty(logp, ref, cfg.kl_kind))
+        loss = loss + cfg.kl_coef * kl_loss
+        metrics["loss/kl"] = float(kl_loss.detach())
+    metrics["loss/total"] = float(loss.detach())
+    ratio = _is_ratio(old, behaviour)
+    kept = is_w if cfg.is_mode != "truncate" else (ratio <= cfg.is_cap).to(ratio.dtype)
+    metrics.update({
+        "actor/clipfrac": float(stats["clipfrac"]),
+        "actor/ratio_mean": float(stats["ratio_mean"]),
+        "actor/approx_kl": float(stats["approx_kl"]),
+        "actor/is_weight_mean": float(masked_mean(is_w, mask)),
+        "actor/is_clipped_frac": float(masked_mean(1.0 - kept, mask)),
+        "actor/behaviour_kl": float(masked_mean(_upcast(old.detach()) - _upcast(behaviour.detach()), mask)),
+    })
+    if "dual_clipfrac" in stats:
+        metrics["actor/dual_clipfrac"] = float(stats["dual_clipfrac"])
+    return loss, metrics
