@@ -1,0 +1,95 @@
+"""The fork server: each rollout a warm forked process with exactly its own env, cwd, files, exit status."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lgt.trainer.forkserver import ForkServer, ForkServerError, python_script_command
+
+AGENT = """
+import json, os, sys, time
+print(json.dumps({"x": os.environ.get("X"), "argv": sys.argv[1:], "cwd": os.getcwd(),
+                  "leader": os.getpgid(0) == os.getpid(), "name": __name__,
+                  "json_loaded_before": "decimal" in sys.modules}))
+print("to stderr", file=sys.stderr)
+if sys.argv[1] == "sleep":
+    time.sleep(60)
+if sys.argv[1] == "raise":
+    raise RuntimeError("agent crashed")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_children_get_their_own_env_cwd_files_and_exit_codes(tmp_path: Path) -> None:
+    (tmp_path / "agent.py").write_text(AGENT)
+    work = tmp_path / "work"
+    work.mkdir()
+
+    async def main():
+        fs = await ForkServer.start(sys.executable, ["decimal"])
+        try:
+            procs = [await fs.spawn([str(tmp_path / "agent.py"), str(code)], {"X": f"x{i}"}, work,
+                                    tmp_path / f"{i}.out", tmp_path / f"{i}.err")
+                     for i, code in enumerate([0, 3, 0, 7])]
+            return [p.pid for p in procs], [await p.wait() for p in procs]
+        finally:
+            await fs.aclose()
+
+    pids, codes = run(main())
+    assert codes == [0, 3, 0, 7]
+    assert len(set(pids)) == 4
+    import json
+    for i in range(4):
+        out = json.loads((tmp_path / f"{i}.out").read_text())
+        assert out["x"] == f"x{i}" and out["cwd"] == str(work) and out["leader"] and out["name"] == "__main__"
+        assert out["json_loaded_before"]  # the preloaded module was already imported
+        assert (tmp_path / f"{i}.err").read_text() == "to stderr\n"
+
+
+def test_crash_kill_and_environment_isolation(tmp_path: Path) -> None:
+    (tmp_path / "agent.py").write_text(AGENT)
+    os.environ["LGT_TEST_PARENT_ONLY"] = "1"
+
+    async def main():
+        fs = await ForkServer.start(sys.executable, [])
+        try:
+            crash = await fs.spawn([str(tmp_path / "agent.py"), "raise"], {}, tmp_path,
+                                   tmp_path / "c.out", tmp_path / "c.err")
+            sleeper = await fs.spawn([str(tmp_path / "agent.py"), "sleep"], {}, tmp_path,
+                                     tmp_path / "s.out", tmp_path / "s.err")
+            t = time.monotonic()
+            while not (tmp_path / "s.out").exists() or not (tmp_path / "s.out").read_text():
+                await asyncio.sleep(0.02)
+                assert time.monotonic() - t < 20
+            os.killpg(sleeper.pid, signal.SIGKILL)
+            return await crash.wait(), await sleeper.wait()
+        finally:
+            await fs.aclose()
+
+    crash_code, killed_code = run(main())
+    assert crash_code == 1 and "RuntimeError: agent crashed" in (tmp_path / "c.err").read_text()
+    assert killed_code == -signal.SIGKILL
+    assert "LGT_TEST_PARENT_ONLY" not in (tmp_path / "c.out").read_text()
+
+
+def test_bad_preload_is_one_sentence() -> None:
+    with pytest.raises(ForkServerError, match="could not import no_such_module_xyz"):
+        run(ForkServer.start(sys.executable, ["no_such_module_xyz"]))
+
+
+def test_python_script_command() -> None:
+    assert python_script_command(["python", "agent.py", "-v"]) == ("python", ["agent.py", "-v"])
+    assert python_script_command(["/x/bin/python3.11", "a.py"]) == ("/x/bin/python3.11", ["a.py"])
+    assert python_script_command(["python", "-m", "agent"]) is None
+    assert python_script_command(["node", "agent.js"]) is None
