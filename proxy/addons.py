@@ -66,6 +66,8 @@ class Runtime:
     max_body_bytes: int = 32 << 20
     retry_after_s: int = 5
     seqs: dict[tuple[str, int], int] = field(default_factory=dict)
+    # the latest whole-rollout reward per (rollout, attempt) recorded since start, for GET /rewards
+    recent_rewards: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def add_reward(self, identity: Identity, body: Any, source: str) -> dict[str, Any]:
         """Validate and durably record one reward; ValueError (one sentence) for bad input."""
@@ -73,6 +75,11 @@ class Runtime:
             raise ValueError("this proxy records no rewards")
         row = reward_row(identity, body, source)
         self.rewards.append(row)
+        if row["call_id"] is None:
+            self.recent_rewards.pop((row["rollout_id"], row["attempt"]), None)  # keep insertion order
+            self.recent_rewards[(row["rollout_id"], row["attempt"])] = row["value"]
+            while len(self.recent_rewards) > RECENT_REWARDS:
+                self.recent_rewards.pop(next(iter(self.recent_rewards)))
         return {"reward_id": row["reward_id"], "rollout_id": row["rollout_id"],
                 "attempt": row["attempt"], "value": row["value"]}
 
@@ -83,6 +90,7 @@ class Runtime:
         return n
 
 
+RECENT_REWARDS = 200_000  # rewards GET /rewards answers from memory (older ones: query the store)
 REWARD_HOST = "lgt.invalid"  # agents report rewards to http://lgt.invalid/reward through the proxy
 
 

@@ -7,6 +7,8 @@
     GET  /metrics                          Prometheus text
     POST /rewards {"rollout_id": "r1", "value": 1.0, "attempt": 0, "call_id": null}
                                            record a reward (an evaluator's; agents use lgt.invalid)
+    GET  /rewards?rollout_id=r1&attempt=0  {"value": 1.0 | null}: the latest whole-rollout reward
+                                           recorded since this proxy started (no store query)
     POST /flush                            make every recorded call and reward visible as Parquet
     GET  /healthz                          no token needed
 """
@@ -131,6 +133,15 @@ def make_app(rt: Runtime, token: str) -> web.Application:
             return _error(400, str(e))
         return web.json_response(result)
 
+    async def get_reward(request: web.Request) -> web.Response:
+        rid, attempt = request.query.get("rollout_id", ""), request.query.get("attempt", "0")
+        try:
+            key = (parse_identity(rid).rollout_id, int(attempt))
+        except (AuthError, ValueError):
+            return _error(400, "give ?rollout_id=<id>&attempt=<n> (a rollout id and a whole number)")
+        return web.json_response({"rollout_id": key[0], "attempt": key[1],
+                                  "value": rt.recent_rewards.get(key)})
+
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
@@ -142,5 +153,6 @@ def make_app(rt: Runtime, token: str) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/flush", flush)
     app.router.add_post("/rewards", rewards)
+    app.router.add_get("/rewards", get_reward)
     app.router.add_get("/healthz", healthz)
     return app

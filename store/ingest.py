@@ -76,6 +76,35 @@ def add_rollout(store: str | os.PathLike, rollout_id: str, *, attempt: int = 0,
     Every field is written as given: a later row replaces the whole earlier one. Returns the row.
     """
     root = _store_root(store)
+    row = rollout_row(rollout_id, attempt=attempt, task_id=task_id, group_id=group_id, step=step,
+                      status=status, exit_code=exit_code, started_at=started_at, ended_at=ended_at,
+                      resource_version=resource_version, metadata=metadata)
+    migrate(root)
+    _write_rows(root, "rollouts", [row])
+    return row
+
+
+def add_rows(store: str | os.PathLike, rollouts: list[dict[str, Any]],
+             rewards: list[dict[str, Any]]) -> None:
+    """Many rows made by :func:`rollout_row` / :func:`attempt_reward_row` in one file per table.
+
+    For a rollout controller recording a batch of attempts it ran itself: no store query, two files
+    however many rows (one file per row would leave the views reading thousands of tiny files).
+    """
+    root = _store_root(store)
+    migrate(root)
+    if rollouts:
+        _write_rows(root, "rollouts", rollouts)
+    if rewards:
+        _write_rows(root, "rewards", rewards)
+
+
+def rollout_row(rollout_id: str, *, attempt: int = 0, task_id: str | None = None,
+                group_id: str | None = None, step: int | None = None, status: str = "ok",
+                exit_code: int | None = None, started_at: dt.datetime | None = None,
+                ended_at: dt.datetime | None = None, resource_version: str | None = None,
+                metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A validated ``rollouts`` row (ValueError, one sentence, for bad input)."""
     _check_id("rollout id", rollout_id)
     _check_int("attempt", attempt)
     if status not in ROLLOUT_STATUSES:
@@ -100,13 +129,20 @@ def add_rollout(store: str | os.PathLike, rollout_id: str, *, attempt: int = 0,
             raise ValueError(f"rollout metadata is not JSON: {e}") from None
     else:
         metadata_json = None
-    migrate(root)
-    row = {"rollout_id": rollout_id, "attempt": attempt, "task_id": task_id, "group_id": group_id,
-           "step": step, "status": status, "exit_code": exit_code, "started_at": started_at,
-           "ended_at": ended_at, "resource_version": resource_version,
-           "metadata_json": metadata_json, "recorded_at": _now()}
-    _write_rows(root, "rollouts", [row])
-    return row
+    return {"rollout_id": rollout_id, "attempt": attempt, "task_id": task_id, "group_id": group_id,
+            "step": step, "status": status, "exit_code": exit_code, "started_at": started_at,
+            "ended_at": ended_at, "resource_version": resource_version,
+            "metadata_json": metadata_json, "recorded_at": _now()}
+
+
+def attempt_reward_row(rollout_id: str, value: Any, *, attempt: int, source: str) -> dict[str, Any]:
+    """A validated whole-rollout ``rewards`` row for an attempt the caller knows exists."""
+    _check_id("rollout id", rollout_id)
+    _check_int("attempt", attempt)
+    if not isinstance(source, str) or not source:
+        raise ValueError("a reward's source must be a non-empty string like 'cli'")
+    return {"reward_id": uuid.uuid4().hex, "rollout_id": rollout_id, "attempt": attempt,
+            "call_id": None, "value": reward_value(value), "source": source, "recorded_at": _now()}
 
 
 def reward_value(value: Any) -> float:

@@ -502,6 +502,11 @@ def test_an_agent_reports_its_reward_through_the_proxy(
     assert len(upstream.requests) == before  # nothing was forwarded
     assert rewards_of(proxy, rollout) == [(0, None, 0.75, "proxy"), (0, None, 1.0, "proxy"),
                                           (2, None, 0.5, "proxy")]
+    # the latest reward per attempt, from memory (what a rollout controller asks after each rollout)
+    for attempt, value in ((0, 1.0), (2, 0.5), (1, None)):
+        status, body = proxy.control("GET", f"/rewards?rollout_id={rollout}&attempt={attempt}")
+        assert status == 200 and body["value"] == value
+    assert proxy.control("GET", "/rewards?rollout_id=a%20b&attempt=x")[0] == 400
 
 
 def test_an_evaluator_posts_rewards_to_the_control_api(proxy: ProxyProc, rollout: str) -> None:

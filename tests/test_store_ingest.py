@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from lgt.store import migrations, schema
-from lgt.store.ingest import add_reward, add_rollout
+from lgt.store.ingest import add_reward, add_rollout, add_rows, attempt_reward_row, rollout_row
 from lgt.store.migrations import META_DIR, RECORD, StoreVersionError, migrate, store_version
 from lgt.store.query import StoreFileError, connect
 from lgt.store.show import load_tokenizer, load_trajectory, render
@@ -138,6 +138,25 @@ def fresh(store: Path, tmp_path: Path) -> Path:
 
 
 # --- rewards ---------------------------------------------------------------------------------------
+
+def test_a_batch_of_attempts_is_two_files_and_lands_in_the_views(fresh: Path) -> None:
+    before = {t: len(list((fresh / t).glob("*.parquet"))) for t in ("rollouts", "rewards")}
+    rows = [rollout_row(f"batch-{i}", attempt=i % 2, group_id="g1", status="ok" if i else "failed",
+                        metadata={"seconds": i}) for i in range(5)]
+    rewards = [attempt_reward_row(f"batch-{i}", i / 4, attempt=i % 2, source="stdout") for i in range(1, 5)]
+    add_rows(fresh, rows, rewards)
+    after = {t: len(list((fresh / t).glob("*.parquet"))) for t in ("rollouts", "rewards")}
+    assert after == {t: n + 1 for t, n in before.items()}
+    con = connect(fresh)
+    got = con.execute("SELECT o.rollout_id, o.status, w.value FROM rollouts o LEFT JOIN rewards w "
+                      "USING (rollout_id, attempt) WHERE o.rollout_id LIKE 'batch-%' ORDER BY 1").fetchall()
+    assert got == [("batch-0", "failed", None), ("batch-1", "ok", 0.25), ("batch-2", "ok", 0.5),
+                   ("batch-3", "ok", 0.75), ("batch-4", "ok", 1.0)]
+    with pytest.raises(ValueError, match="not one of"):
+        rollout_row("x", status="great")
+    with pytest.raises(ValueError, match="finite number"):
+        attempt_reward_row("x", float("inf"), attempt=0, source="stdout")
+
 
 def test_rewards_land_in_the_views(store: Path) -> None:
     con = connect(store)

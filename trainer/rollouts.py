@@ -1,0 +1,704 @@
+"""The rollout controller: run an unmodified agent program once per rollout, through lgt-proxy.
+
+Each attempt of a rollout is one process (``AgentSpec.command``) in its own process group, with:
+
+* the machine's environment minus its proxy, CA and lgt-secret variables (:data:`STRIPPED_VARS`);
+* the rollout's proxy variables from :func:`lgt.proxy.auth.rollout_env` for identity
+  ``<rollout_id>~<attempt>`` (``base_url`` mode sets no ``HTTP(S)_PROXY``: the agent is given
+  ``LGT_PROXY_BASE_URL`` and a reverse-mode ``LGT_REWARD_URL``);
+* one variable per task field, ``TASK_<FIELD>`` (upper case, anything not a letter or digit → ``_``;
+  strings as they are, other values as JSON), ``TASK_JSON`` (path of a file holding the whole task),
+  ``TASK_ID`` and ``REWARD_FILE`` (a path the agent may write ``0.5`` or ``{"reward": 0.5}`` to);
+* ``AgentSpec.env``, whose values may name any of the above as ``${VAR}``.
+
+stdout and stderr go to ``<run_dir>/rollouts/<rollout_id>~<attempt>.out`` / ``.err``. Past
+``timeout_s`` the whole group gets SIGTERM, then SIGKILL after ``kill_grace_s``: status ``timeout``.
+A non-zero exit is ``failed``. After a zero exit the reward is taken from the first of:
+
+1. the proxy's reward endpoint (the agent POSTed to ``$LGT_REWARD_URL``): the proxy is flushed and the
+   store's latest whole-rollout reward for this rollout attempt is read;
+2. the reward file;
+3. the last line of stdout, when it is a number or ``{"reward": x}``;
+4. the evaluator command, run as ``evaluator... TASK_JSON STDOUT_PATH`` with the task variables: its
+   last stdout line.
+
+``AgentSpec.reward_sources`` can leave some of these out. An attempt that exits 0 with no reward is
+``failed`` (never trained as reward 0). Each attempt is recorded with
+:func:`lgt.store.ingest.add_rollout` and its reward with ``add_reward`` (unless it came from the
+proxy, which recorded it already). Failed and timed-out attempts are retried up to
+``AgentSpec.retries`` times, each under its own identity, so the store keeps attempts apart.
+
+With ``python_preload`` (a Python agent: ``python agent.py ...``) each attempt is forked from a warm
+interpreter that imported those modules once (:mod:`lgt.trainer.forkserver`); it is still its own
+process group with the same environment, files, timeout and exit status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from lgt.proxy import auth
+from lgt.store.ingest import add_rows, attempt_reward_row, reward_value, rollout_row
+
+from .forkserver import ForkedProcess, ForkServer, ForkServerError, python_script_command
+
+PROXY_MODES = ("https_proxy", "base_url")
+PROXY_VARS = ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy")
+# Taken out of the machine's environment before a rollout's are added: proxy and CA settings the
+# machine sets globally (they would send the agent elsewhere or distrust the proxy's CA), and the
+# proxy's secrets (an agent holding them could mint other rollouts' credentials).
+STRIPPED_VARS = frozenset((
+    *PROXY_VARS, "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
+    auth.SECRET_ENV, auth.CONTROL_TOKEN_ENV,
+))
+ROLLOUT_VARS = frozenset((
+    *PROXY_VARS, "NO_PROXY", "no_proxy", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+    "NODE_EXTRA_CA_CERTS", "LGT_ROLLOUT_ID", "LGT_ATTEMPT", "LGT_PROXY_BASE_URL", "LGT_REWARD_URL",
+))
+RESERVED_VARS = ("TASK_JSON", "TASK_ID", "REWARD_FILE")
+REWARD_SOURCES = ("proxy", "file", "stdout", "evaluator")  # in order of preference
+_SOURCE_NAMES = {"proxy": "the proxy's reward endpoint", "file": "the reward file",
+                 "stdout": "the last stdout line", "evaluator": "the evaluator"}
+_VAR_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TAIL_BYTES = 65536  # how much of the end of stdout is read for its last line
+
+
+class RolloutError(ValueError):
+    """Bad input to the rollout controller (agent spec, task, rollout id); one sentence naming it."""
+
+
+class ProxyControlError(RuntimeError):
+    """The proxy's control API did not answer as expected (a flush failed)."""
+
+
+# -- specs ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AgentSpec:
+    """How to run the agent: argv, working directory, extra environment, proxy mode, limits.
+
+    ``timeout_s`` is per attempt (seconds of wall time); ``retries`` counts extra attempts after a
+    failed or timed-out one; ``evaluator`` is an argv given ``TASK_JSON STDOUT_PATH`` as two more
+    arguments (bounded by ``timeout_s`` too); ``reward_sources`` are the places a reward is looked for,
+    always in the order of :data:`REWARD_SOURCES` (leave ``stdout`` out for an agent whose last line
+    may be a bare number that is not its reward).
+    """
+
+    command: tuple[str, ...]
+    cwd: Path | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    proxy_mode: str = "https_proxy"
+    timeout_s: float = 120.0
+    retries: int = 1
+    evaluator: tuple[str, ...] | None = None
+    task_env_prefix: str = "TASK_"
+    reward_sources: tuple[str, ...] = REWARD_SOURCES
+
+    def __post_init__(self) -> None:
+        command = (self.command,) if isinstance(self.command, str) else tuple(self.command or ())
+        if not command or not all(isinstance(a, str) for a in command) or not command[0]:
+            raise RolloutError(f"the agent command must be a non-empty list of strings, not {self.command!r}")
+        object.__setattr__(self, "command", command)
+        if self.evaluator is not None:
+            evaluator = (self.evaluator,) if isinstance(self.evaluator, str) else tuple(self.evaluator)
+            if not evaluator or not all(isinstance(a, str) for a in evaluator) or not evaluator[0]:
+                raise RolloutError(f"the evaluator command must be a non-empty list of strings, not "
+                                   f"{self.evaluator!r}")
+            object.__setattr__(self, "evaluator", evaluator)
+        if self.cwd is not None:
+            object.__setattr__(self, "cwd", Path(self.cwd))
+        for k, v in dict(self.env).items():
+            if not isinstance(k, str) or not _ENV_NAME.match(k):
+                raise RolloutError(f"agent env key {k!r} is not a valid environment variable name")
+            if not isinstance(v, str):
+                raise RolloutError(f"agent env {k} must be a string, not {v!r}")
+        object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+        if self.proxy_mode not in PROXY_MODES:
+            raise RolloutError(f"agent proxy_mode must be one of {', '.join(PROXY_MODES)}, "
+                               f"not {self.proxy_mode!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not self.timeout_s > 0:
+            raise RolloutError(f"agent timeout_s must be a positive number of seconds, "
+                               f"not {self.timeout_s!r}")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise RolloutError(f"agent retries must be a whole number ≥ 0, not {self.retries!r}")
+        sources = tuple(self.reward_sources)
+        unknown = [x for x in sources if x not in REWARD_SOURCES]
+        if unknown or not sources:
+            raise RolloutError(f"agent reward_sources must be some of {', '.join(REWARD_SOURCES)}, "
+                               f"not {list(self.reward_sources)!r}")
+        object.__setattr__(self, "reward_sources", tuple(x for x in REWARD_SOURCES if x in sources))
+        if not isinstance(self.task_env_prefix, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*|",
+                                                                         self.task_env_prefix):
+            raise RolloutError(f"task_env_prefix {self.task_env_prefix!r} cannot start an environment "
+                               "variable name")
+
+
+def resolve_executable(name: str, cwd: Path | None, path_env: str | None, what: str) -> str:
+    """The file ``name`` would run as: relative to ``cwd`` when it holds a ``/``, else found on PATH.
+    RolloutError (one sentence) when it does not exist or cannot be executed."""
+    if "/" in name:
+        path = Path(name) if Path(name).is_absolute() or cwd is None else cwd / name
+        if not path.exists():
+            raise RolloutError(f"the {what} {name!r} does not exist" + (f" (looked in {cwd})" if cwd else ""))
+        if path.is_dir() or not os.access(path, os.X_OK):
+            raise RolloutError(f"the {what} {str(path)!r} is not an executable file (chmod +x it, or put "
+                               "its interpreter first in the command)")
+        return str(path)
+    found = shutil.which(name, path=path_env)
+    if found is None:
+        raise RolloutError(f"the {what} {name!r} was not found on PATH")
+    return found
+
+
+def check_agent(agent: AgentSpec, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse an agent spec that cannot start: missing cwd, command or evaluator not found or not
+    executable, an ``env`` value naming a variable no rollout has. Starts nothing."""
+    environ = os.environ if environ is None else environ
+    if agent.cwd is not None and not agent.cwd.is_dir():
+        raise RolloutError(f"the agent's working directory {str(agent.cwd)!r} does not exist")
+    resolve_executable(agent.command[0], agent.cwd, environ.get("PATH"), "agent command")
+    if agent.evaluator is not None:
+        resolve_executable(agent.evaluator[0], agent.cwd, environ.get("PATH"), "evaluator command")
+    known = set(environ) | ROLLOUT_VARS | set(RESERVED_VARS)
+    for key, value in agent.env.items():
+        for name in _VAR_REF.findall(value):
+            if name not in known and not (agent.task_env_prefix and name.startswith(agent.task_env_prefix)):
+                raise RolloutError(f"agent env {key} refers to ${{{name}}}, which is neither a rollout "
+                                   "variable, a task variable nor set in this environment")
+
+
+@dataclass(frozen=True)
+class ProxyEndpoint:
+    """A running lgt-proxy: the port agents use and its control API.
+
+    The secret comes from ``$LGT_PROXY_SECRET``, ``secret_file`` or ``<store>/_proxy/secret``
+    (:func:`lgt.proxy.auth.load_secret`); the control token from ``control_token``,
+    ``$LGT_CONTROL_TOKEN`` or the secret.
+    """
+
+    store: Path
+    port: int
+    control_port: int
+    host: str = "127.0.0.1"
+    secret_file: Path | None = None
+    control_token: str | None = None
+
+    @property
+    def control_url(self) -> str:
+        return f"http://{self.host}:{self.control_port}"
+
+    def rollout_env(self, rollout_id: str, attempt: int = 0,
+                    proxy_mode: str = "https_proxy") -> dict[str, str]:
+        """The proxy variables of one rollout attempt (``base_url`` mode: no ``HTTP(S)_PROXY``, and
+        ``LGT_REWARD_URL`` is the reverse-mode reward path). ProxyControlError when the proxy's CA is
+        not in the store yet (lgt-proxy creates it when it starts)."""
+        ca = auth.ca_cert_path(auth.proxy_dir(self.store))
+        if not ca.exists():
+            raise ProxyControlError(f"the proxy's CA certificate {ca} does not exist: start lgt-proxy with "
+                                    f"--store {self.store} before running rollouts")
+        env = auth.rollout_env(self.store, rollout_id, attempt=attempt, host=self.host, port=self.port,
+                               secret_file=self.secret_file)
+        if proxy_mode == "base_url":
+            for var in PROXY_VARS:
+                env.pop(var)
+            env["LGT_REWARD_URL"] = env["LGT_PROXY_BASE_URL"].removesuffix("/v1") + "/reward"
+        return env
+
+    def token(self) -> str:
+        return self.control_token or auth.control_token(auth.load_secret(self.store, self.secret_file))
+
+    def control(self, method: str, path: str, body: Any = None, timeout: float = 60) -> Any:
+        """One control API call, bypassing any proxy the machine sets; the answer's JSON.
+        ProxyControlError unless it answers 200."""
+        req = urllib.request.Request(
+            self.control_url + path, method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.token()}"})
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(req, timeout=timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            raise ProxyControlError(f"lgt-proxy {method} {path} answered {e.code}: "
+                                    f"{e.read()[:300].decode(errors='replace')}") from None
+        except OSError as e:
+            raise ProxyControlError(f"no lgt-proxy control API answers at {self.control_url} ({e})") from None
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError:
+            return raw.decode(errors="replace")
+
+    async def flush(self) -> Any:
+        """``POST /flush``: every recorded call and reward becomes Parquet (in a thread)."""
+        return await asyncio.to_thread(self.control, "POST", "/flush", {})
+
+    async def reward(self, rollout_id: str, attempt: int) -> float | None:
+        """The latest whole-rollout reward the agent reported through the proxy (``GET /rewards``:
+        answered from the proxy's memory, no flush and no store query per rollout)."""
+        q = urllib.parse.urlencode({"rollout_id": rollout_id, "attempt": attempt})
+        out = await asyncio.to_thread(self.control, "GET", f"/rewards?{q}")
+        value = out.get("value") if isinstance(out, dict) else None
+        return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """One attempt's outcome (``run`` returns the last attempt). Times are UTC; ``seconds`` is the
+    agent process's wall time; ``reward`` is set only when ``status == "ok"``."""
+
+    rollout_id: str
+    attempt: int
+    task_id: str
+    group_id: str | None
+    step: int | None
+    status: str
+    exit_code: int | None
+    reward: float | None
+    reward_source: str | None
+    started_at: dt.datetime
+    ended_at: dt.datetime
+    seconds: float
+    stdout_path: Path
+    stderr_path: Path
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def identity(self) -> str:
+        return auth.Identity(self.rollout_id, self.attempt).name
+
+
+# -- pure helpers -----------------------------------------------------------------------------------
+def env_name(key: str, prefix: str = "TASK_") -> str:
+    """``TASK_<KEY upper, non-alphanumerics → _>``: ``"max-steps"`` → ``TASK_MAX_STEPS``."""
+    return prefix + re.sub(r"[^A-Za-z0-9]", "_", str(key)).upper()
+
+
+def env_value(value: Any) -> str:
+    """Strings as they are, anything else as JSON (``3`` → ``"3"``, ``None`` → ``"null"``)."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def task_env(task: Mapping[str, Any], prefix: str = "TASK_") -> dict[str, str]:
+    """One variable per task field; RolloutError when two fields map to one name, a field would
+    replace ``TASK_JSON`` / ``REWARD_FILE``, or a value cannot be put in an environment."""
+    out: dict[str, str] = {}
+    origin: dict[str, str] = {}
+    for key, value in task.items():
+        name = env_name(key, prefix)
+        if name in ("TASK_JSON", "REWARD_FILE"):
+            raise RolloutError(f"task field {key!r} would be ${name}, which the controller sets; rename it")
+        if name in origin:
+            raise RolloutError(f"task fields {origin[name]!r} and {key!r} both become ${name}; rename one")
+        text = env_value(value)
+        if "\0" in text:
+            raise RolloutError(f"task field {key!r} holds a NUL character, which no environment can carry")
+        out[name], origin[name] = text, str(key)
+    return out
+
+
+def task_id_of(task: Mapping[str, Any]) -> str:
+    """The task's ``task_id`` (or ``id``) field as text, else a stable digest of its JSON (``t-<12 hex>``)."""
+    for key in ("task_id", "id"):
+        if task.get(key) not in (None, ""):
+            return env_value(task[key])
+    blob = json.dumps(task, sort_keys=True, ensure_ascii=False, default=str).encode()
+    return "t-" + hashlib.sha256(blob).hexdigest()[:12]
+
+
+def expand(value: str, variables: Mapping[str, str], key: str) -> str:
+    """``${VAR}`` → ``variables[VAR]``; RolloutError naming ``key`` and the variable when unset."""
+    def sub(m: re.Match[str]) -> str:
+        if m[1] not in variables:
+            raise RolloutError(f"agent env {key} refers to ${{{m[1]}}}, which this rollout does not set")
+        return variables[m[1]]
+
+    return _VAR_REF.sub(sub, value)
+
+
+def parse_reward(text: str) -> float:
+    """A reward from text: a number or ``{"reward": x}`` (JSON). ValueError (one sentence) otherwise."""
+    text = text.strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        raise ValueError(f"{_short(text)!r} is not a number or {{\"reward\": x}}") from None
+    if isinstance(obj, dict):
+        if "reward" not in obj:
+            raise ValueError(f"{_short(text)!r} has no \"reward\" key")
+        obj = obj["reward"]
+    if isinstance(obj, bool) or not isinstance(obj, (int, float)):
+        raise ValueError(f"{_short(text)!r} is not a number or {{\"reward\": x}}")
+    return reward_value(obj)
+
+
+def last_line(path: Path) -> str | None:
+    """The last non-blank line of a text file (its final 64 KiB are read), or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - _TAIL_BYTES))
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    for line in reversed(data.decode(errors="replace").splitlines()):
+        if line.strip():
+            return line.strip()
+    return None
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _short(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[:n] + "…"
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class _Paths:
+    stdout: Path
+    stderr: Path
+    task_json: Path
+    reward_file: Path
+    eval_out: Path
+    eval_err: Path
+
+
+# -- the controller ---------------------------------------------------------------------------------
+class RolloutController:
+    """Runs rollouts as local processes, at most ``concurrency`` at a time (attempts and evaluators).
+
+    Counters for a progress display: ``running`` (attempts in progress), ``done`` (rollouts finished,
+    whatever their status), ``failed`` (finished rollouts whose last attempt is not ``ok``),
+    ``retried`` (attempts that were retried).
+    """
+
+    def __init__(self, agent: AgentSpec, proxy: ProxyEndpoint, store: str | os.PathLike,
+                 run_dir: str | os.PathLike, concurrency: int = 4, *, kill_grace_s: float = 5.0,
+                 python_preload: Sequence[str] | None = None, batch_records: bool = False) -> None:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise RolloutError(f"rollout concurrency must be a whole number ≥ 1, not {concurrency!r}")
+        check_agent(agent)
+        self._preload: tuple[str, tuple[str, ...]] | None = None
+        if python_preload is not None:
+            script = python_script_command(agent.command)
+            if script is None:
+                raise RolloutError(f"python_preload needs an agent command that runs a Python script "
+                                   f"(python agent.py ...), not {' '.join(agent.command)!r}")
+            modules = tuple(python_preload)
+            if not all(isinstance(m, str) and re.fullmatch(r"[A-Za-z_][\w.]*", m) for m in modules):
+                raise RolloutError(f"python_preload must list module names, not {list(python_preload)!r}")
+            self._preload = (script[0], modules)
+        self.store = Path(store).resolve()
+        # batch_records: rows wait in memory for flush_records() (one file per table per batch,
+        # instead of two files per attempt); a crash loses only unflushed rollouts' rows
+        self.batch_records = batch_records
+        self._rows: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
+        if not self.store.is_dir():
+            raise RolloutError(f"the store directory {str(self.store)!r} does not exist")
+        self.agent, self.proxy = agent, proxy
+        self.run_dir = Path(run_dir).resolve()
+        self.out_dir = self.run_dir / "rollouts"
+        self.concurrency, self.kill_grace_s = concurrency, kill_grace_s
+        self.running = self.done = self.failed = self.retried = 0
+        self._slots = asyncio.Semaphore(concurrency)
+        self._procs: set[asyncio.subprocess.Process | ForkedProcess] = set()
+        self._closed = False
+        self._forkserver: ForkServer | None = None
+        self._forkserver_lock = asyncio.Lock()
+
+    # -- public ---------------------------------------------------------------------------------------
+    async def run(self, task: Mapping[str, Any], rollout_id: str, group_id: str | None = None,
+                  step: int | None = None, *, task_id: str | None = None) -> RolloutResult:
+        """Run attempt 0, then 1, 2, ... while they fail or time out, up to ``agent.retries`` extra;
+        returns the last attempt's result. RolloutError for a bad task or rollout id (nothing runs);
+        ProxyControlError when the proxy cannot be flushed (its rewards would be missed)."""
+        if self._closed:
+            raise RolloutError("the rollout controller is closed; make a new one to run more rollouts")
+        if not isinstance(task, Mapping):
+            raise RolloutError(f"a task must be a mapping of fields to values, not {type(task).__name__}")
+        try:
+            auth.check_rollout_id(rollout_id)
+        except ValueError as e:
+            raise RolloutError(str(e)) from None
+        task_id = task_id or task_id_of(task)
+        try:
+            task_json = json.dumps(dict(task), ensure_ascii=False).encode()
+        except (TypeError, ValueError) as e:
+            raise RolloutError(f"task {task_id!r} cannot be written as JSON ({e})") from None
+        fields = task_env(task, self.agent.task_env_prefix)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        result = None
+        for attempt in range(self.agent.retries + 1):
+            result = await self._attempt(task_json, fields, rollout_id, attempt, task_id, group_id, step)
+            if result.ok or self._closed:
+                break
+            if attempt < self.agent.retries:
+                self.retried += 1
+        assert result is not None
+        self.done += 1
+        self.failed += not result.ok
+        return result
+
+    async def aclose(self) -> None:
+        """Stop everything still running (SIGTERM to each process group, SIGKILL after the grace
+        period); later ``run`` calls are refused. Safe to call twice."""
+        self._closed = True
+        procs = list(self._procs)
+        for proc in procs:
+            _signal_group(proc.pid, signal.SIGTERM)
+        await asyncio.gather(*(self._reap(proc) for proc in procs))
+        if self._forkserver is not None:
+            await self._forkserver.aclose()
+        if self._rows[0]:
+            await asyncio.to_thread(self.flush_records)
+
+    async def __aenter__(self) -> RolloutController:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- one attempt ----------------------------------------------------------------------------------
+    def paths(self, rollout_id: str, attempt: int) -> _Paths:
+        """The attempt's files: ``<run_dir>/rollouts/<rollout_id>~<attempt>.out`` (``.err``,
+        ``.task.json``, ``.reward``, ``.eval.out``, ``.eval.err``)."""
+        stem = f"{rollout_id}~{attempt}"
+        return _Paths(*(self.out_dir / f"{stem}.{ext}"
+                        for ext in ("out", "err", "task.json", "reward", "eval.out", "eval.err")))
+
+    def environment(self, fields: Mapping[str, str], rollout_id: str, attempt: int, task_id: str,
+                    paths: _Paths) -> dict[str, str]:
+        """The attempt's whole environment (see the module docstring for the layers)."""
+        env = {k: v for k, v in os.environ.items() if k not in STRIPPED_VARS}
+        env.update(self.proxy.rollout_env(rollout_id, attempt, self.agent.proxy_mode))
+        env.update(fields)
+        env.update(TASK_JSON=str(paths.task_json), TASK_ID=task_id, REWARD_FILE=str(paths.reward_file))
+        expanded = {k: expand(v, env, k) for k, v in self.agent.env.items()}
+        env.update(expanded)
+        return env
+
+    async def _attempt(self, task_json: bytes, fields: Mapping[str, str], rollout_id: str, attempt: int,
+                       task_id: str, group_id: str | None, step: int | None) -> RolloutResult:
+        paths = self.paths(rollout_id, attempt)
+        env = self.environment(fields, rollout_id, attempt, task_id, paths)
+        _write_atomic(paths.task_json, task_json)
+        for stale in (paths.reward_file, paths.eval_out, paths.eval_err):
+            stale.unlink(missing_ok=True)
+        async with self._slots:
+            started, t0 = _now(), time.monotonic()
+            if self._closed:
+                return self._result(rollout_id, attempt, task_id, group_id, step, "failed", None, None, None,
+                                    started, 0.0, paths, "the controller was closed before it started")
+            self.running += 1
+            try:
+                code, timed_out, error = await self._execute(self.agent.command, env, paths.stdout,
+                                                             paths.stderr, forked=self._preload is not None)
+                seconds = time.monotonic() - t0
+                ended = _now()
+                reward = source = None
+                if error is not None or code is None:
+                    status = "failed"
+                elif timed_out:
+                    status, error = "timeout", (f"the agent ran past its {self.agent.timeout_s:g} s timeout "
+                                                "and was killed")
+                elif self._closed:
+                    status, error = "failed", f"the agent {describe_exit(code)} when the controller closed"
+                elif code != 0:
+                    status, error = "failed", f"the agent {describe_exit(code)}" + _stderr_hint(paths.stderr)
+                else:
+                    reward, source, error = await self._reward(rollout_id, attempt, env, paths)
+                    status = "ok" if reward is not None else "failed"
+            finally:
+                self.running -= 1
+        result = self._result(rollout_id, attempt, task_id, group_id, step, status, code, reward, source,
+                              started, seconds, paths, error, ended)
+        await asyncio.to_thread(self._record, result)
+        return result
+
+    def _result(self, rollout_id: str, attempt: int, task_id: str, group_id: str | None, step: int | None,
+                status: str, code: int | None, reward: float | None, source: str | None,
+                started: dt.datetime, seconds: float, paths: _Paths, error: str | None,
+                ended: dt.datetime | None = None) -> RolloutResult:
+        return RolloutResult(rollout_id=rollout_id, attempt=attempt, task_id=task_id, group_id=group_id,
+                             step=step, status=status, exit_code=code, reward=reward, reward_source=source,
+                             started_at=started, ended_at=ended or started, seconds=seconds,
+                             stdout_path=paths.stdout, stderr_path=paths.stderr, error=error)
+
+    async def _execute(self, argv: tuple[str, ...], env: Mapping[str, str], stdout: Path,
+                       stderr: Path, *, forked: bool = False) -> tuple[int | None, bool, str | None]:
+        """Run ``argv`` in its own process group until it exits or ``timeout_s`` passes (``forked``:
+        forked from the warm fork server instead of started fresh). Returns (exit code or None when
+        it could not start, timed out, error when it could not start). Whatever the process group
+        still holds when it ends is killed."""
+        proc: asyncio.subprocess.Process | ForkedProcess
+        if forked:
+            try:
+                server = await self._fork_server()
+                proc = await server.spawn(argv[1:], env, self.agent.cwd, stdout, stderr)
+            except ForkServerError as e:
+                return None, False, f"could not start {argv[1]!r} in the fork server: {e}"
+        else:
+            with open(stdout, "wb") as out, open(stderr, "wb") as err:
+                try:
+                    proc = await asyncio.create_subprocess_exec(
+                        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, env=dict(env),
+                        cwd=self.agent.cwd, start_new_session=True)
+                except OSError as e:
+                    return None, False, f"could not start {argv[0]!r}: {e.strerror or e}"
+        self._procs.add(proc)
+        if self._closed:  # aclose() ran while this one was starting
+            _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            try:
+                code = await asyncio.wait_for(proc.wait(), self.agent.timeout_s)
+                timed_out = False
+            except TimeoutError:
+                _signal_group(proc.pid, signal.SIGTERM)
+                code = await self._reap(proc)
+                timed_out = True
+            _signal_group(proc.pid, signal.SIGKILL)  # children left behind by the agent
+        except asyncio.CancelledError:
+            _signal_group(proc.pid, signal.SIGKILL)
+            raise
+        finally:
+            self._procs.discard(proc)
+        return code, timed_out, None
+
+    async def _fork_server(self) -> ForkServer:
+        """The warm interpreter (started on first use, and again if it died)."""
+        assert self._preload is not None
+        async with self._forkserver_lock:
+            if self._forkserver is None or self._forkserver.proc.returncode is not None:
+                python, modules = self._preload
+                self._forkserver = await ForkServer.start(python, modules)
+            return self._forkserver
+
+    async def _reap(self, proc: asyncio.subprocess.Process | ForkedProcess) -> int:
+        """Wait ``kill_grace_s`` for a signalled group's leader, then SIGKILL the group; exit code."""
+        try:
+            await asyncio.wait_for(proc.wait(), self.kill_grace_s)
+        except TimeoutError:
+            pass
+        _signal_group(proc.pid, signal.SIGKILL)
+        return await proc.wait()
+
+    # -- rewards and records --------------------------------------------------------------------------
+    async def _reward(self, rollout_id: str, attempt: int, env: Mapping[str, str],
+                      paths: _Paths) -> tuple[float | None, str | None, str | None]:
+        """(reward, source, error) from the first of ``agent.reward_sources`` that has one."""
+        sources = self.agent.reward_sources
+        if "proxy" in sources:
+            value = await self.proxy.reward(rollout_id, attempt)
+            if value is not None:
+                return value, "proxy", None
+        if "file" in sources and paths.reward_file.exists():
+            text = paths.reward_file.read_text(errors="replace")
+            try:
+                return parse_reward(text), "file", None
+            except ValueError as e:
+                return None, None, f"the reward file {paths.reward_file} is unusable: {e}"
+        line = last_line(paths.stdout) if "stdout" in sources else None
+        if line is not None:
+            with contextlib.suppress(ValueError):
+                return parse_reward(line), "stdout", None
+        if "evaluator" in sources and self.agent.evaluator is not None:
+            return await self._evaluate(env, paths)
+        looked = ", ".join(_SOURCE_NAMES[s] for s in sources
+                           if s != "evaluator" or self.agent.evaluator is not None)
+        return None, None, f"the agent exited 0 but reported no reward (looked at: {looked or 'nothing'})"
+
+    async def _evaluate(self, env: Mapping[str, str], paths: _Paths) -> tuple[float | None, str | None,
+                                                                               str | None]:
+        assert self.agent.evaluator is not None
+        eval_env = {k: v for k, v in os.environ.items() if k not in (auth.SECRET_ENV, auth.CONTROL_TOKEN_ENV)}
+        eval_env.update({k: v for k, v in env.items()
+                         if k.startswith(self.agent.task_env_prefix) or k in RESERVED_VARS
+                         or k in ("LGT_ROLLOUT_ID", "LGT_ATTEMPT")})
+        argv = (*self.agent.evaluator, str(paths.task_json), str(paths.stdout))
+        code, timed_out, error = await self._execute(argv, eval_env, paths.eval_out, paths.eval_err)
+        if error is not None:
+            return None, None, f"the evaluator {error.removeprefix('could not start ')}"
+        if timed_out:
+            return None, None, f"the evaluator ran past its {self.agent.timeout_s:g} s timeout and was killed"
+        if code != 0:
+            return None, None, f"the evaluator {describe_exit(code)}" + _stderr_hint(paths.eval_err)
+        line = last_line(paths.eval_out)
+        if line is None:
+            return None, None, "the evaluator printed nothing (its last stdout line should be the reward)"
+        try:
+            return parse_reward(line), "evaluator", None
+        except ValueError as e:
+            return None, None, f"the evaluator's last stdout line is unusable: {e}"
+
+    def _record(self, r: RolloutResult) -> None:
+        """The attempt's rollouts row, then its reward row unless the proxy recorded it already."""
+        metadata: dict[str, Any] = {"reward_source": r.reward_source, "seconds": round(r.seconds, 6)}
+        if r.error:
+            metadata["error"] = r.error
+        row = rollout_row(r.rollout_id, attempt=r.attempt, task_id=r.task_id, group_id=r.group_id,
+                          step=r.step, status=r.status, exit_code=r.exit_code, started_at=r.started_at,
+                          ended_at=r.ended_at, metadata=metadata)
+        reward = None
+        if r.reward is not None and r.reward_source != "proxy":
+            reward = attempt_reward_row(r.rollout_id, r.reward, attempt=r.attempt, source=r.reward_source)
+        self._rows[0].append(row)
+        if reward is not None:
+            self._rows[1].append(reward)
+        if not self.batch_records:
+            self.flush_records()
+
+    def flush_records(self) -> int:
+        """Write the rows of attempts finished since the last call (one file per table); their count."""
+        rollouts, rewards = self._rows
+        self._rows = ([], [])
+        add_rows(self.store, rollouts, rewards)
+        return len(rollouts)
+
+
+def _stderr_hint(path: Path) -> str:
+    line = last_line(path)
+    return f" (last stderr line: {_short(line, 160)})" if line else ""
