@@ -52,7 +52,7 @@ def open_store(store: Path) -> duckdb.DuckDBPyConnection:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """lgt's trainer: inspect the store, join rewards, build samples (training arrives with `run`)."""
+    """lgt's trainer: train an unmodified agent (`run`), inspect the store, join rewards, build samples."""
 
 
 # --- sql -----------------------------------------------------------------------------------------
@@ -311,6 +311,75 @@ def report(store: Path, out: Path, title: str | None, mode: str, tokenizer: Path
     t = data["totals"]
     click.echo(f"wrote {out}: {t['calls']} calls, {t['rollouts']} rollout attempts, "
                f"{t['rewarded_rollouts']} rewarded")
+
+
+
+# --- run / make-model (need the trainer's environment: torch, transformers, vLLM) --------------------
+
+@main.command("run")
+@click.argument("config_file", type=click.Path(path_type=Path))
+@click.option("--mode", type=click.Choice(["sync", "async"]), help="Override the config's mode.")
+@click.option("--steps", type=click.IntRange(min=1), help="Override the number of training steps.")
+@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), help="Stop after this long.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the run writes (default runs/<name>-<time>).")
+@click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Continue a run from its last checkpoint and its store.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override any config key (dotted, YAML value), e.g. --set backend.lr=1e-4.")
+def run_cmd(config_file: Path, mode: str | None, steps: int | None, max_minutes: float | None,
+            run_dir: Path | None, resume_dir: Path | None, sets: tuple[str, ...]) -> None:
+    """Train the agent of CONFIG_FILE (a run YAML) with RL; see examples/arith/run.yaml."""
+    import yaml
+
+    from lgt.trainer import config as cfgmod
+    from lgt.trainer import loop
+
+    overrides: dict[str, Any] = {}
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise click.ClickException(f"--set {item!r} must look like key=value")
+        overrides[key] = yaml.safe_load(value)
+    for key, value in (("mode", mode), ("steps", steps), ("max_minutes", max_minutes)):
+        if value is not None:
+            overrides[key] = value
+    if resume_dir is not None and run_dir is not None and resume_dir.resolve() != run_dir.resolve():
+        raise click.ClickException("give either --resume DIR or --run-dir DIR, not two different folders")
+    try:
+        cfg = cfgmod.load(config_file, overrides)
+    except cfgmod.ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if resume_dir is not None and not (resume_dir / "config.json").exists():
+        raise click.ClickException(f"{resume_dir} is not a run directory (it has no config.json)")
+    display = loop.default_display()
+    try:
+        out = loop.run(cfg, run_dir=resume_dir or run_dir, resume=resume_dir is not None, display=display)
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted; continue with --resume") from None
+    except (cfgmod.ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
+        raise click.ClickException(str(e).splitlines()[0] if "\n" not in str(e)[:300] else str(e)) from None
+    finally:
+        live = getattr(display, "live", None)
+        if live is not None:
+            live.stop()
+    click.echo(f"run directory: {out}  (metrics.jsonl, metrics.csv, checkpoints/, plots/, report.html)")
+
+
+@main.command("make-model")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--preset", type=click.Choice(["tiny", "demo", "10m"]), default="demo", show_default=True)
+@click.option("--warm-start", type=click.Choice(["none", "arith", "calc", "both"]), default="arith",
+              show_default=True, help="A short SFT on synthetic task data, so RL has something to amplify.")
+@click.option("--seconds", type=click.FloatRange(min=0), default=60.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def make_model_cmd(out: Path, preset: str, warm_start: str, seconds: float, seed: int) -> None:
+    """Build a small model + tokenizer locally (HF format; nothing downloaded)."""
+    from lgt.trainer import tiny
+
+    path = tiny.make_model(out, preset=preset, warm_start_task=None if warm_start == "none" else warm_start,
+                           seconds=seconds, seed=seed)
+    click.echo(str(path))
 
 
 if __name__ == "__main__":

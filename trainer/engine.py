@@ -42,6 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lgt.trainer.models import check_model_dir
+from lgt.trainer.proxy_client import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +305,8 @@ class Engine:
         log.debug("vLLM command: %s", " ".join(cmd))
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=build_env(cfg, cpu=cpu), start_new_session=True)
+                                    env=build_env(cfg, cpu=cpu), start_new_session=True,
+                                    preexec_fn=die_with_parent)
         engine = cls(cfg, proc, port, log_path, cpu=cpu, weight_shapes=shapes, tied=info.tie_word_embeddings)
         try:
             engine._wait_ready(cfg.ready_timeout)

@@ -19,3 +19,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-model")
     mod.main(str(out))
     return out
+
+
+@pytest.fixture(scope="session")
+def arith_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset after a few seconds of the arith warm start (knows the answer format)."""
+    from lgt.trainer import tiny
+
+    return tiny.make_model(tmp_path_factory.mktemp("arith-model") / "m", preset="tiny",
+                           warm_start_task="arith", seconds=3, progress=False)

@@ -1,0 +1,185 @@
+"""The trainer's side of ``lgt-proxy``: start one for a run, or use a running one, and drive its control API.
+
+The proxy is a separately deployed tool with its own environment; the trainer only starts its executable
+and talks HTTP to it (pause / resume / flush / state). Nothing here imports mitmproxy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lgt.proxy import auth
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class ProxyError(RuntimeError):
+    """The proxy could not be started or did not answer as expected."""
+
+
+def find_proxy_command() -> list[str]:
+    """How to start ``lgt-proxy``: ``$LGT_PROXY_COMMAND``; else this checkout's proxy environment
+    (``.venv-proxy``); else ``lgt-proxy`` on PATH (when this environment has mitmproxy, or it is
+    another environment's)."""
+    if os.environ.get("LGT_PROXY_COMMAND"):
+        return shlex.split(os.environ["LGT_PROXY_COMMAND"])
+    local = REPO / ".venv-proxy" / "bin" / "lgt-proxy"
+    if local.exists():
+        return [str(local)]
+    found = shutil.which("lgt-proxy")
+    here = Path(sys.executable).parent
+    if found and (importlib.util.find_spec("mitmproxy") is not None or Path(found).parent != here):
+        return [found]
+    raise ProxyError("lgt-proxy was not found (its own environment, with mitmproxy): run scripts/setup.sh, "
+                     "or set proxy.command in the run config or $LGT_PROXY_COMMAND")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """In a child before exec: get SIGTERM when the trainer dies (Linux), so nothing outlives a crash."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class ProxyClient:
+    """The control API of a proxy (``http://host:control_port``) and the port agents use."""
+
+    store: Path
+    port: int
+    control_url: str
+    token: str
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, store: Path, upstream: str, *, log_path: Path, policy_version: int = 0,
+              port: int = 0, control_port: int = 0, command: list[str] | None = None,
+              timeout: float = 60) -> ProxyClient:
+        port = port or free_port()
+        control_port = control_port or free_port()
+        cmd = [*(command or find_proxy_command()), "--store", str(store), "--upstream", upstream,
+               "--served-model", "policy", "--listen-port", str(port), "--control-port", str(control_port),
+               "--policy-version", str(policy_version), "--flush-seconds", "0.5"]
+        env = {k: v for k, v in os.environ.items()
+               if k.upper() not in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "NO_PROXY")}
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "ab")
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=die_with_parent)
+        finally:
+            log.close()
+        client = cls(store=store, port=port, control_url=f"http://127.0.0.1:{control_port}",
+                     token=auth.control_token(auth.load_secret(store)) if (store / "_proxy").exists() else "",
+                     proc=proc, log_path=log_path)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ProxyError(f"lgt-proxy exited with code {proc.returncode} while starting; "
+                                 f"its log ({log_path}):\n{_tail(log_path)}")
+            try:
+                if client.request("GET", "/healthz", auth_=False, timeout=1)[0] == 200:
+                    client.token = auth.control_token(auth.load_secret(store))
+                    return client
+            except OSError:
+                pass
+            time.sleep(0.1)
+        client.stop()
+        raise ProxyError(f"lgt-proxy did not answer on its control port within {timeout:.0f} s; "
+                         f"its log: {log_path}")
+
+    @classmethod
+    def connect(cls, store: Path, control_url: str, port: int, token: str | None = None) -> ProxyClient:
+        token = token or os.environ.get("LGT_CONTROL_TOKEN") or auth.control_token(auth.load_secret(store))
+        client = cls(store=store, port=port, control_url=control_url.rstrip("/"), token=token)
+        try:
+            status, body = client.request("GET", "/state")
+        except OSError as e:
+            raise ProxyError(f"no lgt-proxy answers at {control_url}: {e}") from None
+        if status != 200:
+            raise ProxyError(f"the proxy at {control_url} refused the control token ({status}): {body}")
+        return client
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    # --- control API -----------------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any = None, *, auth_: bool = True,
+                timeout: float = 120) -> tuple[int, Any]:
+        headers = {"Content-Type": "application/json"}
+        if auth_:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.control_url + path, data=data, headers=headers, method=method)
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(req, timeout=timeout) as r:
+                raw, status = r.read(), r.status
+        except urllib.error.HTTPError as e:
+            raw, status = e.read(), e.code
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+    def _ok(self, method: str, path: str, body: Any = None, timeout: float = 120) -> dict[str, Any]:
+        self.check_alive()
+        status, out = self.request(method, path, body, timeout=timeout)
+        if status != 200:
+            raise ProxyError(f"lgt-proxy {method} {path} answered {status}: {out}")
+        return out
+
+    def pause(self, timeout: float = 120) -> dict[str, Any]:
+        """Hold new calls and wait until in-flight ones finish: ``drain_seconds``, ``in_flight_at_pause``."""
+        return self._ok("POST", "/pause", {"timeout": timeout}, timeout=timeout + 10)
+
+    def resume(self, policy_version: int) -> dict[str, Any]:
+        return self._ok("POST", "/resume", {"policy_version": policy_version})
+
+    def flush(self) -> dict[str, Any]:
+        return self._ok("POST", "/flush", {})
+
+    def state(self) -> dict[str, Any]:
+        return self._ok("GET", "/state")
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise ProxyError(f"lgt-proxy exited with code {self.proc.returncode}; its log "
+                             f"({self.log_path}):\n{_tail(self.log_path)}")
+
+
+def _tail(path: Path | None, n: int = 15) -> str:
+    if path is None or not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
