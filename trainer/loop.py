@@ -457,6 +457,7 @@ class Run:
 
     # ------------------------------------------------------------------------------ entry point
     async def main(self) -> None:
+        self.t0 = time.monotonic()  # metrics' time_s counts from here: set-up (engine start) excluded
         self.first_group_this_run = self.next_group
         self.version_at_start = self.version
         try:

@@ -5,14 +5,28 @@ answer itself and prints the result as one JSON line, the last line of its outpu
 {"answer": "...", "reward": 1.0}. A reply counts only in the exact form "The answer is N." that ended
 on its own (finish_reason "stop"); a lenient grader lets a small model drift into rambling.
 
+AGENT_LATENCY="pareto:SCALE:SHAPE" makes the agent's environment take a heavy-tailed time before the
+answer is graded (seconds = SCALE · Pareto(SHAPE), capped at 60 · SCALE), as real environments do;
+the benchmarks use it.
+
 The model is whatever OPENAI_BASE_URL serves (default a hosted API under a reserved name that never
 resolves — under lgt-proxy the call is routed to the policy being trained).
 """
 
 import json
 import os
+import random
+import time
 
 from openai import OpenAI
+
+
+def environment_latency() -> float:
+    spec = os.environ.get("AGENT_LATENCY", "")
+    if not spec.startswith("pareto:"):
+        return 0.0
+    _, scale, shape = spec.split(":")
+    return min(float(scale) * random.paretovariate(float(shape)), 60 * float(scale))
 
 
 def main() -> None:
@@ -25,6 +39,7 @@ def main() -> None:
         temperature=1.0, max_tokens=24)
     choice = reply.choices[0]
     text = choice.message.content or ""
+    time.sleep(environment_latency())  # the environment checks the answer
     ok = choice.finish_reason == "stop" and text.strip() == f"The answer is {answer}."
     print(json.dumps({"answer": text, "reward": 1.0 if ok else 0.0}))
 

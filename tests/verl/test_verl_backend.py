@@ -1,0 +1,346 @@
+"""The verl backend: samples -> DataProto conversion, config, verl's loss under the weight folding, and
+verl's FSDP actor updating a tiny model (on CPU through the backend's CPU platform; on CUDA with ``gpu``).
+
+Run in verl's environment: ``.venv-verl/bin/python -m pytest -q tests/verl``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+# "verl.protocol", not "verl": with tests/ on sys.path this folder would pass for a namespace package "verl"
+pytest.importorskip("verl.protocol")
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from lgt.store.samples import SAMPLES  # noqa: E402
+from lgt.trainer.verl_backend import (  # noqa: E402
+    SampleConversionError,
+    VerlBackend,
+    VerlConfig,
+    VerlConfigError,
+    samples_to_dataproto,
+)
+
+PAD = 0
+
+
+def sample(sid: str, segments: list[tuple[str, list[int]]], *, advantage: float = 1.0,
+           loss_weight: float = 0.1, logprob=lambda t: -0.01 * t) -> dict:
+    """A SAMPLES row from ("ctx" | "gen", tokens) segments; generated tokens get logprob(token)."""
+    ids, mask, lps, versions = [], [], [], []
+    for kind, toks in segments:
+        gen = kind == "gen"
+        ids += toks
+        mask += [int(gen)] * len(toks)
+        lps += [logprob(t) if gen else 0.0 for t in toks]
+        versions += [3 if gen else -1 for _ in toks]
+    return dict(sample_id=sid, rollout_id=f"r-{sid}", attempt=0, group_id="g", task_id="t", sample_index=0,
+                n_calls=sum(k == "gen" for k, _ in segments), input_ids=ids, loss_mask=mask,
+                behaviour_logprobs=lps, policy_versions=versions, reward=1.0, advantage=advantage,
+                loss_weight=loss_weight, rollout_tokens=sum(mask), group_size=2, zero_variance=False,
+                mode="exact")
+
+
+def table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=SAMPLES)
+
+
+def unpack(dp, i: int) -> tuple[list[int], list[int], list[float]]:
+    """Row i of a DataProto back to (input_ids, loss_mask, behaviour_logprobs) over its real tokens."""
+    b = dp.batch
+    width_p = b["prompts"].shape[1]
+    attn = b["attention_mask"][i].bool()
+    ids = b["input_ids"][i][attn].tolist()
+    resp_real = attn[width_p:]
+    mask = [0] * int(attn[:width_p].sum()) + b["response_mask"][i][resp_real].tolist()
+    lps = [0.0] * int(attn[:width_p].sum()) + b["old_log_probs"][i][resp_real].tolist()
+    return ids, mask, lps
+
+
+# -- conversion ------------------------------------------------------------------------------------
+
+
+def test_single_turn_shapes_padding_and_positions():
+    rows = [sample("a", [("ctx", [11, 12, 13]), ("gen", [21, 22])]),
+            sample("b", [("ctx", [31]), ("gen", [41, 42, 43, 44])], advantage=-0.5)]
+    dp = samples_to_dataproto(table(rows), pad_token_id=PAD)
+    b = dp.batch
+    # widths: longest prompt 3, longest response 4
+    assert b["prompts"].tolist() == [[11, 12, 13], [PAD, PAD, 31]]  # left-padded
+    assert b["responses"].tolist() == [[21, 22, PAD, PAD], [41, 42, 43, 44]]  # right-padded
+    assert b["input_ids"].tolist() == [[11, 12, 13, 21, 22, PAD, PAD], [PAD, PAD, 31, 41, 42, 43, 44]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]]
+    # verl's convention: positions count real tokens from 0 (cumsum(mask) - 1, clipped at 0), so left
+    # padding sits at 0 and right padding repeats the last position
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4, 4], [0, 0, 0, 1, 2, 3, 4]]
+    assert b["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert torch.allclose(b["old_log_probs"],
+                          torch.tensor([[-0.21, -0.22, 0, 0], [-0.41, -0.42, -0.43, -0.44]]))
+    assert b["advantages"].tolist() == [[1.0, 1.0, 0, 0], [-0.5, -0.5, -0.5, -0.5]]
+    assert dp.meta_info == {"temperature": 1.0}
+    assert list(dp.non_tensor_batch["uid"]) == ["a", "b"]
+    assert b["input_ids"].dtype == torch.int64 and b["old_log_probs"].dtype == torch.float32
+
+
+def test_multi_turn_sample_splits_at_first_generated_token():
+    # prompt | gen | tool result | gen | tool | gen : tool tokens sit inside the response, masked out
+    row = sample("m", [("ctx", [1, 2]), ("gen", [10, 11]), ("ctx", [50, 51, 52]), ("gen", [12]),
+                       ("ctx", [53]), ("gen", [13, 14])], advantage=2.0)
+    dp = samples_to_dataproto(table([row]), pad_token_id=PAD, max_prompt_len=4, max_response_len=10)
+    b = dp.batch
+    assert b["prompts"].tolist() == [[PAD, PAD, 1, 2]]
+    assert b["responses"].tolist() == [[10, 11, 50, 51, 52, 12, 53, 13, 14, PAD]]
+    assert b["response_mask"].tolist() == [[1, 1, 0, 0, 0, 1, 0, 1, 1, 0]]
+    # response_mask selects exactly the loss_mask tokens, and the logprobs/advantages ride along with them
+    chosen = b["responses"][b["response_mask"].bool()].tolist()
+    assert chosen == [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+    assert torch.allclose(b["old_log_probs"][b["response_mask"].bool()],
+                          torch.tensor([-0.10, -0.11, -0.12, -0.13, -0.14]))
+    assert (b["old_log_probs"][~b["response_mask"].bool()] == 0).all()
+    assert b["advantages"].tolist() == [[2.0 * m for m in [1, 1, 0, 0, 0, 1, 0, 1, 1, 0]]]
+    assert b["position_ids"][0].tolist() == [0, 0, 0, 1] + list(range(2, 11)) + [10]
+
+
+def test_loss_weight_is_folded_into_advantages_only_when_asked():
+    rows = [sample("a", [("ctx", [1]), ("gen", [2, 3])], advantage=-1.5, loss_weight=0.25)]
+    plain = samples_to_dataproto(table(rows), pad_token_id=PAD)
+    folded = samples_to_dataproto(table(rows), pad_token_id=PAD, fold_loss_weight=True)
+    assert plain.batch["advantages"].tolist() == [[-1.5, -1.5]]
+    assert folded.batch["advantages"].tolist() == [[-0.375, -0.375]]
+
+
+def test_behaviour_logprobs_off_the_mask_are_zeroed():
+    row = sample("a", [("ctx", [1]), ("gen", [2]), ("ctx", [3]), ("gen", [4])])
+    row["behaviour_logprobs"] = [-9.0, -0.5, -9.0, -0.25]  # junk where the mask is 0
+    dp = samples_to_dataproto(table([row]), pad_token_id=PAD)
+    assert dp.batch["old_log_probs"].tolist() == [[-0.5, 0.0, -0.25]]
+
+
+segment = st.tuples(st.sampled_from(["ctx", "gen"]), st.lists(st.integers(1, 500), min_size=1, max_size=6))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(segment, min_size=1, max_size=6), min_size=1, max_size=5))
+def test_round_trip_preserves_tokens_mask_and_logprobs(samples_segments):
+    rows = []
+    for i, segs in enumerate(samples_segments):
+        segs = [("ctx", [7])] + list(segs) + [("gen", [9])]  # a prompt first, a generated token somewhere
+        rows.append(sample(f"s{i}", segs, advantage=float(i) - 1.5))
+    dp = samples_to_dataproto(table(rows), pad_token_id=PAD)
+    for i, row in enumerate(rows):
+        ids, mask, lps = unpack(dp, i)
+        assert ids == row["input_ids"]
+        assert mask == row["loss_mask"]
+        assert np.allclose(lps, row["behaviour_logprobs"])
+    b = dp.batch
+    assert int(b["response_mask"].sum()) == sum(sum(r["loss_mask"]) for r in rows)
+    assert torch.equal(b["advantages"] != 0, b["response_mask"].bool() & (torch.tensor(
+        [r["advantage"] for r in rows])[:, None] != 0))
+    # verl's position convention: cumsum(attention_mask) - 1, clipped at 0
+    assert torch.equal(b["position_ids"], (b["attention_mask"].cumsum(1) - 1).clamp(min=0))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda r: r.update(loss_mask=[0] * len(r["loss_mask"])), "no generated token"),
+    (lambda r: r.update(loss_mask=[1] + r["loss_mask"][1:]), "no prompt"),
+    (lambda r: r.update(behaviour_logprobs=r["behaviour_logprobs"][:-1]), "differ in length"),
+    (lambda r: r.update(advantage=math.nan), "non-finite"),
+])
+def test_bad_samples_get_one_sentence_naming_the_sample(mutate, message):
+    row = sample("bad-1", [("ctx", [1, 2]), ("gen", [3, 4])])
+    mutate(row)
+    with pytest.raises(SampleConversionError, match=message) as err:
+        samples_to_dataproto(pa.Table.from_pylist([row]), pad_token_id=PAD)
+    assert "bad-1" in str(err.value)
+
+
+def test_over_long_samples_and_missing_columns_are_refused():
+    rows = table([sample("long", [("ctx", [1, 2, 3]), ("gen", [4, 5])])])
+    with pytest.raises(SampleConversionError, match="'long' has a prompt of 3 tokens, over the prompt"):
+        samples_to_dataproto(rows, pad_token_id=PAD, max_prompt_len=2)
+    with pytest.raises(SampleConversionError, match="response of 2 tokens"):
+        samples_to_dataproto(rows, pad_token_id=PAD, max_response_len=1)
+    with pytest.raises(SampleConversionError, match="lacks the column.*loss_weight"):
+        samples_to_dataproto(rows.drop(["loss_weight"]), pad_token_id=PAD)
+    with pytest.raises(SampleConversionError, match="empty"):
+        samples_to_dataproto(rows.slice(0, 0), pad_token_id=PAD)
+    with pytest.raises(SampleConversionError, match="loss_weight 0.0, not > 0"):
+        samples_to_dataproto(table([sample("w0", [("ctx", [1]), ("gen", [2])], loss_weight=0.0)]),
+                             pad_token_id=PAD, fold_loss_weight=True)
+
+
+def test_chunked_and_sliced_tables_convert_like_whole_ones():
+    rows = [sample(f"s{i}", [("ctx", [1] * (i + 1)), ("gen", [2] * (3 - i))]) for i in range(3)]
+    whole = samples_to_dataproto(table(rows), pad_token_id=PAD)
+    chunked = pa.concat_tables([table(rows[:1]), table(rows[1:])])
+    sliced = table([rows[0]] + rows).slice(1)  # non-zero list offsets
+    for other in (chunked, sliced):
+        dp = samples_to_dataproto(other, pad_token_id=PAD)
+        for key in whole.batch.keys():
+            assert torch.equal(whole.batch[key], dp.batch[key]), key
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+def test_config_maps_onto_verl_actor_config():
+    from verl.workers.config import FSDPActorConfig
+
+    cfg = VerlConfig(model_path="/m", ppo_micro_batch_size_per_gpu=2, clip_ratio_high=0.3, lr=1e-5)
+    actor = cfg.to_verl(mini_batch_size=8)
+    assert isinstance(actor, FSDPActorConfig)
+    assert actor.loss_agg_mode == "token-sum"  # lgt's "rollout": weights folded into the advantages
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.ppo_mini_batch_size) == (0.2, 0.3, 8)
+    assert actor.optim.lr == 1e-5 and actor.ppo_micro_batch_size_per_gpu == 2
+    assert actor.engine.strategy == "fsdp2" and not actor.use_kl_loss
+    mean = VerlConfig(model_path="/m", loss_agg_mode="seq-mean-token-mean", kl_loss_coef=0.01).to_verl()
+    assert mean.loss_agg_mode == "seq-mean-token-mean" and mean.use_kl_loss and mean.kl_loss_coef == 0.01
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"loss_agg_mode": "mean"}, "unknown loss_agg_mode 'mean'"),
+    ({"kl_loss_coef": 0.1}, "must be 0 with loss_agg_mode 'rollout'"),
+    ({"ppo_mini_batch_size": 6, "ppo_micro_batch_size_per_gpu": 4}, "multiple of ppo_micro_batch_size"),
+    ({"lr": 0.0}, "lr must be a positive number"),
+    ({"clip_ratio_low": 1.5}, "clip ratios"),
+    ({"strategy": "megatron"}, "unknown strategy"),
+    ({"param_dtype": "fp8"}, "unknown param_dtype"),
+    ({"ppo_epochs": 0}, "ppo_epochs must be a positive integer"),
+    ({"max_prompt_len": 0}, "max_prompt_len must be a positive integer or None"),
+    ({"old_logprobs": "fresh"}, "unknown old_logprobs 'fresh'"),
+    ({"is_mode": "clip"}, "unknown is_mode 'clip'"),
+    ({"is_cap": 0.5}, "is_cap must be a finite number >= 1"),
+    ({"learning_rate": 1e-5}, "unknown verl setting.*learning_rate"),
+])
+def test_config_errors_are_one_sentence(values, message):
+    with pytest.raises(VerlConfigError, match=message) as err:
+        VerlConfig.from_dict({"model_path": "/m", **values})
+    assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
+
+
+# -- verl's loss under the folding ---------------------------------------------------------------
+
+
+def test_token_sum_with_folded_weights_equals_rollout_weighted_loss():
+    """Σ_i w_i Σ_t ppo(A_i) = verl token-sum of ppo(w_i · A_i), dual-clip branches included."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+
+    g = torch.Generator().manual_seed(0)
+    b, t = 6, 9
+    logp_old = -torch.rand(b, t, generator=g) * 3
+    logp = logp_old + torch.randn(b, t, generator=g)  # ratios well outside the clip range too
+    mask = (torch.rand(b, t, generator=g) > 0.3).float()
+    adv = torch.tensor([2.0, -1.0, 0.5, -3.0, 0.0, 1.0])
+    w = torch.tensor([0.1, 0.3, 0.05, 0.2, 0.15, 0.2])
+    cfg = VerlConfig(model_path="/m").to_verl(mini_batch_size=b)
+    cfg.global_batch_info.clear()
+    ref_cfg = VerlConfig(model_path="/m", loss_agg_mode="token-sum").to_verl(mini_batch_size=b)
+    ref_cfg.global_batch_info.clear()
+    # reference: per-sample token sums of the unweighted loss, weighted afterwards
+    per_sample = [compute_policy_loss_vanilla(logp_old[i:i + 1], logp[i:i + 1], adv[i].expand(1, t),
+                                              mask[i:i + 1], "token-sum", ref_cfg)[0] for i in range(b)]
+    expected = sum(w[i] * per_sample[i] for i in range(b))
+    folded, _ = compute_policy_loss_vanilla(logp_old, logp, (adv * w)[:, None].expand(b, t), mask,
+                                            cfg.loss_agg_mode, cfg)
+    assert torch.allclose(folded, expected, atol=1e-6)
+    assert not torch.allclose(folded, sum(per_sample) / b)  # the weights matter
+
+
+# -- verl's actor on a tiny model ------------------------------------------------------------------
+
+
+def on_policy_samples(model_dir, n: int = 4, seed: int = 0) -> pa.Table:
+    """Samples whose behaviour logprobs are the model's own (as a fresh engine would record them):
+    even rows advantage +1, odd rows -1; one multi-turn row with a masked tool segment."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        segs = [("ctx", rng.integers(3, 300, 4 + i).tolist()), ("gen", rng.integers(3, 300, 5).tolist())]
+        if i == 1:
+            segs += [("ctx", rng.integers(3, 300, 3).tolist()), ("gen", rng.integers(3, 300, 2).tolist())]
+        rows.append(sample(f"s{i}", segs, advantage=1.0 if i % 2 == 0 else -1.0, loss_weight=1 / n))
+    with torch.no_grad():
+        for row in rows:
+            ids = torch.tensor([row["input_ids"]])
+            lp = torch.log_softmax(model(ids).logits[0].float(), -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+            row["behaviour_logprobs"] = [0.0] + [float(x) * m for x, m in zip(lp, row["loss_mask"][1:])]
+    return table(rows)
+
+
+def run_actor(model_dir, old_logprobs: str = "behaviour"):
+    """3 updates on on-policy samples; with "recompute" the recorded logprobs are made stale by 0.3 nats."""
+    samples = on_policy_samples(model_dir)
+    stale = 0.3 if old_logprobs == "recompute" else 0.0
+    if stale:
+        rows = samples.to_pylist()
+        for row in rows:
+            lps, mask = row["behaviour_logprobs"], row["loss_mask"]
+            row["behaviour_logprobs"] = [lp - stale * m for lp, m in zip(lps, mask)]
+        samples = table(rows)
+    cfg = VerlConfig(model_path=str(model_dir), lr=2e-4, param_dtype="fp32", ppo_micro_batch_size_per_gpu=2,
+                     old_logprobs=old_logprobs)
+    backend = VerlBackend(cfg)
+    try:
+        before = backend.logprobs(samples)
+        dp = backend.to_dataproto(samples)
+        mask = dp.batch["response_mask"].bool()
+        # verl's forward matches the recorded (transformers) logprobs: the alignment is right
+        assert torch.allclose(before[mask], dp.batch["old_log_probs"][mask] + stale, atol=1e-4)
+        history = [backend.train_step(samples) for _ in range(3)]
+        after = backend.logprobs(samples)
+        weights = {name: t.float().cpu().clone() for name, t in backend.named_weights()}
+    finally:
+        backend.close()
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    assert set(weights) <= set(initial) and "model.embed_tokens.weight" in weights
+    assert all(weights[k].shape == initial[k].shape for k in weights)
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(weights[up], initial[up])  # the update reached the weights verl would sync
+    first = history[0]
+    advantage = torch.tensor(samples.column("advantage").to_pylist())[:, None]  # from the store, not verl's
+    assert first["batch/samples"] == 4 and first["batch/tokens"] == int(mask.sum())
+    assert abs(first["actor/ppo_kl"]) < 1e-4  # on-policy (or recomputed): ratio 1 at the first step
+    # at ratio 1 the rollout-weighted loss is -Σ_i w_i A_i (tokens_i) · IS weight: checks that verl ran
+    # token-sum over the folded advantages and multiplied the IS weights in
+    tokens = torch.tensor([sum(m) for m in samples.column("loss_mask").to_pylist()], dtype=torch.float64)
+    weights = torch.tensor(samples.column("loss_weight").to_pylist(), dtype=torch.float64)
+    expected = -math.exp(stale) * float((weights * advantage[:, 0].double() * tokens).sum())
+    assert first["loss/pg"] == pytest.approx(expected, rel=1e-4) and expected != 0
+    if stale:  # truncated IS: min(exp(old - behaviour), 2) = exp(0.3) on every token
+        assert first["actor/behaviour_kl"] == pytest.approx(stale, abs=1e-4)
+        assert first["actor/is_weight_mean"] == pytest.approx(math.exp(stale), abs=1e-3)
+    else:
+        assert "actor/is_weight_mean" not in first
+    assert all(math.isfinite(v) for m in history for v in m.values())
+    assert first["actor/grad_norm"] > 0
+    delta = (after - before)
+    pos = mask & (advantage > 0)
+    neg = mask & (advantage < 0)
+    assert delta[pos].mean() > 0 > delta[neg].mean(), (delta[pos].mean(), delta[neg].mean())
+    assert history[-1]["loss/pg"] < history[0]["loss/pg"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("old_logprobs", ["behaviour", "recompute"])
+def test_actor_update_on_cpu_moves_logprobs_with_advantages(tiny_model_dir, old_logprobs):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the gpu test covers the actor")
+    run_actor(tiny_model_dir, old_logprobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("old_logprobs", ["behaviour", "recompute"])
+def test_actor_update_on_cuda_moves_logprobs_with_advantages(tiny_model_dir, old_logprobs):
+    run_actor(tiny_model_dir, old_logprobs)

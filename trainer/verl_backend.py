@@ -1,0 +1,603 @@
+"""The verl backend: store samples -> verl ``DataProto`` -> one policy update by verl's FSDP actor.
+
+verl (0.9) trains through ``TrainingWorker`` + an engine (FSDP/FSDP2 here) with the loss
+``verl.workers.utils.losses.ppo_loss``; its trainer feeds it a left/right padded ``DataProto``
+(``prompts | responses``) converted to verl's no-padding ``TensorDict``. This module builds that
+``DataProto`` from the store's samples and drives one ``TrainingWorker`` in this process (world size 1,
+no Ray), the way verl's own ``RayPPOTrainer._update_actor`` drives its worker group.
+
+How a store sample maps onto verl's row (``samples_to_dataproto``):
+
+* A sample is one merged multi-turn token sequence: prompt, generated tokens, tool/environment tokens,
+  generated tokens, ... with ``loss_mask`` 1 on the generated ones. verl splits a row into
+  ``prompt | response``; the split is the FIRST generated token. ``prompts`` = the tokens before it
+  (left-padded), ``responses`` = every token from it on (right-padded); tool tokens inside the response
+  get ``response_mask`` 0, so ``response_mask`` selects exactly the sample's ``loss_mask`` tokens.
+* ``old_log_probs`` = the recorded ``behaviour_logprobs`` of the response tokens (verl's "bypass" mode:
+  the PPO ratio is taken against the engine's behaviour policy, so clipping bounds the step from the
+  policy that generated the tokens; no separate old-policy forward pass and no extra IS weight).
+  ``VerlConfig(old_logprobs="recompute")`` instead takes them from a forward pass of the policy being
+  trained (before the update) and corrects for the behaviour/old mismatch with importance weights
+  (``lgt.trainer.rl.importance_weights``: truncated or masked IS) passed as verl's
+  ``rollout_is_weights``, which verl's PPO loss multiplies into the per-token loss.
+* ``advantages`` = the sample's (rollout's) advantage broadcast over ``response_mask``.
+* Loss weights: lgt's ``rollout`` aggregation (each rollout counts once: ``Σ_i w_i Σ_t l_it`` with
+  ``w_i = loss_weight``) maps EXACTLY onto verl's ``token-sum`` aggregation with ``w_i`` folded into
+  the advantages: every term of verl's (dual-)clipped PPO loss is linear in the advantage and its
+  branch depends only on the advantage's sign, so for ``w > 0``
+  ``pg_loss(w·A) = w·pg_loss(A)`` token by token. What this does not carry: verl's entropy and KL
+  terms are aggregated with the same mode, unweighted, so ``VerlConfig`` refuses them with
+  ``loss_agg_mode="rollout"``; the ``actor/pg_clipfrac``-style metrics are unweighted token means.
+  verl's own modes (``token-mean``, ``seq-mean-token-mean``, ...) pass through with plain advantages.
+  When ``ppo_mini_batch_size`` splits a batch into several optimizer steps, each step's loss is its
+  mini-batch's share of the weighted sum (the weights are not renormalised per mini-batch).
+
+On a machine without CUDA, importing this module installs a CPU platform for verl (verl only ships
+CUDA/NPU platforms) and ``VerlBackend`` registers verl's FSDP engine for it; the engine then runs
+FSDP2 over a gloo process group of one rank. That is for tests and small checks, not for speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+import types
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, fields
+from functools import cache, partial
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+# -- verl's platform on CPU (must precede any import of verl's engines) -----------------------------
+
+
+def _install_cpu_platform() -> None:
+    """Make verl's device layer answer "cpu" (gloo, no memory stats) when this machine has no CUDA."""
+    from verl.plugin.platform import PlatformBase, platform_manager, set_platform
+
+    if platform_manager._current_platform is not None:  # already chosen (e.g. by the caller)
+        return
+
+    def _zero(*_a: Any, **_k: Any) -> int:
+        return 0
+
+    def _nothing(*_a: Any, **_k: Any) -> None:
+        return None
+
+    cpu_module = types.SimpleNamespace(
+        is_available=lambda: True, is_initialized=lambda: True, current_device=lambda: "cpu",
+        device_count=lambda: 1, set_device=_nothing, synchronize=_nothing, empty_cache=_nothing,
+        max_memory_allocated=_zero, max_memory_reserved=_zero, memory_allocated=_zero,
+        memory_reserved=_zero, reset_peak_memory_stats=_nothing, mem_get_info=lambda *_a: (0, 0),
+        manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
+        get_rng_state=lambda *_a, **_k: torch.get_rng_state(),
+        set_rng_state=lambda state, *_a, **_k: torch.set_rng_state(state),
+        current_stream=torch.cpu.current_stream, Stream=torch.cpu.Stream, Event=torch.cpu.Event,
+        stream=torch.cpu.stream, get_device_name=lambda *_a: "CPU",
+    )
+
+    class CpuPlatform(PlatformBase):
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = cpu_module
+
+        def is_available(self) -> bool:
+            return True
+
+        def current_device(self) -> str:  # a str, so `tensor.to(get_device_id())` stays on the CPU
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            pass
+
+        def synchronize(self, device_index: int | None = None) -> None:
+            pass
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            pass
+
+        def empty_cache(self) -> None:
+            pass
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"
+
+        @contextlib.contextmanager
+        def nvtx_range(self, msg: str):
+            yield
+
+        def profiler_start(self) -> None:
+            pass
+
+        def profiler_stop(self) -> None:
+            pass
+
+        def ray_resource_name(self) -> str:
+            return "CPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> None:
+            return None
+
+    set_platform(CpuPlatform())
+
+
+if not torch.cuda.is_available():
+    _install_cpu_platform()
+
+from verl import DataProto  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
+
+from lgt.trainer.rl import IS_MODES, importance_weights  # noqa: E402
+
+# -- errors ------------------------------------------------------------------------------------------
+
+
+class VerlConfigError(ValueError):
+    """A verl backend setting is invalid (one sentence naming it)."""
+
+
+class SampleConversionError(ValueError):
+    """A samples table cannot be turned into verl's batch (one sentence naming the sample)."""
+
+
+# -- samples -> DataProto ---------------------------------------------------------------------------
+
+REQUIRED_COLUMNS = ("sample_id", "input_ids", "loss_mask", "behaviour_logprobs", "advantage", "loss_weight")
+
+
+def _list_column(samples: pa.Table, name: str, dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (flat values, offsets (N+1,)) numpy arrays, whatever its chunking."""
+    col = samples.column(name).combine_chunks()
+    if isinstance(col, pa.ChunkedArray):  # an empty table keeps zero chunks
+        col = pa.array([], type=col.type)
+    if col.null_count:
+        raise SampleConversionError(f"column {name!r} has {col.null_count} null row(s).")
+    offsets = col.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    values = col.values.to_numpy(zero_copy_only=False).astype(dtype)
+    base = offsets[0]
+    return values[base:offsets[-1]], offsets - base
+
+
+def samples_to_dataproto(
+    samples: pa.Table,
+    *,
+    max_prompt_len: int | None = None,
+    max_response_len: int | None = None,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    fold_loss_weight: bool = False,
+) -> DataProto:
+    """Turn store samples (``SAMPLES`` schema, B rows) into verl's padded actor batch.
+
+    Widths: P = ``max_prompt_len`` (or the longest prompt), R = ``max_response_len`` (or the longest
+    response); a sample longer than a given cap is an error (it is never cut: cutting a prompt would
+    change what the recorded logprobs were conditioned on).
+
+    Returns a ``DataProto`` whose batch holds
+      ``prompts`` (B, P) int64, left-padded with ``pad_token_id``;
+      ``responses`` (B, R) int64, right-padded;
+      ``input_ids`` (B, P+R) = prompts | responses;  ``attention_mask`` (B, P+R) int64, 1 on real tokens;
+      ``position_ids`` (B, P+R) int64, 0.. over the real tokens (verl's ``cumsum(mask) - 1`` clipped at
+      0: left padding at 0, right padding repeating the last position);
+      ``response_mask`` (B, R) int64 = the sample's ``loss_mask`` over the response part;
+      ``old_log_probs`` (B, R) float32 = ``behaviour_logprobs`` there (0 off the mask);
+      ``advantages`` (B, R) float32 = advantage (× ``loss_weight`` when ``fold_loss_weight``) on the
+      mask, 0 elsewhere;
+    ``non_tensor_batch["uid"]`` the sample ids; ``meta_info``: ``temperature`` (the sampling temperature
+    the behaviour logprobs were recorded at; verl divides the logits by it).
+    """
+    missing = [c for c in REQUIRED_COLUMNS if c not in samples.column_names]
+    if missing:
+        raise SampleConversionError(f"the samples table lacks the column(s) {', '.join(missing)}.")
+    if samples.num_rows == 0:
+        raise SampleConversionError("the samples table is empty: nothing to train on.")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise SampleConversionError(f"temperature must be a positive number, got {temperature!r}.")
+
+    ids, off = _list_column(samples, "input_ids", np.int64)
+    mask, moff = _list_column(samples, "loss_mask", np.int64)
+    blp, boff = _list_column(samples, "behaviour_logprobs", np.float32)
+    sample_ids = samples.column("sample_id").to_pylist()
+    adv = samples.column("advantage").to_numpy(zero_copy_only=False).astype(np.float64)
+    weight = samples.column("loss_weight").to_numpy(zero_copy_only=False).astype(np.float64)
+
+    lengths = np.diff(off)
+    firsts = np.empty(len(lengths), dtype=np.int64)
+    for i, sid in enumerate(sample_ids):
+        if not (moff[i + 1] - moff[i] == boff[i + 1] - boff[i] == lengths[i]):
+            raise SampleConversionError(
+                f"sample {sid!r}: input_ids, loss_mask and behaviour_logprobs differ in length.")
+        row_mask = mask[moff[i]:moff[i + 1]]
+        hits = np.flatnonzero(row_mask)
+        if hits.size == 0:
+            raise SampleConversionError(f"sample {sid!r} has no generated token (loss_mask is all 0).")
+        if hits[0] == 0:
+            raise SampleConversionError(f"sample {sid!r} starts with a generated token: it has no prompt.")
+        if not (math.isfinite(adv[i]) and math.isfinite(weight[i])):
+            raise SampleConversionError(f"sample {sid!r} has a non-finite advantage or loss_weight.")
+        if fold_loss_weight and weight[i] <= 0:
+            raise SampleConversionError(f"sample {sid!r} has loss_weight {weight[i]}, not > 0.")
+        firsts[i] = hits[0]
+
+    prompt_lens, response_lens = firsts, lengths - firsts
+    width_p = int(prompt_lens.max()) if max_prompt_len is None else max_prompt_len
+    width_r = int(response_lens.max()) if max_response_len is None else max_response_len
+    for name, lens, cap in (("prompt", prompt_lens, width_p), ("response", response_lens, width_r)):
+        if lens.max() > cap:
+            i = int(lens.argmax())
+            raise SampleConversionError(
+                f"sample {sample_ids[i]!r} has a {name} of {int(lens[i])} tokens, over the {name} "
+                f"length limit of {cap}.")
+
+    n = len(lengths)
+    prompts = np.full((n, width_p), pad_token_id, dtype=np.int64)
+    responses = np.full((n, width_r), pad_token_id, dtype=np.int64)
+    attention = np.zeros((n, width_p + width_r), dtype=np.int64)
+    response_mask = np.zeros((n, width_r), dtype=np.int64)
+    old_lp = np.zeros((n, width_r), dtype=np.float32)
+    for i in range(n):
+        start, first, end, pl, rl = off[i], off[i] + firsts[i], off[i + 1], prompt_lens[i], response_lens[i]
+        prompts[i, width_p - pl:] = ids[start:first]
+        responses[i, :rl] = ids[first:end]
+        attention[i, width_p - pl:width_p + rl] = 1
+        response_mask[i, :rl] = mask[moff[i] + firsts[i]:moff[i + 1]]
+        old_lp[i, :rl] = blp[boff[i] + firsts[i]:boff[i + 1]]
+    old_lp *= response_mask  # 0 off the mask, whatever the store held there
+    scale = adv * weight if fold_loss_weight else adv
+    advantages = (scale[:, None] * response_mask).astype(np.float32)
+    position = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
+
+    tensors = {
+        "prompts": torch.from_numpy(prompts),
+        "responses": torch.from_numpy(responses),
+        "input_ids": torch.from_numpy(np.concatenate([prompts, responses], axis=1)),
+        "attention_mask": torch.from_numpy(attention),
+        "position_ids": torch.from_numpy(position),
+        "response_mask": torch.from_numpy(response_mask),
+        "old_log_probs": torch.from_numpy(old_lp),
+        "advantages": torch.from_numpy(advantages),
+    }
+    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": np.array(sample_ids, dtype=object)},
+                               meta_info={"temperature": float(temperature)})
+
+
+# -- config ------------------------------------------------------------------------------------------
+
+VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
+AGG_MODES = ("rollout", *VERL_AGG_MODES)
+STRATEGIES = ("fsdp", "fsdp2")
+PARAM_DTYPES = ("bf16", "fp16", "fp32")
+OLD_LOGPROBS = ("behaviour", "recompute")
+
+
+@dataclass(frozen=True)
+class VerlConfig:
+    """The verl actor's settings (batch sizes in samples, per update call).
+
+    ``loss_agg_mode="rollout"`` is lgt's aggregation (each rollout counts once through ``loss_weight``),
+    run as verl's ``token-sum`` with the weights folded into the advantages (module docstring); the
+    other modes are verl's own. ``old_logprobs``: "behaviour" (the PPO ratio against the recorded
+    logprobs) or "recompute" (against a fresh forward pass, with ``is_mode``/``is_cap`` importance
+    weights for the behaviour mismatch). ``ppo_mini_batch_size=None`` makes the whole ``train_step`` batch one
+    optimizer step; an int splits it into batch/mini optimizer steps (the batch must divide evenly).
+    ``param_dtype`` is FSDP's mixed-precision compute dtype (``fp32``: no autocast).
+    """
+
+    model_path: str
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ppo_mini_batch_size: int | None = None
+    ppo_micro_batch_size_per_gpu: int = 4
+    ppo_epochs: int = 1
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "rollout"
+    entropy_coeff: float = 0.0
+    kl_loss_coef: float = 0.0
+    temperature: float = 1.0
+    old_logprobs: str = "behaviour"
+    is_mode: str = "truncate"
+    is_cap: float = 2.0
+    max_prompt_len: int | None = None
+    max_response_len: int | None = None
+    strategy: str = "fsdp2"
+    param_dtype: str = "bf16"
+    attn_implementation: str = "sdpa"
+    use_remove_padding: bool = False
+    gradient_checkpointing: bool = False
+    shuffle: bool = False
+    seed: int = 42
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise VerlConfigError(msg)
+
+        if not self.model_path:
+            bad("model_path must name a Hugging Face model directory.")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            bad(f"lr must be a positive number, got {self.lr!r}.")
+        if self.weight_decay < 0 or self.grad_clip <= 0:
+            bad("weight_decay must be >= 0 and grad_clip > 0.")
+        for name in ("ppo_micro_batch_size_per_gpu", "ppo_epochs", "ppo_max_token_len_per_gpu"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad(f"{name} must be a positive integer, got {value!r}.")
+        for name in ("ppo_mini_batch_size", "max_prompt_len", "max_response_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                bad(f"{name} must be a positive integer or None, got {value!r}.")
+        mini, micro = self.ppo_mini_batch_size, self.ppo_micro_batch_size_per_gpu
+        if mini is not None and mini % micro:
+            bad(f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must be a multiple of "
+                f"ppo_micro_batch_size_per_gpu ({self.ppo_micro_batch_size_per_gpu}).")
+        if not 0 < self.clip_ratio_low < 1 or self.clip_ratio_high <= 0:
+            bad(f"clip ratios must satisfy 0 < clip_ratio_low < 1 and clip_ratio_high > 0, got "
+                f"{self.clip_ratio_low} and {self.clip_ratio_high}.")
+        if self.clip_ratio_c <= 1:
+            bad(f"clip_ratio_c (dual-clip bound) must be > 1, got {self.clip_ratio_c}.")
+        if self.loss_agg_mode not in AGG_MODES:
+            bad(f"unknown loss_agg_mode {self.loss_agg_mode!r}; choose one of {', '.join(AGG_MODES)}.")
+        if self.loss_agg_mode == "rollout" and (self.entropy_coeff or self.kl_loss_coef):
+            bad("entropy_coeff and kl_loss_coef must be 0 with loss_agg_mode 'rollout': verl would sum "
+                "those terms over tokens without the rollout weights.")
+        if self.entropy_coeff < 0 or self.kl_loss_coef < 0:
+            bad("entropy_coeff and kl_loss_coef must be >= 0.")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            bad(f"temperature must be a positive number, got {self.temperature!r}.")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            bad(f"unknown old_logprobs {self.old_logprobs!r}; choose one of {', '.join(OLD_LOGPROBS)}.")
+        if self.is_mode not in IS_MODES:
+            bad(f"unknown is_mode {self.is_mode!r}; choose one of {', '.join(IS_MODES)}.")
+        if not (isinstance(self.is_cap, int | float) and math.isfinite(self.is_cap) and self.is_cap >= 1):
+            bad(f"is_cap must be a finite number >= 1, got {self.is_cap!r}.")
+        if self.strategy not in STRATEGIES:
+            bad(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        if self.param_dtype not in PARAM_DTYPES:
+            bad(f"unknown param_dtype {self.param_dtype!r}; choose one of {', '.join(PARAM_DTYPES)}.")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> VerlConfig:
+        """Build from a plain mapping (a config file's ``verl:`` section); unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise VerlConfigError(
+                f"unknown verl setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}.")
+        return cls(**values)
+
+    @property
+    def verl_loss_agg_mode(self) -> str:
+        """The aggregation verl runs: ``token-sum`` for lgt's ``rollout`` (weights in the advantages)."""
+        return "token-sum" if self.loss_agg_mode == "rollout" else self.loss_agg_mode
+
+    def to_verl(self, *, mini_batch_size: int | None = None):
+        """verl's ``FSDPActorConfig`` for these settings (``mini_batch_size`` fills a ``None`` mini batch)."""
+        from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig
+
+        mini = self.ppo_mini_batch_size or mini_batch_size or self.ppo_micro_batch_size_per_gpu
+        engine = FSDPEngineConfig(
+            strategy=self.strategy, use_torch_compile=False, seed=self.seed,
+            mixed_precision={"param_dtype": self.param_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        )
+        return FSDPActorConfig(
+            strategy=self.strategy, rollout_n=1, ppo_mini_batch_size=mini,
+            ppo_micro_batch_size_per_gpu=self.ppo_micro_batch_size_per_gpu,
+            use_dynamic_bsz=self.use_dynamic_bsz, ppo_max_token_len_per_gpu=self.ppo_max_token_len_per_gpu,
+            clip_ratio=self.clip_ratio_low, clip_ratio_low=self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio_high, clip_ratio_c=self.clip_ratio_c,
+            loss_agg_mode=self.verl_loss_agg_mode, entropy_coeff=self.entropy_coeff,
+            use_kl_loss=self.kl_loss_coef > 0, kl_loss_coef=self.kl_loss_coef, ppo_epochs=self.ppo_epochs,
+            shuffle=self.shuffle, data_loader_seed=self.seed, grad_clip=self.grad_clip,
+            use_torch_compile=False, use_remove_padding=self.use_remove_padding,
+            optim=FSDPOptimizerConfig(lr=self.lr, weight_decay=self.weight_decay, clip_grad=self.grad_clip),
+            fsdp_config=engine,
+        )
+
+    def to_verl_model(self):
+        """verl's ``HFModelConfig`` for ``model_path`` (reads config and tokenizer; loads no weights)."""
+        from verl.workers.config import HFModelConfig
+
+        return HFModelConfig(
+            path=self.model_path, use_remove_padding=self.use_remove_padding,
+            enable_gradient_checkpointing=self.gradient_checkpointing,
+            override_config={"attn_implementation": self.attn_implementation},
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- the backend -------------------------------------------------------------------------------------
+
+
+@cache
+def _register_cpu_engine() -> None:
+    """Let verl's FSDP engine run on the CPU platform (verl registers it for CUDA and NPU only); once."""
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    EngineRegistry.register(model_type="language_model", backend=list(STRATEGIES),
+                            device=["cpu"])(FSDPEngineWithLMHead)
+
+
+def _init_single_process_group() -> bool:
+    """A world of one rank for verl's engine (gloo on CPU; NCCL + gloo with CUDA), rendezvous by file.
+    Returns whether it made one (False: the caller's process group is used)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    fd, path = tempfile.mkstemp(prefix="lgt-verl-pg-")
+    os.close(fd)
+    os.unlink(path)  # the FileStore creates it; a stale one would hold an old rendezvous
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    # verl's Worker records these (informational here: the rendezvous is the file above)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "0")
+    dist.init_process_group(backend=backend, init_method=f"file://{path}", rank=0, world_size=1)
+    return True
+
+
+def _mean(value: Any) -> float:
+    """A metric from verl (a float, a tensor, or a list of them per micro/mini batch) as one float."""
+    if isinstance(value, list | tuple):
+        items = [_mean(v) for v in value]
+        return float(np.mean(items)) if items else float("nan")
+    if isinstance(value, torch.Tensor):
+        return float(value.float().mean())
+    if hasattr(value, "value"):  # verl's Metric
+        return _mean(value.value)
+    return float(value)
+
+
+class VerlBackend:
+    """One verl FSDP actor in this process: ``train_step(samples)`` runs verl's PPO update on them.
+
+    Built once (``setup`` in the constructor): the process group (one rank), verl's ``TrainingWorker``
+    with the FSDP engine (model + AdamW), and verl's ``ppo_loss`` bound to the actor config.
+    """
+
+    def __init__(self, config: VerlConfig, *, pad_token_id: int | None = None):
+        from verl.workers.config import TrainingWorkerConfig
+        from verl.workers.engine_workers import TrainingWorker
+        from verl.workers.utils.losses import ppo_loss
+
+        if not torch.cuda.is_available():
+            _register_cpu_engine()
+        self._owns_process_group = _init_single_process_group()
+        self.config = config
+        self.model_config = config.to_verl_model()
+        if pad_token_id is None:
+            pad_token_id = self.model_config.tokenizer.pad_token_id
+            if pad_token_id is None:
+                pad_token_id = self.model_config.tokenizer.eos_token_id
+        if pad_token_id is None:
+            raise VerlConfigError(
+                f"the tokenizer of {config.model_path} has no pad or eos token; pass pad_token_id.")
+        self.pad_token_id = int(pad_token_id)
+        self.actor_config = config.to_verl()
+        engine = self.actor_config.engine
+        engine.use_dynamic_bsz = config.use_dynamic_bsz
+        engine.micro_batch_size_per_gpu = config.ppo_micro_batch_size_per_gpu
+        engine.infer_micro_batch_size_per_gpu = config.ppo_micro_batch_size_per_gpu
+        engine.max_token_len_per_gpu = config.ppo_max_token_len_per_gpu
+        engine.infer_max_token_len_per_gpu = config.ppo_max_token_len_per_gpu
+        worker_config = TrainingWorkerConfig(
+            model_type="language_model", model_config=self.model_config, engine_config=engine,
+            optimizer_config=self.actor_config.optim, checkpoint_config=self.actor_config.checkpoint)
+        self.worker = TrainingWorker(config=worker_config)
+        self.worker.reset()  # builds the model, FSDP wrapping, optimizer, scheduler
+        self.worker.set_loss_fn(partial(ppo_loss, config=self.actor_config))
+        self.steps = 0
+
+    def to_dataproto(self, samples: pa.Table) -> DataProto:
+        cfg = self.config
+        return samples_to_dataproto(
+            samples, max_prompt_len=cfg.max_prompt_len, max_response_len=cfg.max_response_len,
+            pad_token_id=self.pad_token_id, temperature=cfg.temperature,
+            fold_loss_weight=cfg.loss_agg_mode == "rollout")
+
+    def train_step(self, samples: pa.Table) -> dict[str, float]:
+        """One PPO update on ``samples`` (``ppo_epochs`` passes; batch/mini optimizer steps each).
+
+        Returns metrics as floats (means over micro/mini batches): ``loss/pg``, ``actor/pg_clipfrac``,
+        ``actor/ppo_kl`` (mean old - current logprob), ``actor/grad_norm``, ``actor/lr``,
+        ``batch/samples``, ``batch/tokens`` (trained tokens); with ``old_logprobs="recompute"`` also
+        ``actor/behaviour_kl`` (mean old - behaviour logprob) and ``actor/is_weight_mean``.
+        """
+        batch = self.to_dataproto(samples)
+        size = len(batch)
+        mini = self.config.ppo_mini_batch_size or size
+        if size % mini:
+            raise SampleConversionError(
+                f"the batch of {size} samples is not a multiple of ppo_mini_batch_size ({mini}).")
+        extra = self._recompute_old_logprobs(batch) if self.config.old_logprobs == "recompute" else {}
+        td = left_right_2_no_padding(batch.to_tensordict())
+        tu.assign_non_tensor(
+            td, calculate_entropy=self.config.entropy_coeff != 0, global_batch_size=mini,
+            mini_batch_size=mini, epochs=self.config.ppo_epochs, seed=self.config.seed + self.steps,
+            dataloader_kwargs={"shuffle": self.config.shuffle}, compute_loss=True)
+        raw = tu.get(self.worker.train_mini_batch(td), "metrics")
+        self.steps += 1
+        metrics = {f"actor/{k}" if not k.startswith("actor/") else k: _mean(v) for k, v in raw.items()
+                   if not k.startswith("perf/") and k != "mfu"}
+        metrics["loss/pg"] = metrics.pop("actor/pg_loss", float("nan"))
+        metrics["batch/samples"] = float(size)
+        metrics["batch/tokens"] = float(batch.batch["response_mask"].sum())
+        return metrics | extra
+
+    def _recompute_old_logprobs(self, batch: DataProto) -> dict[str, float]:
+        """Replace ``old_log_probs`` by the current policy's and add verl's ``rollout_is_weights``."""
+        mask = batch.batch["response_mask"]
+        behaviour = batch.batch["old_log_probs"]
+        old = self._logprobs(batch) * mask
+        weights = importance_weights(old, behaviour, mask, mode=self.config.is_mode, cap=self.config.is_cap)
+        batch.batch["old_log_probs"] = old
+        batch.batch["rollout_is_weights"] = weights
+        on = mask.bool()
+        return {"actor/behaviour_kl": float((old - behaviour)[on].mean()),
+                "actor/is_weight_mean": float(weights[on].mean())}
+
+    @torch.no_grad()
+    def _logprobs(self, batch: DataProto) -> torch.Tensor:
+        td = left_right_2_no_padding(batch.to_tensordict())
+        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+        out = self.worker.infer_batch(td)
+        return no_padding_2_padding(tu.get(out, "log_probs"), td).float().cpu()
+
+    def logprobs(self, samples: pa.Table) -> torch.Tensor:
+        """The current policy's logprobs of each sample's response tokens: (B, R) float32, aligned with
+        ``samples_to_dataproto(...).batch["responses"]`` (0 past each response's end)."""
+        return self._logprobs(self.to_dataproto(samples))
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(Hugging Face parameter name, full tensor)`` for every weight, as verl hands them to its
+        rollout engines (FSDP shards gathered one tensor at a time, on the training device; with tied
+        embeddings verl may yield both names). Copy them before the next ``train_step``."""
+        params, _ = self.worker.engine.get_per_tensor_param()
+        for name, tensor in params:
+            yield name, tensor.detach()
+
+    def close(self) -> None:
+        """Free the model, and the process group when this backend made it."""
+        import torch.distributed as dist
+
+        self.worker = None
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
