@@ -1,0 +1,223 @@
+"""Benchmark: TorchBackend.train_step against the bare training loop on the same batches, side by side.
+
+    .venv/bin/python bench/trainer_throughput.py                      # tiny model and ~11M-param Qwen2
+    .venv/bin/python bench/trainer_throughput.py --models 10m --repeats 7 --samples 32
+    .venv/bin/python bench/trainer_throughput.py --with-sync          # + weight sync vs engine restart
+
+Models (random weights, nothing downloaded): ``tiny`` is the tests' tiny Qwen2 (tests/engine/
+make_tiny_model.py: vocab ~400, hidden 128, 2 layers); ``10m`` is a Qwen2 with vocab 32000, hidden 256,
+4 layers, 4 heads of 64, intermediate 768, tied embeddings (~11.3M parameters, 8.2M of them the
+embedding), which makes the (B, T, V) logits as heavy as they are in real models.
+
+Batches: ``--samples`` synthetic SAMPLES rows of ``--min-len``..``--max-len`` tokens, the last
+``--gen-frac`` of each generated (loss_mask 1; agent samples are mostly prompt and tool output, so
+0.5 is generous), advantages +-1, store-rule loss weights. Both sides train on the same
+rows split into the same micro-batches (:func:`pack_micro_batches`, ``--micro-batch-tokens``):
+
+* backend: ``TorchBackend.train_step(table)`` from the Arrow table (reading the samples, padding,
+  PPO/IS loss with rollout weights, grad clip, AdamW, metrics), once with its default config and once
+  with the exact entropy metric on (``entropy=True``: one more pass over the logits);
+* bare loop (the physical floor): the padded tensors made beforehand, then per micro-batch
+  ``model(input_ids).logits``, token cross-entropy (labels shifted, as transformers' loss does, so no
+  copy of the logits) times mask and advantage, summed / trained tokens, ``backward``; one
+  ``optimizer.step()`` (AdamW) per batch; no clipping, no metrics.
+
+Each repeat runs every side once, in turn, after one warm-up step each; the medians of ``--repeats``
+are printed with the ratio (tokens / s of the backend over the bare loop; the goal is >= 0.9). Both
+wall-clock and process CPU time are measured: on a shared machine the CPU-time ratio is the stable one
+(``--threads 1``, the default, keeps it free of thread spinning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from lgt.store.samples import SAMPLES  # noqa: E402
+from lgt.trainer.torch_backend import (  # noqa: E402
+    TorchBackend,
+    TorchConfig,
+    pack_micro_batches,
+    pad_micro_batch,
+    read_samples,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_tiny(out: Path) -> Path:
+    """The tests' tiny model (tests/engine/make_tiny_model.py) in ``out``."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "tests/engine/make_tiny_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(str(out))
+    return out
+
+
+def make_10m(out: Path, tokenizer_from: Path) -> Path:
+    """A random ~11M-parameter Qwen2 (vocab 32000) with the tiny model's tokenizer files next to it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    for f in tokenizer_from.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def make_batch(n: int, min_len: int, max_len: int, vocab: int, gen_frac: float, seed: int = 0) -> pa.Table:
+    """``n`` SAMPLES rows of random length in [min_len, max_len]: a prompt, then ``gen_frac`` of the
+    tokens generated (loss_mask 1)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(min_len, max_len + 1, size=n)
+    rows = []
+    for i, length in enumerate(lengths.tolist()):
+        gen = max(1, min(length - 1, round(length * gen_frac)))
+        mask = [0] * (length - gen) + [1] * gen
+        rows.append({
+            "sample_id": f"r{i}~0#0", "rollout_id": f"r{i}", "attempt": 0, "group_id": f"g{i // 8}",
+            "task_id": "t", "sample_index": 0, "n_calls": 1,
+            "input_ids": rng.integers(0, vocab, size=length).tolist(), "loss_mask": mask,
+            "behaviour_logprobs": [float(-x) if m else 0.0 for x, m in zip(rng.exponential(2.0, length), mask,
+                                                                             strict=True)],
+            "policy_versions": [0 if m else -1 for m in mask], "reward": float(i % 2),
+            "advantage": 1.0 if i % 2 else -1.0, "loss_weight": 1.0 / (n * gen), "rollout_tokens": gen,
+            "group_size": 8, "zero_variance": False, "mode": "exact"})
+    return pa.Table.from_pylist(rows, schema=SAMPLES)
+
+
+class BareLoop:
+    """The floor: forward, masked token cross-entropy, backward, AdamW — on tensors padded beforehand."""
+
+    def __init__(self, model_dir: Path, table: pa.Table, budget: int, lr: float) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        batch = read_samples(table)
+        self.micro = [pad_micro_batch(batch, rows, torch.device("cpu"))
+                      for rows in pack_micro_batches(batch.lengths, budget)]
+        self.num_tokens = float(batch.masked.sum())
+        self.tokens = float(batch.lengths.sum())
+
+    def step(self) -> None:
+        """One update over the batch."""
+        self.opt.zero_grad(set_to_none=True)
+        for mb in self.micro:
+            ids, mask = mb["input_ids"], mb["loss_mask"]
+            logits = self.model(ids).logits
+            # labels shifted instead of logits (as transformers' own loss does): no (B, T, V) copy
+            labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+            nll = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1),
+                                  reduction="none").view(ids.shape)
+            weight = F.pad(mask[:, 1:], (0, 1)) * mb["advantages"][:, None]
+            loss = (nll * weight).sum() / self.num_tokens
+            loss.backward()
+        self.opt.step()
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of ``fn()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> None:
+    vocab = TorchBackend.load(model_dir, TorchConfig(device="cpu")).vocab_size
+    table = make_batch(args.samples, args.min_len, args.max_len, vocab, args.gen_frac)
+    sides = {
+        "backend": TorchBackend.load(model_dir, TorchConfig(
+            lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, device="cpu")),
+        "backend, entropy=True": TorchBackend.load(model_dir, TorchConfig(
+            lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, device="cpu", entropy=True)),
+    }
+    bare = BareLoop(model_dir, table, args.micro_batch_tokens, lr=1e-5)
+    run = {k: (lambda b=b: b.train_step(table)) for k, b in sides.items()}
+    run["bare loop"] = bare.step
+    for fn in run.values():  # warm-up
+        fn()
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in run}
+    for _ in range(args.repeats):
+        for k, fn in run.items():
+            times[k].append(timed(fn))
+    params = sum(p.numel() for p in bare.model.parameters())
+    metrics = sides["backend"].train_step(table)
+    print(f"\n## {name}: {params / 1e6:.2f}M params, vocab {vocab}; {args.samples} samples, "
+          f"{bare.tokens:.0f} tokens ({bare.num_tokens:.0f} trained), {len(bare.micro)} micro-batches of "
+          f"<= {args.micro_batch_tokens} padded tokens ({metrics['padded_tokens']:.0f} padded in all); "
+          f"median of {args.repeats}, torch threads {torch.get_num_threads()}")
+    floor_wall = statistics.median(w for w, _ in times["bare loop"])
+    floor_cpu = statistics.median(c for _, c in times["bare loop"])
+    print(f"  {'':<22} {'wall s':>8} {'tokens/s':>9} {'ratio':>6}   "
+          f"{'CPU s':>8} {'tokens/CPU-s':>12} {'ratio':>6}")
+    for k, ts in times.items():
+        wall = statistics.median(w for w, _ in ts)
+        cpu = statistics.median(c for _, c in ts)
+        print(f"  {k:<22} {wall:8.3f} {bare.tokens / wall:9.0f} {floor_wall / wall:6.2f}   "
+              f"{cpu:8.3f} {bare.tokens / cpu:12.0f} {floor_cpu / cpu:6.2f}")
+
+
+def bench_sync(model_dir: Path, n: int) -> None:
+    """Weight sync vs engine restart, from bench/weight_sync.py's measure(model_dir, n)."""
+    path = ROOT / "bench" / "weight_sync.py"
+    if not path.is_file():
+        print(f"\n## weight sync: {path} is not there yet; skipped")
+        return
+    spec = importlib.util.spec_from_file_location("weight_sync", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    result = mod.measure(model_dir, n)
+    print(f"\n## weight sync on {model_dir.name} ({n} updates)")
+    for k, v in (result.items() if isinstance(result, dict) else [("result", result)]):
+        print(f"  {k:<28} {v}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="tiny,10m", help="comma-separated: tiny, 10m")
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--min-len", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--micro-batch-tokens", type=int, default=2048)
+    parser.add_argument("--gen-frac", type=float, default=0.5,
+                        help="fraction of each sample's tokens that are generated (trained)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--with-sync", action="store_true", help="also time weight sync vs engine restart")
+    parser.add_argument("--sync-updates", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = make_tiny(Path(tmp) / "tiny")
+        dirs = {"tiny": tiny}
+        if "10m" in args.models.split(","):
+            dirs["10m"] = make_10m(Path(tmp) / "qwen2-11m", tiny)
+        for name in args.models.split(","):
+            if name not in dirs:
+                sys.exit(f"unknown model {name!r}: choose tiny and/or 10m")
+            bench_model(name, dirs[name], args)
+        if args.with_sync:
+            bench_sync(tiny, args.sync_updates)
+
+
+if __name__ == "__main__":
+    main()

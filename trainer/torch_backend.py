@@ -1,0 +1,649 @@
+"""The embedded training backend: one policy-gradient update of a Hugging Face causal LM per batch of samples.
+
+``TorchBackend`` trains any ``AutoModelForCausalLM`` on CPU or one GPU from rows of the store's samples
+(:data:`lgt.store.samples.SAMPLES`); the RL math (log-probs, PPO clip, importance weights, KL, loss
+aggregation) is :mod:`lgt.trainer.rl`. One ``train_step`` is one optimizer step over the whole batch:
+
+* the batch is split into micro-batches by a padded-token budget (:func:`pack_micro_batches`,
+  first-fit decreasing: ``rows x longest <= micro_batch_tokens``); each is right-padded, run forward and
+  backward with the loss normalised by the WHOLE batch's token and sample counts, so the accumulated
+  gradient equals the gradient of the whole batch in one piece;
+* gradients are clipped to ``grad_clip`` (global norm) and AdamW steps once.
+
+Departures from a textbook loop, each on purpose:
+
+* Logits are computed only where the loss needs them: at positions whose next token is trained in
+  some row of the micro-batch (transformers' ``logits_to_keep``), so long prompts and tool outputs
+  cost the decoder's forward and backward but no (T, V) logits, log-softmax or its gradient.
+* No attention mask is passed. Padding is on the right and attention is causal, so no real token can
+  see a pad; a mask would only make the attention kernels take the slower masked path. Pad positions
+  carry ``loss_mask`` 0 and are multiplied out of the loss (tests hold a sample alone equal to the same
+  sample padded in a batch).
+* Samples with no trainable token (``loss_mask`` all 0) still count in the sample total but are not run
+  (they would add exactly zero gradient); a batch with none at all skips the update (no NaN).
+* Dropout is switched off in the model's config at load: the log-probs being trained must be the ones
+  the engine sampled from.
+* ``dtype="bfloat16"`` keeps float32 master weights and AdamW state and runs the forward under autocast.
+
+Samples are read straight from the Arrow list buffers (numpy views over the offsets), never via Python
+lists of tokens. Checkpoints are Hugging Face directories (weights, config, tokenizer files) plus
+``optimizer.pt`` and ``trainer_state.json``, written to a temporary directory, renamed into place, and
+marked finished by a ``DONE`` file written last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from lgt.trainer import rl
+from lgt.trainer.models import ModelError, check_model_dir
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DONE = "DONE"
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
+# Files of a model directory that make up its tokenizer (copied into every checkpoint).
+TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                      "chat_template.*", "*.tiktoken", "tiktoken.model", "spiece.model")
+REQUIRED_COLUMNS = ("sample_id", "input_ids", "loss_mask", "behaviour_logprobs", "advantage", "loss_weight")
+ENTROPY_CHUNK_ROWS = 1024  # token rows of logits per chunk when computing the entropy metric
+
+
+class SampleError(ValueError):
+    """A batch of samples the backend cannot train on; the message names the sample and the problem."""
+
+
+class SampleTooLongError(SampleError):
+    """A sample has more tokens than ``max_seq_len``."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be resumed from."""
+
+
+@dataclass(frozen=True)
+class TorchConfig:
+    """How the torch backend trains. Validated on construction (one-sentence ValueError).
+
+    ``micro_batch_tokens``: budget of padded tokens (rows x longest row) per forward/backward.
+    ``max_seq_len``: longest sample accepted (default: the model's ``max_position_embeddings``).
+    ``device``: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``.
+    ``dtype``: ``float32``, or ``bfloat16`` (autocast compute; weights and optimizer stay float32).
+    ``ref_model``: load a frozen copy of the starting weights for the KL term; ``None`` means "when
+    ``loss.kl_coef > 0``". ``grad_clip``: max global gradient norm, ``None`` to not clip.
+    ``entropy``: also report the exact mean entropy of the policy over trained tokens (``actor/entropy``:
+    one more pass over the (B, T, V) logits; ~10-20% of a step on a 32k vocabulary). Always reported,
+    at no cost: ``actor/neg_logprob``, the mean of -log p over trained tokens, an unbiased estimate of
+    that entropy while the samples are on-policy.
+    """
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    micro_batch_tokens: int = 4096
+    max_seq_len: int | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    loss: rl.LossConfig = field(default_factory=rl.LossConfig)
+    seed: int = 0
+    grad_checkpointing: bool = False
+    ref_model: bool | None = None
+    entropy: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lr, int | float) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be positive, got {self.eps!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
+            raise ValueError("grad_clip must be a positive number or None (no clipping), "
+                             f"got {self.grad_clip!r}")
+        if not (isinstance(self.micro_batch_tokens, int) and self.micro_batch_tokens > 0):
+            raise ValueError("micro_batch_tokens must be a positive integer, "
+                             f"got {self.micro_batch_tokens!r}")
+        if self.max_seq_len is not None and not (isinstance(self.max_seq_len, int) and self.max_seq_len > 1):
+            raise ValueError(f"max_seq_len must be an integer > 1 or None (the model's limit), "
+                             f"got {self.max_seq_len!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not isinstance(self.loss, rl.LossConfig):
+            raise ValueError(f"loss must be an lgt.trainer.rl.LossConfig, got {type(self.loss).__name__}")
+        if self.ref_model is False and self.loss.kl_coef > 0:
+            raise ValueError(f"loss.kl_coef is {self.loss.kl_coef} but ref_model is False: the KL term needs "
+                             "the reference model (set ref_model to None or True, or kl_coef to 0)")
+
+    @property
+    def wants_ref_model(self) -> bool:
+        return self.loss.kl_coef > 0 if self.ref_model is None else self.ref_model
+
+
+# ----------------------------------------------------------------------------------------------------
+# Samples: Arrow columns -> numpy views -> padded micro-batch tensors
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A batch of samples as flat numpy arrays over the Arrow buffers (no per-token Python objects).
+
+    Sample ``i``'s tokens are ``input_ids[starts[i]:starts[i] + lengths[i]]`` (same for ``loss_mask``
+    and ``behaviour_logprobs``); ``advantage``, ``loss_weight`` are per sample (N,).
+    """
+
+    sample_ids: pa.Array
+    input_ids: np.ndarray  # (total tokens,) int32
+    loss_mask: np.ndarray  # (total tokens,) int8
+    behaviour_logprobs: np.ndarray  # (total tokens,) float32
+    starts: np.ndarray  # (N,) int64
+    lengths: np.ndarray  # (N,) int64
+    masked: np.ndarray  # (N,) int64: loss_mask tokens per sample
+    advantage: np.ndarray  # (N,) float32
+    loss_weight: np.ndarray  # (N,) float32
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def sample_id(self, i: int) -> str:
+        return str(self.sample_ids[i].as_py())
+
+
+def _as_table(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) -> pa.Table:
+    if isinstance(samples, pa.Table):
+        return samples
+    if isinstance(samples, pa.RecordBatch):
+        return pa.Table.from_batches([samples])
+    batches = list(samples)
+    if not batches:
+        raise SampleError("the batch of samples is empty: give at least one sample row")
+    return pa.Table.from_batches(batches)
+
+
+def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(values, offsets)`` of a list column: row i is ``values[offsets[i]:offsets[i + 1]]`` (zero-copy)."""
+    arr = table.column(name).combine_chunks()
+    if arr.null_count:
+        row = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
+        raise SampleError(f"sample {table.column('sample_id')[row].as_py()} has no {name} (null)")
+    offsets = arr.offsets.to_numpy().astype(np.int64, copy=False)
+    values = arr.values.to_numpy(zero_copy_only=False)
+    return values, offsets
+
+
+def _scalar_column(table: pa.Table, name: str) -> np.ndarray:
+    col = table.column(name)
+    if col.null_count:
+        row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise SampleError(f"sample {table.column('sample_id')[row].as_py()} has no {name} (null)")
+    values = col.to_numpy().astype(np.float32)
+    bad = np.flatnonzero(~np.isfinite(values))
+    if len(bad):
+        raise SampleError(f"sample {table.column('sample_id')[int(bad[0])].as_py()} has a non-finite "
+                          f"{name} ({values[bad[0]]})")
+    return values
+
+
+def read_samples(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) -> TokenBatch:
+    """The token lists and per-sample scalars of rows with the SAMPLES schema, checked for consistency."""
+    table = _as_table(samples)
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise SampleError(f"the samples lack column(s) {', '.join(missing)}: give rows with the store's "
+                          "SAMPLES schema (lgt.store.samples.SAMPLES)")
+    if table.num_rows == 0:
+        raise SampleError("the batch of samples is empty: give at least one sample row")
+    ids, ids_off = _list_column(table, "input_ids")
+    mask, mask_off = _list_column(table, "loss_mask")
+    blp, blp_off = _list_column(table, "behaviour_logprobs")
+    lengths = np.diff(ids_off)
+    for name, off in (("loss_mask", mask_off), ("behaviour_logprobs", blp_off)):
+        bad = np.flatnonzero(np.diff(off) != lengths)
+        if len(bad):
+            i = int(bad[0])
+            raise SampleError(f"sample {table.column('sample_id')[i].as_py()} has {lengths[i]} input_ids but "
+                              f"{off[i + 1] - off[i]} {name}: the token lists must have equal lengths")
+    if len(lengths) and lengths.min() < 1:
+        i = int(np.argmin(lengths))
+        raise SampleError(f"sample {table.column('sample_id')[i].as_py()} has no tokens")
+    # Rebase the three lists onto offsets from 0 (zero-copy views; the lengths match row by row).
+    ids = ids[ids_off[0]:ids_off[-1]]
+    mask = mask[mask_off[0]:mask_off[-1]]
+    blp = blp[blp_off[0]:blp_off[-1]]
+    starts = ids_off[:-1] - ids_off[0]
+    if len(mask) and (mask.min() < 0 or mask.max() > 1):
+        bad = int(np.flatnonzero((mask < 0) | (mask > 1))[0])
+        i = int(np.searchsorted(starts, bad, side="right") - 1)
+        raise SampleError(f"sample {table.column('sample_id')[i].as_py()} has loss_mask value {mask[bad]}: "
+                          "loss_mask holds 0 or 1 per token")
+    cum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    masked = cum[starts + lengths] - cum[starts]
+    return TokenBatch(sample_ids=table.column("sample_id").combine_chunks(), input_ids=ids, loss_mask=mask,
+                      behaviour_logprobs=blp, starts=starts, lengths=lengths, masked=masked,
+                      advantage=_scalar_column(table, "advantage"),
+                      loss_weight=_scalar_column(table, "loss_weight"))
+
+
+def pack_micro_batches(lengths: Sequence[int] | np.ndarray, budget: int) -> list[list[int]]:
+    """Group sample indices into micro-batches whose padded cost ``rows x longest`` stays within ``budget``.
+
+    First-fit decreasing: samples sorted by length (longest first, ties by index), each put into the
+    first micro-batch it fits. A sample longer than ``budget`` gets a micro-batch of its own.
+    Deterministic; every index appears exactly once; within a micro-batch, longest first.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    bins: list[list[int]] = []
+    longest: list[int] = []
+    for i in order.tolist():
+        n = int(lengths[i])
+        for b, rows in enumerate(bins):
+            if (len(rows) + 1) * max(longest[b], n) <= budget:
+                rows.append(i)
+                longest[b] = max(longest[b], n)
+                break
+        else:
+            bins.append([i])
+            longest.append(n)
+    return bins
+
+
+def pad_micro_batch(batch: TokenBatch, rows: Sequence[int], device: torch.device, *,
+                    trained_only: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for samples ``rows`` (pad id 0, mask 0, behaviour log-prob 0).
+
+    ``input_ids`` (B, T) int64: the model's input, T the longest row. The loss is computed at K
+    positions: ``target_ids`` (B, K) int64, ``loss_mask``, ``behaviour_logprobs`` (B, K) float32 are
+    aligned like :func:`rl.token_logprobs`'s output for logits taken at ``positions`` (K,) int64
+    (``target_ids[:, j]`` is the token predicted from position ``positions[j - 1]``; column 0 is
+    unused). Without ``trained_only`` K = T and these are the padded lists themselves
+    (``positions`` = 0..T-1). With it, only positions whose next token is trained in some row are
+    kept (plus the last, which predicts nothing): prompt-only stretches get no logits at all.
+    ``advantages``, ``loss_weight`` (B,) float32.
+    """
+    idx = np.asarray(rows, dtype=np.int64)
+    lens = batch.lengths[idx]
+    b, width = len(idx), int(lens.max())
+    # Flat gather indices of every real token, and where each lands in the (B, T) block.
+    row_of = np.repeat(np.arange(b), lens)
+    col = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    src = np.repeat(batch.starts[idx], lens) + col
+    flat = row_of * width + col
+    ids = np.zeros(b * width, np.int64)
+    ids[flat] = batch.input_ids[src]
+    mask = np.zeros(b * width, np.float32)
+    mask[flat] = batch.loss_mask[src]
+    blp = np.zeros(b * width, np.float32)
+    blp[flat] = batch.behaviour_logprobs[src]
+    ids, mask, blp = ids.reshape(b, width), mask.reshape(b, width), blp.reshape(b, width)
+    positions = np.arange(width)
+    targets = ids
+    if trained_only:
+        predicting = np.flatnonzero(mask[:, 1:].any(0))  # position p predicts token p + 1
+        positions = np.append(predicting, width - 1)
+        pick = np.concatenate([[0], predicting + 1])
+        targets, mask, blp = ids[:, pick], mask[:, pick], blp[:, pick]
+        targets[:, 0], mask[:, 0], blp[:, 0] = 0, 0.0, 0.0
+
+    def put(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return {"input_ids": put(ids), "positions": put(positions), "target_ids": put(targets),
+            "loss_mask": put(mask), "behaviour_logprobs": put(blp),
+            "advantages": put(batch.advantage[idx]), "loss_weight": put(batch.loss_weight[idx])}
+
+
+def _entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> float:
+    """Σ over positions t with ``mask[:, t] == 1`` of the entropy of the distribution predicting token t."""
+    with torch.no_grad():
+        rows = logits[:, :-1][mask[:, 1:] > 0]
+        total = 0.0
+        for chunk in rows.split(ENTROPY_CHUNK_ROWS):
+            chunk = chunk.float()
+            lse = torch.logsumexp(chunk, -1, keepdim=True)
+            total += float((lse.squeeze(-1) - (torch.softmax(chunk, -1) * chunk).sum(-1)).sum())
+        return total
+
+
+def _merge_metrics(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """Micro-batch metrics as whole-batch ones: ``loss/*`` are contributions (summed), the rest are
+    means over the micro-batch's trained tokens (averaged weighted by those token counts)."""
+    out: dict[str, float] = {}
+    weight = sum(w for _, w in parts) or 1.0
+    for metrics, w in parts:
+        for k, v in metrics.items():
+            out[k] = out.get(k, 0.0) + (v if k.startswith("loss/") else v * w / weight)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The backend
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name} was asked for but torch sees no CUDA device "
+                         "(use device=cpu or auto)")
+    return torch.device(name)
+
+
+def _load_model(model_dir: Path, device: torch.device) -> torch.nn.Module:
+    """The causal LM in ``model_dir`` in float32 on ``device``, with every dropout probability set to 0."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    for sub in [config, *(getattr(config, k) for k in ("text_config",) if hasattr(config, k))]:
+        for key, value in list(vars(sub).items()):
+            if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+                setattr(sub, key, 0.0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32,
+                                                 local_files_only=True)
+    return model.to(device)
+
+
+class TorchBackend:
+    """A policy (HF causal LM) and its AdamW optimizer; ``train_step`` applies one update per batch.
+
+    Build with :meth:`load` (from a model directory) or :meth:`resume` (from a checkpoint).
+    ``step`` counts the updates made (restored by ``resume``).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TorchConfig, *,
+                 model_dir: Path, base_model_dir: Path, max_seq_len: int, vocab_size: int,
+                 ref: torch.nn.Module | None, device: torch.device) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.model_dir = model_dir  # where the tokenizer files are read from
+        self.base_model_dir = base_model_dir  # the starting weights (the KL reference)
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+        self.ref = ref
+        self.device = device
+        self.step = 0
+        self._keeps_positions = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._autocast = (torch.autocast(device.type, dtype=DTYPES[cfg.dtype])
+                          if cfg.dtype != "float32" else contextlib.nullcontext())
+
+    @classmethod
+    def load(cls, model_dir: str | Path, cfg: TorchConfig, *, ref_model_dir: str | Path | None = None
+             ) -> TorchBackend:
+        """Load the model in ``model_dir`` (checked with ``check_model_dir``: ModelError) for training.
+
+        ``ref_model_dir``: the KL reference's weights when they differ from ``model_dir`` (resume).
+        """
+        model_dir = Path(model_dir)
+        info = check_model_dir(model_dir)
+        base = Path(ref_model_dir) if ref_model_dir is not None else model_dir
+        limit = info.max_position_embeddings
+        if cfg.max_seq_len is not None and limit is not None and cfg.max_seq_len > limit:
+            raise ValueError(f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings "
+                             f"{limit} ({model_dir})")
+        max_seq_len = cfg.max_seq_len or limit or 2**31 - 1
+        device = _resolve_device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        model = _load_model(model_dir, device)
+        if cfg.grad_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        ref = None
+        if cfg.wants_ref_model:
+            check_model_dir(base)
+            ref = _load_model(base, device).eval().requires_grad_(False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                      weight_decay=cfg.weight_decay, fused=device.type == "cuda" or None)
+        return cls(model, optimizer, cfg, model_dir=model_dir, base_model_dir=base, max_seq_len=max_seq_len,
+                   vocab_size=int(model.get_input_embeddings().weight.shape[0]), ref=ref, device=device)
+
+    # ------------------------------------------------------------------------------ training
+
+    def check_samples(self, batch: TokenBatch) -> None:
+        """SampleTooLongError / SampleError for samples this model cannot train on (before any compute)."""
+        too_long = np.flatnonzero(batch.lengths > self.max_seq_len)
+        if len(too_long):
+            i = int(too_long[np.argmax(batch.lengths[too_long])])
+            raise SampleTooLongError(f"sample {batch.sample_id(i)} has {batch.lengths[i]} tokens, more than "
+                                     f"max_seq_len {self.max_seq_len}: raise max_seq_len or drop the sample")
+        if len(batch.input_ids) and (batch.input_ids.min() < 0 or batch.input_ids.max() >= self.vocab_size):
+            bad = np.flatnonzero((batch.input_ids < 0) | (batch.input_ids >= self.vocab_size))[0]
+            i = int(np.searchsorted(batch.starts, bad, side="right") - 1)
+            raise SampleError(f"sample {batch.sample_id(i)} holds token id {batch.input_ids[bad]}, outside "
+                              f"the model's vocabulary of {self.vocab_size}: was it built with another "
+                              "tokenizer?")
+
+    def _forward_logprobs(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits (B, K, V), log-probs (B, K) float32 of ``target_ids``) of ``model`` on a padded
+        micro-batch, the logits computed at ``positions`` only (see :func:`pad_micro_batch`)."""
+        positions = mb["positions"]
+        keep: int | torch.Tensor = positions
+        if len(positions) == mb["input_ids"].shape[1] or not self._keeps_positions:
+            keep = 0  # all positions (transformers' default)
+        with self._autocast:
+            logits = model(input_ids=mb["input_ids"], use_cache=False, logits_to_keep=keep).logits
+        if logits.shape[1] != len(positions):  # the model ignored logits_to_keep
+            logits = logits[:, positions]
+        return logits, rl.token_logprobs(logits, mb["target_ids"])
+
+    def accumulate(self, samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) -> dict[str, float]:
+        """Forward and backward over every micro-batch, adding the whole batch's loss gradient to ``.grad``.
+
+        Does not zero the gradients, clip or step (that is :meth:`train_step`). Metrics as train_step's,
+        without grad_norm. Raises SampleTooLongError / SampleError before computing anything.
+        """
+        started = time.perf_counter()
+        batch = read_samples(samples)
+        self.check_samples(batch)
+        num_tokens = float(batch.masked.sum())
+        trained = np.flatnonzero(batch.masked > 0)
+        num_samples = float(len(trained))  # rows with a trained token, as rl.aggregate_loss counts them
+        micro = [[int(trained[j]) for j in mb]
+                 for mb in pack_micro_batches(batch.lengths[trained], self.cfg.micro_batch_tokens)]
+        parts: list[tuple[dict[str, float], float]] = []
+        loss_total = 0.0
+        entropy_total = 0.0
+        neg_logp_total = 0.0
+        padded = 0
+        for rows in micro:
+            mb = pad_micro_batch(batch, rows, self.device, trained_only=True)
+            padded += mb["input_ids"].numel()
+            if self.ref is not None:
+                with torch.no_grad():
+                    mb["ref_logprobs"] = self._forward_logprobs(self.ref, mb)[1]
+            logits, logp = self._forward_logprobs(self.model, mb)
+            if self.cfg.entropy:
+                entropy_total += _entropy_sum(logits.detach(), mb["loss_mask"])
+            del logits
+            neg_logp_total -= float((logp.detach() * mb["loss_mask"]).sum())
+            loss, metrics = rl.policy_loss(logp, mb, self.cfg.loss, num_tokens=num_tokens,
+                                           num_samples=num_samples)
+            loss.backward()
+            loss_total += float(loss.detach())
+            parts.append((metrics, float(batch.masked[rows].sum())))
+        out = _merge_metrics(parts)
+        out.update({"loss": loss_total, "tokens": float(batch.lengths.sum()), "trained_tokens": num_tokens,
+                    "padded_tokens": float(padded), "samples": float(len(batch)),
+                    "trained_samples": num_samples, "micro_batches": float(len(micro))})
+        out["actor/neg_logprob"] = neg_logp_total / max(num_tokens, 1.0)
+        if self.cfg.entropy:
+            out["actor/entropy"] = entropy_total / max(num_tokens, 1.0)
+        out["seconds"] = time.perf_counter() - started
+        return out
+
+    def train_step(self, samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) -> dict[str, float]:
+        """One optimizer update over the whole batch of SAMPLES rows; returns float metrics.
+
+        Metrics: ``loss`` (total), ``loss/*`` and ``actor/*`` (from :func:`rl.policy_loss`; ``actor/*``
+        are means over trained tokens; ``actor/neg_logprob``; ``actor/entropy`` when enabled),
+        ``grad_norm`` (before clipping),
+        ``tokens`` (all tokens), ``trained_tokens`` (loss_mask 1), ``padded_tokens``, ``samples``,
+        ``micro_batches``, ``seconds``, ``tokens_per_s`` (tokens / seconds), ``skipped`` (1 when no sample
+        had a trained token: no update is made, the step still counts).
+        """
+        started = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = self.accumulate(samples)
+        skipped = out["trained_tokens"] == 0
+        if skipped:
+            out["grad_norm"] = 0.0
+        else:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else math.inf
+            out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        out["skipped"] = float(skipped)
+        out["seconds"] = time.perf_counter() - started
+        out["tokens_per_s"] = out["tokens"] / out["seconds"] if out["seconds"] > 0 else 0.0
+        return out
+
+    @torch.no_grad()
+    def sample_logprobs(self, samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]
+                        ) -> list[np.ndarray]:
+        """The policy's log-prob of every token of every sample (float32 arrays, aligned with input_ids;
+        entry 0 is 0), in row order; micro-batched like training."""
+        batch = read_samples(samples)
+        self.check_samples(batch)
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(batch)
+        for rows in pack_micro_batches(batch.lengths, self.cfg.micro_batch_tokens):
+            _, logp = self._forward_logprobs(self.model, pad_micro_batch(batch, rows, self.device))
+            logp = logp.float().cpu().numpy()
+            for j, i in enumerate(rows):
+                out[i] = logp[j, : batch.lengths[i]].copy()
+        return out
+
+    # ------------------------------------------------------------------------------ weights
+
+    @property
+    def tied_lm_head(self) -> bool:
+        """Whether the output projection shares its tensor with the input embeddings (then only the
+        embedding is yielded by :meth:`named_weights`; the engine re-ties ``lm_head``)."""
+        out = self.model.get_output_embeddings()
+        return out is not None and out.weight is self.model.get_input_embeddings().weight
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(Hugging Face parameter name, detached tensor)`` for every parameter, a tied tensor once
+        (under its first name, e.g. ``model.embed_tokens.weight``). Tensors live on the training device
+        in float32; they are views of the live weights: copy them before the next ``train_step``."""
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write ``root/step-<step:08d>`` (HF weights + config + tokenizer files, optimizer.pt,
+        trainer_state.json holding ``step`` and ``extra``) and return it.
+
+        Written in a temporary directory, renamed into place, then ``DONE`` is written: a directory
+        without ``DONE`` is unfinished and ignored by :func:`latest_checkpoint`. ``extra`` must be
+        JSON-serialisable (TypeError otherwise, before anything is written).
+        """
+        root = Path(root)
+        state = {"step": self.step, "extra": extra or {}, "base_model": str(self.base_model_dir.resolve())}
+        try:
+            state_text = json.dumps(state, indent=1)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"checkpoint extra must be JSON-serialisable ({e})") from None
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step-{self.step:08d}"
+        tmp = root / f".{final.name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        self.model.save_pretrained(tmp)
+        for src in _tokenizer_files(self.model_dir):
+            shutil.copy2(src, tmp / src.name)
+        torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        (tmp / STATE_FILE).write_text(state_text)
+        old = None
+        if final.exists():  # the same step saved again: replace it, never leaving no copy behind
+            old = root / f".{final.name}.old-{os.getpid()}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _write_atomic(final / DONE, f"{self.step}\n")
+        _fsync_dir(root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    @classmethod
+    def resume(cls, ckpt_dir: str | Path, cfg: TorchConfig) -> tuple[TorchBackend, dict[str, Any]]:
+        """A backend restored from a finished checkpoint (model, optimizer, step) and the ``extra`` it
+        was saved with. CheckpointError when ``ckpt_dir`` is not a finished checkpoint."""
+        ckpt = Path(ckpt_dir)
+        if not (ckpt / DONE).is_file():
+            raise CheckpointError(f"{ckpt} is not a finished checkpoint (no {DONE} file): resume from "
+                                  "latest_checkpoint(root) instead")
+        try:
+            state = json.loads((ckpt / STATE_FILE).read_text())
+            step = int(state["step"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{ckpt}/{STATE_FILE} is unreadable "
+                                  f"({e.__class__.__name__}: {e})") from None
+        base = Path(state.get("base_model", ckpt))
+        try:
+            backend = cls.load(ckpt, cfg, ref_model_dir=base if base.is_dir() else ckpt)
+        except ModelError as e:
+            raise CheckpointError(f"{ckpt} does not hold a loadable model ({e})") from None
+        opt_state = torch.load(ckpt / OPTIMIZER_FILE, map_location=backend.device, weights_only=True)
+        backend.optimizer.load_state_dict(opt_state)
+        backend.step = step
+        return backend, dict(state.get("extra") or {})
+
+
+def _tokenizer_files(model_dir: Path) -> list[Path]:
+    return sorted({p for pattern in TOKENIZER_PATTERNS for p in model_dir.glob(pattern) if p.is_file()})
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The finished checkpoint (``step-N`` with a ``DONE`` file) of highest step under ``root``, or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for p in root.iterdir():
+        m = CHECKPOINT_RE.match(p.name)
+        if m and (p / DONE).is_file() and (best is None or int(m.group(1)) > best[0]):
+            best = (int(m.group(1)), p)
+    return best[1] if best else None
