@@ -183,17 +183,25 @@ def rollout_env(
     port: int = 8080,
     secret_file: str | os.PathLike | None = None,
     confdir: str | os.PathLike | None = None,
+    ca: str = "system+proxy",
 ) -> dict[str, str]:
     """Environment variables that send one rollout's traffic through the proxy.
 
     ``NO_PROXY`` is emptied: several clients would otherwise bypass the proxy for loopback or for
     hosts a machine lists there, and a model server on 127.0.0.1 must still be intercepted.
+    ``ca``: the CA file the variables name — ``system+proxy`` (the system CAs and the proxy's) or
+    ``proxy`` (the proxy's alone: enough when every HTTPS connection goes through the proxy, which
+    presents its own certificates, and ~50× cheaper for each client to load — it matters for agents
+    that live a second).
     """
+    if ca not in ("system+proxy", "proxy"):
+        raise ValueError(f"ca must be 'system+proxy' or 'proxy', not {ca!r}")
     identity = Identity(check_rollout_id(rollout_id), attempt)
     secret = load_secret(store, secret_file)
     token = rollout_token(secret, identity)
     url = f"http://{identity.name}:{token}@{host}:{port}"
-    bundle = str(ca_bundle(confdir or proxy_dir(store)))
+    confdir = confdir or proxy_dir(store)
+    bundle = str(ca_bundle(confdir) if ca == "system+proxy" else ensure_ca(confdir))
     env = {}
     for var in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
         env[var] = url

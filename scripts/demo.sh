@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: an unchanged OpenAI-SDK agent runs through lgt-proxy against
-# a local vLLM-compatible upstream, and the recorded calls are shown with SQL.
+# The main job on the embedded default: train examples/arith's unmodified OpenAI-SDK agent with RL on
+# CPU — a tiny model built here (nothing downloaded), vLLM's CPU build serving it, lgt-proxy recording
+# every call, collocated async GRPO. A few minutes; the run directory holds metrics, plots, a report
+# and checkpoints. Extra arguments go to `lgt-train run` (e.g. --mode sync, --steps 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv-proxy/bin/python scripts/demo.py "$@"
+export PATH="$PWD/.venv/bin:$PATH"  # the agent's interpreter (it needs the openai package) and lgt-train
+exec lgt-train run examples/arith/run.yaml "$@"

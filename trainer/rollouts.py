@@ -15,17 +15,18 @@ stdout and stderr go to ``<run_dir>/rollouts/<rollout_id>~<attempt>.out`` / ``.e
 ``timeout_s`` the whole group gets SIGTERM, then SIGKILL after ``kill_grace_s``: status ``timeout``.
 A non-zero exit is ``failed``. After a zero exit the reward is taken from the first of:
 
-1. the proxy's reward endpoint (the agent POSTed to ``$LGT_REWARD_URL``): the proxy is flushed and the
-   store's latest whole-rollout reward for this rollout attempt is read;
+1. the proxy's reward endpoint (the agent POSTed to ``$LGT_REWARD_URL``): the proxy's
+   ``GET /rewards`` answers its latest whole-rollout reward for this attempt from memory;
 2. the reward file;
 3. the last line of stdout, when it is a number or ``{"reward": x}``;
 4. the evaluator command, run as ``evaluator... TASK_JSON STDOUT_PATH`` with the task variables: its
    last stdout line.
 
 ``AgentSpec.reward_sources`` can leave some of these out. An attempt that exits 0 with no reward is
-``failed`` (never trained as reward 0). Each attempt is recorded with
-:func:`lgt.store.ingest.add_rollout` and its reward with ``add_reward`` (unless it came from the
-proxy, which recorded it already). Failed and timed-out attempts are retried up to
+``failed`` (never trained as reward 0). Each attempt is recorded as a ``rollouts`` row and its
+reward as a ``rewards`` row (unless it came from the proxy, which recorded it already): at once, or
+with ``batch_records`` when the owner calls :meth:`RolloutController.flush_records` (one file per
+table per batch — the training loop does so at each update). Failed and timed-out attempts are retried up to
 ``AgentSpec.retries`` times, each under its own identity, so the store keeps attempts apart.
 
 With ``python_preload`` (a Python agent: ``python agent.py ...``) each attempt is forked from a warm
@@ -209,14 +210,18 @@ class ProxyEndpoint:
     def rollout_env(self, rollout_id: str, attempt: int = 0,
                     proxy_mode: str = "https_proxy") -> dict[str, str]:
         """The proxy variables of one rollout attempt (``base_url`` mode: no ``HTTP(S)_PROXY``, and
-        ``LGT_REWARD_URL`` is the reverse-mode reward path). ProxyControlError when the proxy's CA is
-        not in the store yet (lgt-proxy creates it when it starts)."""
+        ``LGT_REWARD_URL`` is the reverse-mode reward path). With ``HTTPS_PROXY`` every HTTPS
+        connection goes through the proxy, so the CA variables name the proxy's CA alone (loading
+        the system bundle costs a short-lived agent ~50 ms); ``base_url`` mode keeps the system CAs
+        for the agent's other connections. ProxyControlError when the proxy's CA is not in the store
+        yet (lgt-proxy creates it when it starts)."""
         ca = auth.ca_cert_path(auth.proxy_dir(self.store))
         if not ca.exists():
             raise ProxyControlError(f"the proxy's CA certificate {ca} does not exist: start lgt-proxy with "
                                     f"--store {self.store} before running rollouts")
         env = auth.rollout_env(self.store, rollout_id, attempt=attempt, host=self.host, port=self.port,
-                               secret_file=self.secret_file)
+                               secret_file=self.secret_file,
+                               ca="proxy" if proxy_mode == "https_proxy" else "system+proxy")
         if proxy_mode == "base_url":
             for var in PROXY_VARS:
                 env.pop(var)
