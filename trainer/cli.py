@@ -371,7 +371,8 @@ def run_cmd(config_file: Path, mode: str | None, steps: int | None, max_minutes:
 @click.option("--preset", type=click.Choice(["tiny", "demo", "10m"]), default="demo", show_default=True)
 @click.option("--warm-start", type=click.Choice(["none", "arith", "calc", "both"]), default="arith",
               show_default=True, help="A short SFT on synthetic task data, so RL has something to amplify.")
-@click.option("--seconds", type=click.FloatRange(min=0), default=60.0, show_default=True)
+@click.option("--seconds", type=click.FloatRange(min=0), default=90.0, show_default=True,
+              help="CPU seconds of warm start.")
 @click.option("--seed", type=int, default=0, show_default=True)
 def make_model_cmd(out: Path, preset: str, warm_start: str, seconds: float, seed: int) -> None:
     """Build a small model + tokenizer locally (HF format; nothing downloaded)."""

@@ -32,7 +32,7 @@ class MakeModel:
 
     preset: str = "demo"
     warm_start: str | None = "arith"  # arith | calc | both | null
-    seconds: float = 60.0
+    seconds: float = 90.0
     seed: int = 0
 
 

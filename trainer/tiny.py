@@ -1,0 +1,740 @@
+"""Small local models for demos, tests and benchmarks: tokenizer, Qwen2 model, SFT warm start, tasks.
+
+Everything is built here (nothing is downloaded): a byte-level BPE tokenizer trained on the task text, a
+ChatML chat template that renders tools, tool calls and tool results the way vLLM's ``hermes`` tool parser
+reads them, a randomly initialised ``Qwen2ForCausalLM`` (head_dim 64: vLLM's CPU attention needs it), and a
+short supervised warm start on synthetic dialogues so that RL has something to amplify.
+
+Two tasks, each matching an example agent:
+
+* ``arith``: ``What is 7+5?`` answered ``The answer is 12.`` (single digits, ``+`` and ``*``).
+* ``calc``: ``What is 23*47?`` (two-digit operands: too hard to do in the model's head); the model calls the
+  ``calculator`` tool, reads its result from a ``tool`` message and answers ``The answer is 1081.``
+
+The warm start trains on answers that are right only ``correct_fraction`` of the time; otherwise the answer
+(or the calculator expression) is a *fixed* plausible error per prompt. Uniformly random errors would let
+greedy decoding recover the right answer; a fixed error leaves RL real work to do.
+
+Saved models load with ``transformers`` and serve with vLLM's CPU build (``--dtype float32``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+MARKER = "lgt-model.json"  # written last by make_model: its presence means the directory is finished
+MARKER_VERSION = 1
+TASKS = ("arith", "calc", "both")
+
+CALC_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]},
+    },
+}
+
+# ChatML. With tools: a system block listing each tool's name/description/parameters (fields picked one by
+# one, so extra keys a server adds, such as "strict": null, render the same), assistant tool calls as
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> (arguments as a JSON string or an object),
+# and "tool" messages as their own turn. The generation prompt ends exactly where the reply begins.
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}"
+    "{%- set f = tool.function if tool.function is defined else tool %}"
+    "{{- '\\n{\"name\": ' + (f.name | tojson) + ', \"description\": ' + (f.description | tojson)"
+    " + ', \"parameters\": ' + (f.parameters | tojson) + '}' }}"
+    "{%- endfor %}"
+    "{{- '\\n</tools>\\nTo call a tool, reply <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}"
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for call in (message.tool_calls or []) %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' }}"
+    "{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Model sizes. head_dim (hidden / heads) is 64 in all of them: vLLM's CPU attention rejects small heads.
+PRESETS: dict[str, dict[str, int]] = {
+    # ~200k parameters: fast tests (too small to learn the tasks)
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1),
+    # ~1.4M parameters: learns the arith task on CPU in about a minute (hidden 128 did not)
+    "demo": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4),
+    # ~10M parameters: benchmarks
+    "10m": dict(hidden_size=384, intermediate_size=1152, num_hidden_layers=6, num_attention_heads=6,
+                num_key_value_heads=2),
+}
+MAX_POSITIONS = 1024
+
+
+class TinyModelError(ValueError):
+    """Bad input to the model factory; the message is one sentence naming it."""
+
+
+# --- tasks and rewards --------------------------------------------------------------------------------
+
+def _apply(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def arith_tasks(n: int, *, seed: int = 0, ops: str = "+*") -> list[dict[str, Any]]:
+    """``n`` single-digit problems ``{"task_id", "question": "What is 7+5?", "answer": 12}``.
+
+    There are ``100 * len(ops)`` distinct problems; they come in a seeded random order, repeating (in a new
+    order) when ``n`` exceeds that. ``task_id`` is ``arith-<i>`` (unique within the list).
+    """
+    if not ops or set(ops) - set("+*"):
+        raise TinyModelError(f"ops {ops!r} is not a choice of '+' and '*' (e.g. '+*')")
+    rng = random.Random(seed)
+    space = [(a, op, b) for op in ops for a in range(10) for b in range(10)]
+    out: list[dict[str, Any]] = []
+    while len(out) < n:
+        order = space[:]
+        rng.shuffle(order)
+        for a, op, b in order[: n - len(out)]:
+            out.append({"task_id": f"arith-{len(out)}", "question": f"What is {a}{op}{b}?",
+                        "answer": _apply(a, op, b)})
+    return out
+
+
+def calc_tasks(n: int, *, seed: int = 0, ops: str = "+*") -> list[dict[str, Any]]:
+    """``n`` two-digit problems ``{"task_id", "question": "What is 23*47?", "answer": 1081,
+    "expression": "23*47"}`` (operands 10..99, drawn at random with ``seed``)."""
+    if not ops or set(ops) - set("+-*"):
+        raise TinyModelError(f"ops {ops!r} is not a choice of '+', '-' and '*' (e.g. '+*')")
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice(ops)
+        expr = f"{a}{op}{b}"
+        out.append({"task_id": f"calc-{i}", "question": f"What is {expr}?", "answer": _apply(a, op, b),
+                    "expression": expr})
+    return out
+
+
+def arith_reward(text: str, answer: int | str) -> float:
+    """1.0 iff ``text`` (stripped) is exactly ``The answer is <answer>.``, else 0.0.
+
+    Strict on purpose: a lenient reward (first integer in the text) lets the policy drift off the format.
+    Callers also require that the reply ended on the model's stop token (``finish_reason == "stop"``).
+    """
+    return 1.0 if text.strip() == f"The answer is {answer}." else 0.0
+
+
+def calculate(expression: str) -> int:
+    """The value of an integer expression of ``+ - *``, parentheses and unary minus (the calculator tool).
+
+    Raises ValueError (one sentence) for anything else: names, division, floats, huge numbers.
+    """
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"{expression!r} is not an arithmetic expression") from None
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+            v = ev(node.operand)
+            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub | ast.Mult):
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Mult) and abs(left) * abs(right) > 10**30:
+                raise ValueError(f"{expression!r} is too large to evaluate")
+            return left + right if isinstance(node.op, ast.Add) else (
+                left - right if isinstance(node.op, ast.Sub) else left * right)
+        raise ValueError(f"{expression!r} has something other than integers, + - * and parentheses")
+
+    return ev(tree)
+
+
+def arith_error(question: str, answer: int) -> int:
+    """A fixed plausible wrong answer to a single-digit problem (same for every call with this question)."""
+    m = re.fullmatch(r"What is (\d+)([+*])(\d+)\?", question)
+    if m is None:
+        raise TinyModelError(f"{question!r} is not an arith question like 'What is 7+5?'")
+    a, op, b = int(m[1]), m[2], int(m[3])
+    other = a * b if op == "+" else a + b
+    candidates = [answer + 1, answer - 1, answer + 2, answer - 2, other]
+    candidates += [answer + a, answer - a, answer + b, answer - b] if op == "*" else [answer + 10]
+    candidates = [c for c in candidates if c >= 0 and c != answer]
+    return random.Random(question).choice(candidates)
+
+
+def calc_error(expression: str) -> str:
+    """A fixed plausible wrong calculator expression for a ``<a><op><b>`` problem (never the same value)."""
+    m = re.fullmatch(r"(\d+)([-+*])(\d+)", expression)
+    if m is None:
+        raise TinyModelError(f"{expression!r} is not a two-operand expression like '23*47'")
+    a, op, b = m[1], m[2], m[3]
+    right = calculate(expression)
+    ops = [o for o in "+-*" if o != op]
+    candidates = [f"{a[::-1]}{op}{b}", f"{a}{op}{b[::-1]}", f"{a}{ops[0]}{b}", f"{a}{ops[1]}{b}",
+                  f"{a}{op}{int(b) + 1}", f"{int(a) - 1}{op}{b}"]
+    well_formed = re.compile(r"[1-9]\d*[-+*][1-9]\d*")
+    candidates = [c for c in candidates if well_formed.fullmatch(c) and calculate(c) != right]
+    return random.Random(expression).choice(candidates)
+
+
+def calc_messages(question: str, expression: str, call_id: str = "call_0") -> list[dict[str, Any]]:
+    """The calc agent's conversation up to the second model call: user, assistant tool call, tool result.
+
+    Shaped like the OpenAI chat API (``arguments`` is a JSON string) -- what the agent sends back to vLLM.
+    """
+    arguments = json.dumps({"expression": expression})
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": call_id, "type": "function",
+                         "function": {"name": "calculator", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": str(calculate(expression))},
+    ]
+
+
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """How the template renders one tool call (and so what the model is taught to emit)."""
+    return f'{TOOL_CALL_START}\n{{"name": {json.dumps(name)}, "arguments": {json.dumps(arguments)}}}\n' \
+           f'{TOOL_CALL_END}'
+
+
+def parse_tool_call(text: str) -> dict[str, Any] | None:
+    """The first ``<tool_call>{json}</tool_call>`` in ``text`` as ``{"name", "arguments"}``, or None.
+
+    Parsed the way vLLM's hermes parser reads it (JSON between the tags, closing tag optional at the end).
+    """
+    m = re.search(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", text, re.DOTALL)
+    if m is None:
+        return None
+    try:
+        call = json.loads(m[1] if m[1] is not None else m[2])
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) \
+            or not isinstance(call.get("arguments"), dict):
+        return None
+    return call
+
+
+# --- tokenizer ------------------------------------------------------------------------------------------
+
+def _corpus(seed: int = 0) -> list[str]:
+    """Text like what the tasks' dialogues hold (rendered by hand: no tokenizer exists yet)."""
+    rng = random.Random(seed)
+    tool_line = json.dumps({"name": "calculator", "description": CALC_TOOL["function"]["description"],
+                            "parameters": CALC_TOOL["function"]["parameters"]})
+    system = (f"# Tools\n<tools>\n{tool_line}\n</tools>\nTo call a tool, reply <tool_call>\n"
+              '{"name": <name>, "arguments": <object>}\n</tool_call>')
+    texts = []
+    for task in arith_tasks(200):
+        texts += [f"user\n{task['question']}", f"assistant\nThe answer is {task['answer']}."]
+    for task in calc_tasks(300, seed=seed):
+        expr = task["expression"] if rng.random() < 0.5 else calc_error(task["expression"])
+        texts += [system, f"user\n{task['question']}",
+                  f"assistant\n{tool_call_text('calculator', {'expression': expr})}",
+                  f"tool\n{calculate(expr)}", f"assistant\nThe answer is {calculate(expr)}."]
+    texts += ["system\nYou are a helpful assistant.", "user\nHello! Who are you?",
+              "assistant\nI am a small model that does arithmetic."]
+    return texts
+
+
+def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512) -> Path:
+    """Train a byte-level BPE tokenizer on the tasks' text and save it (HF format) into ``out_dir``.
+
+    Digits are split one per token (like Qwen2), so numbers are read and copied digit by digit. Special
+    tokens: ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos); added (non-special, so they
+    survive decoding) ``<tool_call>`` and ``</tool_call>``. The chat template is CHAT_TEMPLATE.
+    Returns ``out_dir``.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (TOOL_CALL_START, TOOL_CALL_END)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT,
+                                   model_max_length=MAX_POSITIONS)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return out
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The HF tokenizer saved in ``model_dir`` (local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+# --- model ----------------------------------------------------------------------------------------------
+
+def _model_config(preset: str, tokenizer) -> Any:
+    from transformers import Qwen2Config
+
+    if preset not in PRESETS:
+        raise TinyModelError(f"preset {preset!r} is not one of {', '.join(PRESETS)}")
+    eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    return Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=MAX_POSITIONS,
+                       tie_word_embeddings=True, eos_token_id=eos, bos_token_id=pad, pad_token_id=pad,
+                       **PRESETS[preset])
+
+
+def build_model(out_dir: str | Path, *, preset: str = "tiny", seed: int = 0) -> Path:
+    """Save a randomly initialised Qwen2ForCausalLM (float32, tied embeddings) into ``out_dir``.
+
+    Builds the tokenizer first when ``out_dir`` has none. ``generation_config.json`` names ``<|im_end|>``
+    as eos and sets no sampling defaults (vLLM would take them as the request defaults). Returns out_dir.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    if preset not in PRESETS:
+        raise TinyModelError(f"preset {preset!r} is not one of {', '.join(PRESETS)}")
+    if not (out / "tokenizer.json").is_file():
+        build_tokenizer(out)
+    tokenizer = load_tokenizer(out)
+    config = _model_config(preset, tokenizer)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id,
+                                               pad_token_id=config.pad_token_id,
+                                               bos_token_id=config.bos_token_id)
+    model.save_pretrained(out)
+    return out
+
+
+def count_parameters(model_dir: str | Path) -> int:
+    """Number of distinct parameters of the saved model (tied embeddings counted once)."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+# --- warm start (SFT) -----------------------------------------------------------------------------------
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _render(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+
+def arith_example(tokenizer, question: str, answer: int) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one arith dialogue whose reply is ``The answer is <answer>.<|im_end|>``."""
+    prompt = _encode(tokenizer, _render(tokenizer, [{"role": "user", "content": question}]))
+    reply = _encode(tokenizer, f"The answer is {answer}.{IM_END}")
+    return prompt + reply, [0] * len(prompt) + [1] * len(reply)
+
+
+def calc_example(tokenizer, question: str, expression: str) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one two-turn calc dialogue: the tool call for ``expression``, the tool's
+    result, and the answer that repeats the result. Both replies are in the loss; the ids equal what vLLM
+    sees (each prompt's tokens extend the previous prompt + reply exactly)."""
+    msgs = calc_messages(question, expression)
+    tools = [CALC_TOOL]
+    prompt1 = _render(tokenizer, msgs[:1], tools)
+    reply1 = tool_call_text("calculator", {"expression": expression}) + IM_END
+    prompt2 = _render(tokenizer, msgs, tools)
+    if not prompt2.startswith(prompt1 + reply1):
+        raise AssertionError("the chat template does not extend the first turn; the calc dialogue is off")
+    reply2 = f"The answer is {calculate(expression)}.{IM_END}"
+    parts = [(prompt1, 0), (reply1, 1), (prompt2[len(prompt1 + reply1):], 0), (reply2, 1)]
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, m in parts:
+        t = _encode(tokenizer, text)
+        ids += t
+        mask += [m] * len(t)
+    return ids, mask
+
+
+class DialogueEncoder:
+    """Fast token ids + loss masks of the warm-start dialogues (same ids as arith_example/calc_example).
+
+    The chat template is rendered once with placeholders; its constant pieces are tokenised once and
+    only the numbers are tokenised per dialogue. That is exact because every placeholder sits between
+    pre-tokenizer boundaries (digits are single tokens; a newline, quote or special token on each side).
+    """
+
+    SLOTS = ("QUESTIONSLOT", "EXPRESSIONSLOT", "RESULTSLOT", "REPLYSLOT")
+    SIMPLE = re.compile(r"[1-9]\d*[-+*][1-9]\d*")  # expressions the placeholders are exact for
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._arith: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        q, e, r, a = self.SLOTS
+        call = {"name": "calculator", "arguments": json.dumps({"expression": e})}
+        msgs = [{"role": "user", "content": q},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "call_0", "type": "function", "function": call}]},
+                {"role": "tool", "tool_call_id": "call_0", "content": r}]
+        prompt1 = _render(tokenizer, msgs[:1], [CALC_TOOL])
+        reply1 = tool_call_text("calculator", {"expression": e}) + IM_END
+        prompt2 = _render(tokenizer, msgs, [CALC_TOOL])
+        if not prompt2.startswith(prompt1 + reply1):
+            raise AssertionError("the chat template does not extend the first turn; the calc dialogue is off")
+        segments = [(prompt1, 0), (reply1, 1), (prompt2[len(prompt1 + reply1):], 0),
+                    (f"{a}{IM_END}", 1)]  # the whole answer: " -" is one token
+        split = re.compile("(" + "|".join(self.SLOTS) + ")")
+        # (constant token ids | slot name, mask) pieces in order
+        self._calc: list[tuple[list[int] | str, int]] = []
+        for text, m in segments:
+            for piece in split.split(text):
+                if piece in self.SLOTS:
+                    self._calc.append((piece, m))
+                elif piece:
+                    self._calc.append((_encode(tokenizer, piece), m))
+
+    def arith(self, question: str, answer: int) -> tuple[list[int], list[int]]:
+        key = (question, answer)
+        if key not in self._arith:
+            self._arith[key] = arith_example(self.tokenizer, question, answer)
+        return self._arith[key]
+
+    def calc(self, question: str, expression: str) -> tuple[list[int], list[int]]:
+        if not self.SIMPLE.fullmatch(expression):
+            return calc_example(self.tokenizer, question, expression)
+        result = calculate(expression)
+        values = dict(zip(self.SLOTS, (question, expression, str(result), f"The answer is {result}.")))
+        ids: list[int] = []
+        mask: list[int] = []
+        for piece, m in self._calc:
+            t = _encode(self.tokenizer, values[piece]) if isinstance(piece, str) else piece
+            ids += t
+            mask += [m] * len(t)
+        return ids, mask
+
+
+def _draw_example(enc: DialogueEncoder, task: str, rng: random.Random, correct_fraction: float,
+                  arith_pool: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """One training dialogue: right with probability correct_fraction, else the prompt's fixed error."""
+    kind = rng.choice(["arith", "calc"]) if task == "both" else task
+    right = rng.random() < correct_fraction
+    if kind == "arith":
+        t = rng.choice(arith_pool)
+        return enc.arith(t["question"], t["answer"] if right else arith_error(t["question"], t["answer"]))
+    t = calc_tasks(1, seed=rng.getrandbits(32))[0]
+    return enc.calc(t["question"], t["expression"] if right else calc_error(t["expression"]))
+
+
+def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
+    """Right-padded (B, T) input_ids, attention_mask and labels (-100 where the mask is 0)."""
+    import torch
+
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(examples), width), dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    for i, (row, mask) in enumerate(examples):
+        ids[i, : len(row)] = torch.tensor(row)
+        attn[i, : len(row)] = 1
+        labels[i, : len(row)] = torch.where(torch.tensor(mask) == 1, torch.tensor(row), -100)
+    return ids, attn, labels
+
+
+def _generate(model, tokenizer, prompts: list[str], *, sample: bool, max_new_tokens: int,
+              seed: int) -> list[tuple[str, bool]]:
+    """(reply text, stopped on eos) per prompt, with transformers generate (temperature 1, no top-k/top-p
+    when sampling, like vLLM's defaults)."""
+    import torch
+
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = side
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=sample, max_new_tokens=max_new_tokens,
+                             temperature=1.0 if sample else None, top_k=0 if sample else None,
+                             top_p=1.0 if sample else None, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+    replies = []
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        stopped = tokenizer.eos_token_id in row
+        row = row[: row.index(tokenizer.eos_token_id)] if stopped else row
+        replies.append((tokenizer.decode(row, skip_special_tokens=False), stopped))
+    return replies
+
+
+def evaluate(model, tokenizer, task: str, *, sample: bool, n: int = 64, seed: int = 0) -> dict[str, float]:
+    """Accuracy (format-exact reward, reply must stop on eos) and format rate of ``model`` on fresh
+    dialogues of ``task`` (sampled at temperature 1 when ``sample``, else greedy).
+
+    arith: ``n`` of its 200 prompts (the whole space, so the prompts RL will see; not held out); calc: ``n``
+    problems drawn apart from training's, both turns generated (the tool call parsed like vLLM's hermes
+    parser and run with ``calculate``). "both" averages the two.
+    """
+    if task == "both":
+        a = evaluate(model, tokenizer, "arith", sample=sample, n=n // 2, seed=seed)
+        c = evaluate(model, tokenizer, "calc", sample=sample, n=n - n // 2, seed=seed)
+        return {k: (a[k] + c[k]) / 2 for k in a}
+    fmt = re.compile(r"The answer is -?\d+\.")
+    if task == "arith":
+        tasks = arith_tasks(n, seed=seed + 7919)
+        prompts = [_render(tokenizer, [{"role": "user", "content": t["question"]}]) for t in tasks]
+        replies = _generate(model, tokenizer, prompts, sample=sample, max_new_tokens=16, seed=seed)
+    else:
+        tasks = calc_tasks(n, seed=seed + 7919)
+        firsts = _generate(model, tokenizer,
+                           [_render(tokenizer, [{"role": "user", "content": t["question"]}], [CALC_TOOL])
+                            for t in tasks], sample=sample, max_new_tokens=40, seed=seed)
+        replies = [("", False)] * len(tasks)
+        second_prompts, where = [], []
+        for i, (t, (text, stopped)) in enumerate(zip(tasks, firsts)):
+            call = parse_tool_call(text) if stopped else None
+            expr = call["arguments"].get("expression") if call and call["name"] == "calculator" else None
+            try:
+                msgs = calc_messages(t["question"], expr) if isinstance(expr, str) else None
+            except ValueError:
+                msgs = None
+            if msgs is not None:
+                second_prompts.append(_render(tokenizer, msgs, [CALC_TOOL]))
+                where.append(i)
+        if second_prompts:
+            for i, reply in zip(where, _generate(model, tokenizer, second_prompts, sample=sample,
+                                                 max_new_tokens=16, seed=seed + 1)):
+                replies[i] = reply
+    ok = [arith_reward(text, t["answer"]) if stopped else 0.0 for t, (text, stopped) in zip(tasks, replies)]
+    good_format = [1.0 if stopped and fmt.fullmatch(text.strip()) else 0.0 for text, stopped in replies]
+    return {"accuracy": sum(ok) / len(ok), "format": sum(good_format) / len(good_format)}
+
+
+def _save_weights(model, model_dir: Path) -> None:
+    """Replace model_dir's weights atomically (save beside it, then rename the one weights file over)."""
+    with tempfile.TemporaryDirectory(dir=model_dir.parent, prefix=f".{model_dir.name}.") as tmp:
+        model.save_pretrained(tmp)
+        files = sorted(p.name for p in Path(tmp).glob("*.safetensors"))
+        if files != ["model.safetensors"]:
+            raise AssertionError(f"expected one weights file, got {files}")
+        os.replace(Path(tmp) / "model.safetensors", model_dir / "model.safetensors")
+
+
+def warm_start(model_dir: str | Path, *, task: str = "arith", seconds: float | None = 90.0,
+               steps: int | None = None, correct_fraction: float = 0.4, lr: float = 1e-3,
+               batch: int | None = None, seed: int = 0, eval_n: int = 200, threads: int | None = 1,
+               progress: bool = True) -> dict[str, float]:
+    """Supervised warm start of the model in ``model_dir`` on synthetic dialogues of ``task``; saves the
+    weights back (atomically) and returns metrics.
+
+    Dialogues are formatted with the model's chat template exactly as the example agents send them (arith:
+    one user message; calc: user message + the calculator tool, tool call, tool result, answer). The loss
+    (mean cross-entropy, nats/token) covers the assistant tokens only. Training stops after ``steps`` steps
+    or ``seconds`` of training, whichever comes first. ``seconds`` counts this process's CPU time
+    (``time.process_time``), not wall time, so a shared, loaded machine trains as much as an idle one;
+    evaluation is not counted. Metrics: ``steps``, ``seconds`` (training CPU time), ``wall_seconds``,
+    ``first_loss``/``final_loss`` (mean of the first/last 10 steps),
+    ``greedy_accuracy``, ``sampled_accuracy`` (temperature 1), ``sampled_format``.
+
+    ``batch``: dialogues per step; default 64 for arith, 16 when calc dialogues (~6x longer) are in the mix
+    (measured on the demo preset in 90 CPU-s: batch 16 copied the calculator's expression, batch 64 had
+    too few steps to learn it).
+
+    ``threads``: torch CPU threads while it runs (restored after). One is the default: these models are
+    too small to gain from more, and on a shared machine extra threads spin-wait (measured: a batch of 64
+    took 0.18 s of CPU on one thread, 0.5-2.4 s on two, under load).
+    """
+    import torch
+
+    if task not in TASKS:
+        raise TinyModelError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    if not 0.0 <= correct_fraction <= 1.0:
+        raise TinyModelError(f"correct_fraction {correct_fraction} is not between 0 and 1")
+    if steps is None and seconds is None:
+        raise TinyModelError("warm_start needs a limit: give steps or seconds")
+    model_dir = Path(model_dir)
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _warm_start(model_dir, task=task, seconds=seconds, steps=steps,
+                           correct_fraction=correct_fraction, lr=lr, seed=seed, eval_n=eval_n,
+                           batch=batch if batch is not None else 64 if task == "arith" else 16,
+                           progress=progress)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _warm_start(model_dir: Path, *, task: str, seconds: float | None, steps: int | None,
+                correct_fraction: float, lr: float, batch: int, seed: int, eval_n: int,
+                progress: bool) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    arith_pool = arith_tasks(200)
+    enc = DialogueEncoder(tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    bar = _progress(total=steps, seconds=seconds, enabled=progress, desc=f"warm start ({task})")
+    losses: list[float] = []
+    start, wall_start = time.process_time(), time.monotonic()
+    model.train()
+    while (done := _progress_fraction(len(losses), steps, time.process_time() - start, seconds)) < 1.0:
+        for group in opt.param_groups:  # cosine decay to lr/10 over the budget (steps or seconds)
+            group["lr"] = lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * done)))
+        ids, attn, labels = _batch([_draw_example(enc, task, rng, correct_fraction, arith_pool)
+                                    for _ in range(batch)], tokenizer.pad_token_id)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        bar.update(loss=losses[-1], elapsed=time.process_time() - start)
+    elapsed, wall = time.process_time() - start, time.monotonic() - wall_start
+    bar.close()
+    model.eval()
+    greedy = evaluate(model, tokenizer, task, sample=False, n=eval_n, seed=seed)
+    sampled = evaluate(model, tokenizer, task, sample=True, n=eval_n, seed=seed)
+    _save_weights(model, model_dir)
+    head, tail = losses[:10] or [math.nan], losses[-10:] or [math.nan]
+    return {"steps": len(losses), "seconds": round(elapsed, 2), "wall_seconds": round(wall, 2),
+            "first_loss": sum(head) / len(head), "final_loss": sum(tail) / len(tail),
+            "greedy_accuracy": greedy["accuracy"], "greedy_format": greedy["format"],
+            "sampled_accuracy": sampled["accuracy"], "sampled_format": sampled["format"]}
+
+
+def _progress_fraction(step: int, steps: int | None, cpu: float, seconds: float | None) -> float:
+    """How much of the training budget is spent (0..1, the larger of steps and seconds)."""
+    return max(step / steps if steps else 0.0, cpu / seconds if seconds else 0.0)
+
+
+class _progress:
+    """A tqdm bar over steps (or over seconds when no step count is given); a no-op when disabled."""
+
+    def __init__(self, *, total: int | None, seconds: float | None, enabled: bool, desc: str) -> None:
+        self.by_time = total is None
+        self.bar = None
+        self.last = 0.0
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=round(seconds) if self.by_time else total, desc=desc,
+                            unit="s" if self.by_time else "step", leave=False)
+
+    def update(self, *, loss: float, elapsed: float) -> None:
+        if self.bar is None:
+            return
+        if self.by_time:
+            now = min(int(elapsed), self.bar.total)
+            self.bar.update(now - self.last)
+            self.last = now
+        else:
+            self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# --- one call: make (or reuse) a model directory -----------------------------------------------------------
+
+def _spec(preset: str, warm_start_task: str | None, seconds: float, seed: int) -> dict[str, Any]:
+    return {"version": MARKER_VERSION, "preset": preset, "seed": seed, "warm_start_task": warm_start_task,
+            "warm_start_seconds": seconds if warm_start_task else None}
+
+
+def read_marker(model_dir: str | Path) -> dict[str, Any] | None:
+    """The ``lgt-model.json`` of a finished model directory, or None when there is none (or unreadable)."""
+    try:
+        data = json.loads((Path(model_dir) / MARKER).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def make_model(out_dir: str | Path, *, preset: str = "demo", warm_start_task: str | None = None,
+               seconds: float = 90.0, seed: int = 0, progress: bool = True) -> Path:
+    """Tokenizer + model (+ warm start) in ``out_dir``; returns it.
+
+    Reuses ``out_dir`` when its ``lgt-model.json`` names the same preset, seed, warm-start task and
+    seconds. Otherwise everything is built in a temporary sibling directory, ``lgt-model.json`` (spec and
+    warm-start metrics) is written last, and the directory is renamed into place -- a crash leaves no
+    half-made model at ``out_dir``. An ``out_dir`` holding anything else than an lgt-made model is refused.
+    """
+    if preset not in PRESETS:
+        raise TinyModelError(f"preset {preset!r} is not one of {', '.join(PRESETS)}")
+    if warm_start_task is not None and warm_start_task not in TASKS:
+        raise TinyModelError(f"warm_start_task {warm_start_task!r} is not one of {', '.join(TASKS)} or None")
+    out = Path(out_dir)
+    spec = _spec(preset, warm_start_task, seconds, seed)
+    marker = read_marker(out)
+    if marker is not None and {k: marker.get(k) for k in spec} == spec:
+        return out
+    if out.exists() and (not out.is_dir() or (marker is None and any(out.iterdir()))):
+        raise TinyModelError(f"{out} already exists and is not a model made by lgt: choose another directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        build_model(tmp, preset=preset, seed=seed)
+        metrics = None
+        if warm_start_task is not None:
+            metrics = warm_start(tmp, task=warm_start_task, seconds=seconds, seed=seed, progress=progress)
+        record = {**spec, "parameters": count_parameters(tmp), "warm_start": metrics}
+        (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
