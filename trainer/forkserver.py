@@ -51,8 +51,11 @@ class ForkServer:
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
-    async def start(cls, python: str, modules: Sequence[str], timeout: float = 120) -> ForkServer:
-        env = dict(os.environ)
+    async def start(cls, python: str, modules: Sequence[str], timeout: float = 120,
+                    env: Mapping[str, str] | None = None) -> ForkServer:
+        """``modules`` may include ``auto``: learn the rest from the first rollouts (see zygote.py).
+        ``env`` is the zygote's own environment (each child gets exactly its request's)."""
+        env = dict(os.environ if env is None else env)
         proc = await asyncio.create_subprocess_exec(
             python, "-u", str(ZYGOTE), *modules, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)

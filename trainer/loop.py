@@ -328,21 +328,25 @@ class Run:
     async def update(self, batch: list[Group]) -> None:
         cfg = self.cfg
         t_update = time.monotonic()
-        pause = await asyncio.to_thread(self.proxy.pause)
-        await asyncio.to_thread(self.controller.flush_records)
-        await asyncio.to_thread(self.proxy.flush)
-        samples, info = await asyncio.to_thread(self.samples_for, batch)
+        perf: dict[str, float] = {}
+
+        async def timed(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+            t = time.monotonic()
+            out = await asyncio.to_thread(fn, *args)
+            perf[f"perf/{name}_s"] = round(time.monotonic() - t, 4)
+            return out
+
+        pause = await timed("pause", self.proxy.pause)
+        await timed("record", self.controller.flush_records)
+        await timed("flush", self.proxy.flush)
+        samples, info = await timed("samples", self.samples_for, batch)
         if self.crash_at_step is not None and self.step + 1 == self.crash_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die mid-step
-        t_train = time.monotonic()
         metrics: dict[str, float] = {}
+        perf["perf/train_s"] = perf["perf/sync_s"] = 0.0
         if samples.num_rows:
-            metrics = await asyncio.to_thread(self.backend.train_step, samples)
-        train_s = time.monotonic() - t_train
-        t_sync = time.monotonic()
-        if samples.num_rows:
-            await asyncio.to_thread(self.engine.update_weights, self.backend.named_weights())
-        sync_s = time.monotonic() - t_sync
+            metrics = await timed("train", self.train_on, samples)
+            await timed("sync", self.engine.update_weights, self.backend.named_weights())
         self.version += 1
         self.step += 1
         for g in batch:
@@ -350,16 +354,16 @@ class Run:
             self.groups.pop(g.group_id, None)
         self.trained_samples += samples.num_rows
         if self.step % cfg.checkpoint_every == 0 or self.step >= cfg.steps:
-            await asyncio.to_thread(self.save_checkpoint)
-        await asyncio.to_thread(self.proxy.resume, self.version)
+            await timed("checkpoint", self.save_checkpoint)
+        await timed("resume", self.proxy.resume, self.version)
+        train_s, sync_s = perf["perf/train_s"], perf["perf/sync_s"]
         row = {
             "step": self.step, "version": self.version, "time_s": round(time.monotonic() - self.t0, 3),
             "mode": cfg.mode, **info,
             "rollout/running": sum(g.pending for g in self.groups.values()),
             "perf/drain_s": pause.get("drain_seconds", 0.0),
             "perf/in_flight_at_pause": pause.get("in_flight_at_pause", 0),
-            "perf/train_s": round(train_s, 4), "perf/sync_s": round(sync_s, 4),
-            "perf/update_s": round(time.monotonic() - t_update, 4),
+            **perf, "perf/update_s": round(time.monotonic() - t_update, 4),
             **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
         }
         with open(self.run_dir / "metrics.jsonl", "a") as f:
@@ -398,12 +402,7 @@ class Run:
             t = t.filter(pc.invert(pc.is_in(t["group_id"], value_set=pa.array(sorted(stale)))))
         if cfg.algorithm.skip_zero_variance:
             t = t.filter(pc.invert(t["zero_variance"]))
-        # each rollout counts once in this batch: loss_weight = 1 / (R · masked tokens of its rollout)
-        keys = pc.binary_join_element_wise(t["rollout_id"], pc.cast(t["attempt"], pa.string()), "~")
-        n_rollouts = len(pc.unique(keys)) if t.num_rows else 0
-        if n_rollouts:
-            w = pc.divide(1.0, pc.multiply(pc.cast(t["rollout_tokens"], pa.float64()), float(n_rollouts)))
-            t = t.set_column(t.schema.get_field_index("loss_weight"), "loss_weight", w)
+        t, n_rollouts = per_rollout_weights(t)
         rewards = dict(zip(zip(t["rollout_id"].to_pylist(), t["attempt"].to_pylist()),
                            t["reward"].to_pylist()))
         results = [r for g in batch for r in g.results if r is not None]
@@ -424,6 +423,21 @@ class Run:
             "sample_ids": t["sample_id"].to_pylist(),
         })
         return t, info
+
+    def train_on(self, samples: pa.Table) -> dict[str, float]:
+        """``backend.updates_per_step`` optimizer steps on disjoint shares of the batch's groups (each
+        share weighted so its rollouts count once); metrics averaged over them."""
+        k = self.cfg.backend.updates_per_step
+        groups = sorted(set(samples["group_id"].to_pylist()))
+        if k <= 1 or len(groups) < 2:
+            return self.backend.train_step(samples)
+        shares = [groups[i::k] for i in range(min(k, len(groups)))]
+        runs = []
+        for share in shares:
+            part = samples.filter(pc.is_in(samples["group_id"], value_set=pa.array(share)))
+            runs.append(self.backend.train_step(per_rollout_weights(part)[0]))
+        keys = {key for m in runs for key in m if isinstance(m[key], (int, float))}
+        return {key: sum(m.get(key, 0.0) for m in runs) / len(runs) for key in keys}
 
     def save_checkpoint(self) -> None:
         extra = {"version": self.version, "step": self.step, "trained_groups": sorted(self.trained_groups),
@@ -508,6 +522,17 @@ def finish(run_dir: Path, store: Path | None = None) -> None:
             w.writerows(rows)
         os.replace(run_dir / "metrics.csv.tmp", run_dir / "metrics.csv")
     plots.write_run_report(run_dir, rows)
+
+
+def per_rollout_weights(t: pa.Table) -> tuple[pa.Table, int]:
+    """``t`` with ``loss_weight = 1 / (R · masked tokens of its rollout)`` for the R rollouts in ``t``
+    (each rollout counts once in this optimizer step however many samples it became); and R."""
+    if not t.num_rows:
+        return t, 0
+    keys = pc.binary_join_element_wise(t["rollout_id"], pc.cast(t["attempt"], pa.string()), "~")
+    n = len(pc.unique(keys))
+    w = pc.divide(1.0, pc.multiply(pc.cast(t["rollout_tokens"], pa.float64()), float(n)))
+    return t.set_column(t.schema.get_field_index("loss_weight"), "loss_weight", w), n
 
 
 def _result_row(res: Any) -> dict[str, Any]:

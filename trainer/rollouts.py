@@ -619,7 +619,8 @@ class RolloutController:
         async with self._forkserver_lock:
             if self._forkserver is None or self._forkserver.proc.returncode is not None:
                 python, modules = self._preload
-                self._forkserver = await ForkServer.start(python, modules)
+                env = {k: v for k, v in os.environ.items() if k not in STRIPPED_VARS}
+                self._forkserver = await ForkServer.start(python, modules, env=env)
             return self._forkserver
 
     async def _reap(self, proc: asyncio.subprocess.Process | ForkedProcess) -> int:

@@ -8,18 +8,27 @@ Run by the agent's own interpreter as a plain script (it imports nothing of lgt)
            (a negative exit is the signal that killed it, as in subprocess).
 Each child is its own session and process group (killable as a group), its environment and working
 directory are exactly the request's, stdin is /dev/null, and it runs ``argv[0]`` as ``__main__``.
+
+The module name ``auto`` learns the rest: the first children, as they exit, list the library modules
+they imported (files under the interpreter's prefixes, never the agent's own code), and the zygote
+imports those before the next fork — so later rollouts start with everything the agent uses loaded.
 """
 
+import glob
 import importlib
 import json
 import os
 import runpy
 import sys
+import tempfile
 import threading
 import time
 
 _lock = threading.Lock()
 _ids: dict[int, int] = {}
+LEARN_CHILDREN = 3
+learn_dir = ""
+_roots = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
 
 
 def send(obj: dict) -> None:
@@ -57,11 +66,45 @@ def child(req: dict) -> None:
         traceback.print_exc()
         code = 1
     finally:
+        if req.get("learn"):
+            _list_library_modules()
         try:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _list_library_modules() -> None:
+    """(In a child) the library modules it imported, for the zygote to import before later forks."""
+    names = []
+    for name, mod in list(sys.modules.items()):
+        path = getattr(mod, "__file__", None)
+        if path and os.path.realpath(path).startswith(_roots) and "site-packages" in path:
+            names.append(name)
+    try:
+        tmp = os.path.join(learn_dir, f".{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(names, f)
+        os.replace(tmp, os.path.join(learn_dir, f"{os.getpid()}.json"))
+    except OSError:
+        pass
+
+
+def _import_learned() -> None:
+    for path in glob.glob(os.path.join(learn_dir, "*.json")):
+        try:
+            with open(path) as f:
+                names = json.load(f)
+            os.unlink(path)
+        except (OSError, ValueError):
+            continue
+        for name in names:
+            if name not in sys.modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - a module that cannot be imported ahead stays lazy
+                    pass
 
 
 def reaper() -> None:
@@ -79,8 +122,13 @@ def reaper() -> None:
 
 
 def main() -> None:
+    global learn_dir
+    modules = [m for m in sys.argv[1:] if m != "auto"]
+    learning = LEARN_CHILDREN if "auto" in sys.argv[1:] else 0
+    if learning:
+        learn_dir = tempfile.mkdtemp(prefix="lgt-zygote-")
     try:
-        for name in sys.argv[1:]:
+        for name in modules:
             importlib.import_module(name)
     except Exception as e:  # noqa: BLE001
         send({"error": f"could not import {name}: {e}"})
@@ -91,6 +139,11 @@ def main() -> None:
         if not line.strip():
             continue
         req = json.loads(line)
+        if learn_dir:
+            _import_learned()
+            if learning:
+                req["learn"] = True
+                learning -= 1
         with _lock:  # the reaper must not see the child before its id is known
             pid = os.fork()
             if pid == 0:
@@ -98,6 +151,9 @@ def main() -> None:
                 child(req)
             _ids[pid] = req["id"]
         send({"id": req["id"], "pid": pid})
+    if learn_dir:
+        import shutil
+        shutil.rmtree(learn_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -93,3 +93,24 @@ def test_python_script_command() -> None:
     assert python_script_command(["/x/bin/python3.11", "a.py"]) == ("/x/bin/python3.11", ["a.py"])
     assert python_script_command(["python", "-m", "agent"]) is None
     assert python_script_command(["node", "agent.js"]) is None
+
+
+def test_auto_preload_learns_the_library_modules_of_the_first_rollouts(tmp_path: Path) -> None:
+    (tmp_path / "agent.py").write_text(
+        "import sys\nprint('yaml' in sys.modules)\nimport yaml\n")
+
+    async def main():
+        fs = await ForkServer.start(sys.executable, ["auto"])
+        try:
+            seen = []
+            for i in range(3):
+                p = await fs.spawn([str(tmp_path / "agent.py")], {}, tmp_path, tmp_path / f"{i}.out",
+                                   tmp_path / f"{i}.err")
+                assert await p.wait() == 0
+                seen.append((tmp_path / f"{i}.out").read_text().strip())
+            return seen
+        finally:
+            await fs.aclose()
+
+    # the first child imports yaml itself; the zygote then imports it, so later children start with it
+    assert run(main()) == ["False", "True", "True"]
