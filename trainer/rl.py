@@ -38,9 +38,10 @@ Choices, and where they depart from the usual recipes:
   one unsplit). All modes take the *whole batch's* ``num_tokens`` / ``num_samples`` so that the sum
   of micro-batch losses equals the whole-batch loss (gradient accumulation needs no rescaling).
   "Samples" counted by default are the rows with at least one masked token.
-- ``token_logprobs`` never keeps a float32 ``(B, T, V)`` copy: it walks ``T`` in chunks, computes
-  ``logit[target] - logsumexp(logits)`` per chunk in float32, saves only the input logits for
-  backward and recomputes each chunk's softmax there (a custom autograd function).
+- ``token_logprobs`` never keeps a float32 ``(B, T, V)`` copy: it walks the ``B·T`` rows in chunks,
+  computes ``log_softmax(logits)[target]`` per chunk in float32, saves only the input logits for
+  backward and recomputes each chunk's softmax there, straight into the gradient (a custom autograd
+  function).
 - Masked positions never leak: per-token outputs are 0 where the mask is 0 (IS weights are 1 there:
   no correction) and values at masked-out positions (even inf/NaN) do not reach sums.
 """
@@ -48,7 +49,7 @@ Choices, and where they depart from the usual recipes:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -120,21 +121,72 @@ def _chunk_len(batch: int, vocab: int, chunk_size: int | None) -> int:
     return max(1, DEFAULT_CHUNK_ELEMENTS // max(1, batch * vocab))
 
 
+def _row_blocks(logits: Tensor) -> list[tuple[int, Tensor]]:
+    """``logits`` (B, T, V) as 2-D blocks of rows, each ``(first flat row b·T + t, (rows, V) view)``:
+    one (B·T, V) view when the layout allows it (contiguous logits), else one (T, V) view per sample.
+    Never a copy."""
+    b, t, v = logits.shape
+    try:
+        return [(0, logits.view(b * t, v))]
+    except RuntimeError:
+        return [(i * t, logits[i]) for i in range(b)]
+
+
+def _row_chunks(logits: Tensor, rows: int) -> Iterator[tuple[int, Tensor]]:
+    """(first flat row, (<= rows, V) view) over all B·T rows of ``logits``, in order."""
+    for base, block in _row_blocks(logits):
+        for s in range(0, block.shape[0], rows):
+            yield base + s, block[s:s + rows]
+
+
+def _next_ids(input_ids: Tensor) -> Tensor:
+    """(B·T,) int64: the token each logits row predicts, ``input_ids[b, t + 1]``; 0 (unused) for t = T-1."""
+    nxt = torch.zeros_like(input_ids)
+    nxt[:, :-1] = input_ids[:, 1:]
+    return nxt.reshape(-1)
+
+
+def _scratch(logits: Tensor, dtype: torch.dtype, rows: int) -> tuple[Tensor | None, Tensor]:
+    """(staging buffer or None, result buffer), each (n, V) of ``dtype``: the per-chunk working memory,
+    allocated once and reused by every chunk.
+
+    Low-precision logits get a staging buffer to be upcast into; then each buffer holds half of
+    ``rows`` so that both together hold one chunk. ``n`` >= 1 and at most B·T.
+    """
+    b, t, v = logits.shape
+    staged = logits.dtype != dtype
+    n = max(1, min(rows // 2 if staged else rows, b * t))
+    stage = torch.empty((n, v), dtype=dtype, device=logits.device) if staged else None
+    return stage, torch.empty((n, v), dtype=dtype, device=logits.device)
+
+
 class _TokenLogprobs(torch.autograd.Function):
-    """out[:, t] = logits[:, t-1, ids[:, t]] - logsumexp(logits[:, t-1]) for t >= 1, out[:, 0] = 0,
-    chunked over T; backward recomputes each chunk's softmax, so only ``logits`` itself is saved."""
+    """out[:, t] = log_softmax(logits[:, t-1])[ids[:, t]] for t >= 1, out[:, 0] = 0.
+
+    Walks the B·T logits rows (flattened, so each chunk is one contiguous slice) ``rows`` at a time;
+    backward recomputes each chunk's softmax straight into the gradient, so only ``logits`` is saved.
+    Every float32 chunk lives in buffers made once per call (``_scratch``): a fresh 64 MiB tensor per
+    chunk (what ``.float()`` or ``softmax(dtype=)`` allocate) costs as much on CPU, in page faults, as
+    the softmax itself.
+    """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, input_ids: Tensor, chunk: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, logits: Tensor, input_ids: Tensor, rows: int) -> Tensor:  # type: ignore[override]
         dtype = torch.promote_types(logits.dtype, torch.float32)
-        t = input_ids.shape[1]
-        out = torch.zeros(input_ids.shape, dtype=dtype, device=logits.device)
-        for s in range(0, t - 1, chunk):
-            e = min(s + chunk, t - 1)
-            x = logits[:, s:e].to(dtype)  # (B, c, V): the only float32 chunk alive
-            out[:, s + 1:e + 1] = x.gather(-1, input_ids[:, s + 1:e + 1, None]).squeeze(-1) - x.logsumexp(-1)
+        b, t, v = logits.shape
+        nxt = _next_ids(input_ids)
+        lp = torch.empty(b * t, dtype=dtype, device=logits.device)  # lp[b·T + t]: log p(ids[b, t+1])
+        stage, buf = _scratch(logits, dtype, rows)
+        for s, x in _row_chunks(logits, len(buf)):
+            n = len(x)
+            if stage is not None:
+                x = stage[:n].copy_(x)  # upcast
+            y = torch.log_softmax(x, -1, out=buf[:n])
+            lp[s:s + n] = y.gather(-1, nxt[s:s + n, None]).squeeze(-1)
         ctx.save_for_backward(logits, input_ids)
-        ctx.chunk = chunk
+        ctx.rows = rows
+        out = torch.zeros((b, t), dtype=dtype, device=logits.device)
+        out[:, 1:] = lp.view(b, t)[:, :-1]
         return out
 
     @staticmethod
@@ -142,15 +194,28 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         # d out[b, t+1] / d logits[b, t, v] = 1[v == ids[b, t+1]] - softmax(logits[b, t])[v]
         logits, input_ids = ctx.saved_tensors
-        chunk, t = ctx.chunk, input_ids.shape[1]
-        grad = torch.empty_like(logits)
-        grad[:, t - 1:] = 0  # the last position predicts no input token
-        for s in range(0, t - 1, chunk):
-            e = min(s + chunk, t - 1)
-            g = grad_out[:, s + 1:e + 1, None]
-            p = logits[:, s:e].to(grad_out.dtype).softmax(-1)
-            p.mul_(-g).scatter_add_(-1, input_ids[:, s + 1:e + 1, None], g)
-            grad[:, s:e] = p
+        b, t, v = logits.shape
+        dtype = grad_out.dtype
+        g = torch.zeros((b, t), dtype=dtype, device=logits.device)
+        g[:, :-1] = grad_out[:, 1:]  # g[b, t]: weight of logits row (b, t); 0 for the last position
+        g = g.view(-1, 1)
+        nxt = _next_ids(input_ids)[:, None]
+        grad = torch.empty((b * t, v), dtype=logits.dtype, device=logits.device)
+        same = logits.dtype == dtype
+        stage, buf = (None, None) if same else _scratch(logits, dtype, ctx.rows)
+        for s, x in _row_chunks(logits, ctx.rows if buf is None else len(buf)):
+            n = len(x)
+            if same:
+                p = torch.softmax(x, -1, out=grad[s:s + n])
+            else:
+                p = torch.softmax(stage[:n].copy_(x), -1, out=buf[:n])
+            gs = g[s:s + n]
+            p.mul_(-gs).scatter_add_(-1, nxt[s:s + n], gs)
+            if not same:
+                grad[s:s + n] = p
+        grad = grad.view(b, t, v)
+        if t:
+            grad[:, -1] = 0  # the last position predicts no input token (exactly 0 even for inf logits)
         return grad, None, None
 
 
@@ -170,7 +235,7 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, *, chunk_size: int | None 
     if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise ValueError(f"logits must be floating point, not {logits.dtype}")
     b, _, v = logits.shape
-    return _TokenLogprobs.apply(logits, input_ids.long(), _chunk_len(b, v, chunk_size))
+    return _TokenLogprobs.apply(logits, input_ids.long(), max(1, b) * _chunk_len(b, v, chunk_size))
 
 
 # --- advantages -----------------------------------------------------------------------------------

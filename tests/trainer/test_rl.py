@@ -142,6 +142,51 @@ def test_property_token_logprobs_equals_log_softmax_gather(b: int, t_: int, v: i
     assert torch.allclose(out, reference_logprobs(logits, ids), atol=1e-5)
 
 
+@SETTINGS
+@given(b=st.integers(1, 3), t_=st.integers(1, 9), v=st.integers(1, 12),
+       chunk=st.one_of(st.none(), st.integers(1, 9)),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       sliced=st.booleans(), seed=st.integers(0, 2**16))
+def test_property_token_logprobs_gradient_equals_log_softmax_gather(
+        b: int, t_: int, v: int, chunk: int | None, dtype: torch.dtype, sliced: bool, seed: int) -> None:
+    # sliced: logits[:, :-1] of a longer tensor cannot be viewed as (B*T, V) rows
+    g = torch.Generator().manual_seed(seed)
+    base = (torch.randn(b, t_ + sliced, v, generator=g) * 4).to(dtype).requires_grad_()
+    logits = base[:, :t_]
+    ids = torch.randint(0, v, (b, t_), generator=g)
+    weights = torch.randn(b, t_, generator=g)
+    (ours,) = torch.autograd.grad((rl.token_logprobs(logits, ids, chunk_size=chunk) * weights).sum(), base)
+    (ref,) = torch.autograd.grad((reference_logprobs(logits, ids) * weights).sum(), base)
+    assert ours.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2e-2  # low precision: the same float32 value, rounded once
+    assert torch.allclose(ours.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_token_logprobs_last_position_never_reaches_output_or_gradient() -> None:
+    # the logits of the last position predict no input token: even inf / NaN there changes nothing
+    torch.manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        clean = torch.randn(2, 5, 7).to(dtype)
+        logits = clean.clone()
+        logits[0, -1, 3], logits[1, -1] = math.inf, math.nan
+        logits.requires_grad_()
+        ids = torch.randint(0, 7, (2, 5))
+        out = rl.token_logprobs(logits, ids, chunk_size=3)
+        assert torch.allclose(out, reference_logprobs(clean, ids), atol=1e-5)
+        out.sum().backward()
+        assert torch.isfinite(logits.grad).all()
+        assert torch.count_nonzero(logits.grad[:, -1]) == 0
+
+
+def test_token_logprobs_empty_batch_or_sequence() -> None:
+    for shape in ((2, 0, 5), (0, 3, 5)):
+        logits = torch.randn(*shape, requires_grad=True)
+        out = rl.token_logprobs(logits, torch.zeros(shape[:2], dtype=torch.long))
+        assert out.shape == shape[:2] and out.dtype == torch.float32
+        out.sum().backward()
+        assert logits.grad is not None and logits.grad.shape == shape
+
+
 # --- grpo_advantages ------------------------------------------------------------------------------
 
 def test_grpo_advantages_hand_computed_sample_std() -> None:
