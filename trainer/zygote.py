@@ -12,6 +12,7 @@ directory are exactly the request's, stdin is /dev/null, and it runs ``argv[0]``
 The module name ``auto`` learns the rest: the first children, as they exit, list the library modules
 they imported (files under the interpreter's prefixes, never the agent's own code), and the zygote
 imports those before the next fork — so later rollouts start with everything the agent uses loaded.
+Forks wait (at most 60 s) for the first child to finish, so a burst of rollouts does not start cold.
 """
 
 import glob
@@ -28,6 +29,7 @@ _lock = threading.Lock()
 _ids: dict[int, int] = {}
 LEARN_CHILDREN = 3
 learn_dir = ""
+_first_learned = threading.Event()  # set when the first learning child has exited
 _roots = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
 
 
@@ -115,6 +117,7 @@ def reaper() -> None:
             time.sleep(0.01)
             continue
         code = os.waitstatus_to_exitcode(status)
+        _first_learned.set()
         with _lock:
             rid = _ids.pop(pid, None)
         if rid is not None:
@@ -140,6 +143,8 @@ def main() -> None:
             continue
         req = json.loads(line)
         if learn_dir:
+            if learning < LEARN_CHILDREN:  # a first child is learning: wait for it (bounded) so the
+                _first_learned.wait(60)    # rest do not all start cold at once
             _import_learned()
             if learning:
                 req["learn"] = True
