@@ -31,10 +31,10 @@ def config(args: argparse.Namespace, mode: str) -> dict:
     return {
         "name": f"bench-{mode}", "mode": mode, "seed": args.seed,
         "model": {"path": str(args.model), "make": {"preset": "demo", "warm_start": args.agent,
-                                                     "seconds": 60, "seed": 0}},
+                                                     "seconds": 90, "seed": 0}},
         "tasks": str(agent_dir / "tasks.jsonl"),
         "agent": {"command": [sys.executable, str(agent_dir / "agent.py")], "env": env,
-                  "python_preload": ["openai"], "timeout_s": 300, "retries": 1},
+                  "python_preload": ["auto"], "timeout_s": 300, "retries": 1},
         "group_size": args.group_size, "batch_groups": args.batch_groups, "steps": args.steps,
         "max_inflight": args.max_inflight, "max_staleness": args.max_staleness,
         "engine": {"max_model_len": 512, **({"extra_args": ["--enable-auto-tool-choice", "--tool-call-parser",
