@@ -44,17 +44,27 @@ def config(args: argparse.Namespace, mode: str) -> dict:
     }
 
 
-def run_mode(args: argparse.Namespace, mode: str) -> dict:
+def run_mode(args: argparse.Namespace, mode: str, target_samples: float | None = None) -> dict:
     from lgt.trainer import config as cfgmod
     from lgt.trainer import loop
 
     out = args.out / mode
     path = args.out / f"{mode}.yaml"
-    path.write_text(yaml.safe_dump(config(args, mode)))
+    raw = config(args, mode)
+    if target_samples is not None:  # async may drop groups that went stale: run until it has trained as many
+        raw["steps"], raw["max_samples"] = args.steps * 3, int(target_samples)
+    path.write_text(yaml.safe_dump(raw))
     cfg = cfgmod.load(path)
     t = time.monotonic()
     loop.run(cfg, run_dir=out, display=loop.default_display())
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    if target_samples is not None:
+        total = 0.0
+        for i, r in enumerate(rows):
+            total += r["samples"]
+            if total >= target_samples:
+                rows = rows[: i + 1]
+                break
     durations = [json.loads(x)["seconds"] for x in (out / "rollouts.jsonl").read_text().splitlines() if x]
     last = rows[-3:]
     return {
@@ -63,6 +73,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
         "samples": sum(r["samples"] for r in rows),
         "reward_first": rows[0]["rollout/reward_mean"],
         "reward_last3": round(sum(r["rollout/reward_mean"] for r in last) / len(last), 3),
+        "stale_dropped_groups": sum(r.get("rollout/stale_dropped", 0) for r in rows),
         "drain_s_mean": round(sum(r["perf/drain_s"] for r in rows) / len(rows), 3),
         "staleness_max": max(r["rollout/staleness_max"] for r in rows),
         "rollout_s_p50": sorted(durations)[len(durations) // 2],
@@ -82,17 +93,22 @@ def main() -> None:
     ap.add_argument("--max-staleness", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / f"bench-async-{time.strftime('%Y%m%d-%H%M%S')}")
+    ap.add_argument("--out", type=Path,
+                    default=ROOT / "runs" / f"bench-async-{time.strftime('%Y%m%d-%H%M%S')}")
     ap.add_argument("--modes", default="sync,async")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
-    results = {m: run_mode(args, m) for m in args.modes.split(",")}
+    results: dict[str, dict] = {}
+    for m in args.modes.split(","):
+        target = results["sync"]["samples"] if m == "async" and "sync" in results else None
+        results[m] = run_mode(args, m, target)
     for r in results.values():
         print(json.dumps(r))
     if {"sync", "async"} <= set(results):
         s, a = results["sync"], results["async"]
-        print(f"\nsame {s['samples']:.0f}/{a['samples']:.0f} trained samples: sync {s['train_wall_s']:.1f} s, "
+        print(f"\nsame {s['samples']:.0f}/{a['samples']:.0f} trained samples: "
+              f"sync {s['train_wall_s']:.1f} s, "
               f"async {a['train_wall_s']:.1f} s -> async is {s['train_wall_s'] / a['train_wall_s']:.2f}x "
               f"faster; reward (last 3 steps) sync {s['reward_last3']:.3f}, async {a['reward_last3']:.3f}")
     (args.out / "results.json").write_text(json.dumps(results, indent=2))

@@ -110,6 +110,7 @@ class RunConfig:
     batch_groups: int = 4
     steps: int = 20
     max_minutes: float | None = None
+    max_samples: int | None = None  # stop once this many samples were trained
     target_reward: float | None = None  # stop once a step's mean reward reaches it (after min 3 steps)
     max_staleness: int = 1
     max_inflight: int = 32

@@ -249,7 +249,8 @@ class Run:
     async def train(self) -> None:
         cfg = self.cfg
         deadline = self.t0 + cfg.max_minutes * 60 if cfg.max_minutes else math.inf
-        while self.step < cfg.steps and time.monotonic() < deadline:
+        while self.step < cfg.steps and time.monotonic() < deadline and \
+                (cfg.max_samples is None or self.trained_samples < cfg.max_samples):
             self.launch()
             while len(self.ready) < cfg.batch_groups or (cfg.mode == "sync" and self.inflight_groups()):
                 self.engine.check_alive()
@@ -406,7 +407,7 @@ class Run:
         rewards = dict(zip(zip(t["rollout_id"].to_pylist(), t["attempt"].to_pylist()),
                            t["reward"].to_pylist()))
         results = [r for g in batch for r in g.results if r is not None]
-        gen_versions = [self.version - v for v in min_version.values()] or [0]
+        gen_versions = [self.version - v for g, v in min_version.items() if g not in stale] or [0]
         vals = list(rewards.values())
         info.update({
             "groups": len(batch), "rollouts": n_rollouts, "samples": t.num_rows,

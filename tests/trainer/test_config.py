@@ -39,8 +39,9 @@ def test_minimal_defaults_and_paths(tmp_path: Path) -> None:
 
 
 def test_overrides(tmp_path: Path) -> None:
-    cfg = config.load(write(tmp_path, BASE), {"mode": "sync", "backend.lr": 0.01, "agent.retries": 0})
-    assert (cfg.mode, cfg.backend.lr, cfg.agent.retries) == ("sync", 0.01, 0)
+    cfg = config.load(write(tmp_path, BASE), {"mode": "sync", "backend.lr": 0.01, "agent.retries": 0,
+                                              "max_samples": 640})
+    assert (cfg.mode, cfg.backend.lr, cfg.agent.retries, cfg.max_samples) == ("sync", 0.01, 0, 640)
 
 
 @pytest.mark.parametrize("extra, message", [
