@@ -21,6 +21,7 @@ process), then SIGKILL; it is idempotent and also runs at interpreter exit for e
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.metadata
 import importlib.util
 import logging
@@ -388,6 +389,10 @@ class Engine:
         try:
             resp = self._client.request(method, path, params=params, json=json, timeout=timeout)
         except httpx.HTTPError as e:
+            # a refused or reset connection often means the engine is dying: give it a moment to be
+            # reaped, so the error names its exit rather than the symptom
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=2.0)
             self.check_alive()
             raise EngineError(f"the vLLM engine at {self.base_url} did not answer {method} {path}: "
                               f"{e}") from e

@@ -45,6 +45,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -442,6 +443,7 @@ class RolloutController:
         # instead of two files per attempt); a crash loses only unflushed rollouts' rows
         self.batch_records = batch_records
         self._rows: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
+        self._rows_lock = threading.Lock()
         if not self.store.is_dir():
             raise RolloutError(f"the store directory {str(self.store)!r} does not exist")
         self.agent, self.proxy = agent, proxy
@@ -498,7 +500,7 @@ class RolloutController:
         await asyncio.gather(*(self._reap(proc) for proc in procs))
         if self._forkserver is not None:
             await self._forkserver.aclose()
-        if self._rows[0]:
+        if self._rows[0] or self._rows[1]:
             await asyncio.to_thread(self.flush_records)
 
     async def __aenter__(self) -> RolloutController:
@@ -691,16 +693,18 @@ class RolloutController:
         reward = None
         if r.reward is not None and r.reward_source != "proxy":
             reward = attempt_reward_row(r.rollout_id, r.reward, attempt=r.attempt, source=r.reward_source)
-        self._rows[0].append(row)
-        if reward is not None:
-            self._rows[1].append(reward)
+        with self._rows_lock:  # _record and flush_records run in worker threads
+            self._rows[0].append(row)
+            if reward is not None:
+                self._rows[1].append(reward)
         if not self.batch_records:
             self.flush_records()
 
     def flush_records(self) -> int:
         """Write the rows of attempts finished since the last call (one file per table); their count."""
-        rollouts, rewards = self._rows
-        self._rows = ([], [])
+        with self._rows_lock:
+            rollouts, rewards = self._rows
+            self._rows = ([], [])
         add_rows(self.store, rollouts, rewards)
         return len(rollouts)
 
