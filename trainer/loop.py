@@ -51,8 +51,6 @@ from . import config as cfgmod
 from .config import RunConfig
 from .proxy_client import ProxyClient
 
-STATE_FILE = "run-state.json"
-
 
 @dataclass
 class Group:
@@ -61,7 +59,6 @@ class Group:
     index: int
     task: dict[str, Any]
     version: int  # policy version when launched
-    launched_at: float
     results: list[Any] = field(default_factory=list)
     pending: int = 0
 
@@ -239,7 +236,7 @@ class Run:
         for gid, task_id, n, step in rows:
             if gid in self.trained_groups or n < self.cfg.group_size or task_id not in by_id:
                 continue
-            g = Group(index=int(gid[1:]), task=by_id[task_id], version=int(step or 0), launched_at=0.0)
+            g = Group(index=int(gid[1:]), task=by_id[task_id], version=int(step or 0))
             self.groups[gid] = g
             self.ready.append(g)
         if self.ready:
@@ -291,7 +288,7 @@ class Run:
 
     def start_group(self) -> None:
         g = Group(index=self.next_group, task=self.task_for(self.next_group), version=self.version,
-                  launched_at=time.monotonic(), pending=self.cfg.group_size)
+                  pending=self.cfg.group_size)
         self.next_group += 1
         self.groups[g.group_id] = g
         for k in range(self.cfg.group_size):
