@@ -2,6 +2,7 @@
 
     .venv-proxy/bin/python bench/samples.py                 # 100k rollouts x 8 calls
     .venv-proxy/bin/python bench/samples.py --rollouts 20000 --loop-rollouts 2000
+    .venv-proxy/bin/python bench/samples.py --rollouts 20000 --step-groups 16   # a trainer's step
 
 A synthetic store is written with pyarrow directly (one Parquet file per chunk of rollouts): groups of
 8 rollouts per task and step, 8 calls per rollout, a ~600-token system+task prompt, replies of 40-300
@@ -15,6 +16,12 @@ Arrow table, from SQL over scalar columns plus one pyarrow pass over the token l
 Python lists from ``to_pylist``). The loop runs on the first ``--loop-rollouts`` rollouts when
 that is fewer than all; its time is then extrapolated linearly (the work is per rollout) and
 labelled so. The loop's samples are checked against build_samples' on the rollouts both built.
+
+``--step-groups N`` measures instead what a trainer does each step: the samples of the newest N
+groups, built by ``build_group_samples`` (reads only their calls files) against a whole build
+filtered to them (what the trainer did before); the first scoped build of the process reads every
+file's rollout ids, later ones only new files'; medians of 4 (3 after the first), the two checked to
+give the same rows.
 """
 
 from __future__ import annotations
@@ -219,6 +226,50 @@ def sql_side(root: Path) -> pa.Table:
     return build_samples(con).samples
 
 
+def step_groups(root: Path, n: int) -> None:
+    """The newest ``n`` groups' samples: build_group_samples vs the whole build filtered, in one run."""
+    import pyarrow.compute as pc
+
+    from lgt.store.query import connect
+    from lgt.store.samples import build_group_samples, build_samples
+
+    con = connect(root)
+    groups = [g for (g,) in con.execute(
+        "SELECT group_id FROM rollouts GROUP BY group_id ORDER BY max(rollout_id) DESC LIMIT ?",
+        [n]).fetchall()]
+    con.close()
+
+    def whole() -> pa.Table:
+        c = connect(root)
+        try:
+            t = build_samples(c).samples
+        finally:
+            c.close()
+        return t.filter(pc.is_in(t["group_id"], value_set=pa.array(groups)))
+
+    def scoped() -> pa.Table:
+        return build_group_samples(root, groups).samples
+
+    times: dict[str, list[float]] = {"whole": [], "scoped": []}
+    out = {}
+    for _ in range(4):
+        for name, fn in (("whole", whole), ("scoped", scoped)):
+            t0 = time.perf_counter()
+            out[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+    key = lambda t: t.sort_by("sample_id").select(["sample_id", "input_ids", "loss_mask", "advantage"])  # noqa: E731
+    same = key(out["whole"]).to_pylist() == key(out["scoped"]).to_pylist()
+    w, g = statistics.median(times["whole"]), statistics.median(times["scoped"][1:])
+    print(f"the newest {n} groups ({out['scoped'].num_rows} samples) of a store of "
+          f"{len(list((root / 'calls').glob('*.parquet')))} calls files:")
+    print(f"  whole build, filtered                      {w:7.2f} s")
+    print(f"  build_group_samples, first in the process  {times['scoped'][0]:7.2f} s  "
+          "(reads every file's ids)")
+    print(f"  build_group_samples, after that            {g:7.2f} s  (a trainer's step)")
+    print(f"ratio: {w / g:.1f}x faster a step ({w / times['scoped'][0]:.1f}x the first time); "
+          f"samples {'identical' if same else 'DIFFER'}")
+
+
 def child(side: str, root: Path, rollouts: int | None, check_out: Path | None) -> None:
     """Run one side and print {seconds, peak_mb, samples, calls} as JSON (the parent reads it)."""
     t0 = time.perf_counter()
@@ -280,6 +331,8 @@ def main() -> None:
                     help="rollouts the Python loop runs on (its time is extrapolated to --rollouts)")
     ap.add_argument("--store", type=Path, help="reuse (or keep) the synthetic store here")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-groups", type=int, metavar="N",
+                    help="time a trainer's step instead: the newest N groups' samples (see above)")
     ap.add_argument("--child", choices=["sql", "loop"], help=argparse.SUPPRESS)
     ap.add_argument("--check-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -294,6 +347,8 @@ def main() -> None:
             t0 = time.perf_counter()
             write_store(root, args.rollouts, args.seed)
             print(f"wrote the synthetic store in {time.perf_counter() - t0:.0f} s: {root}")
+        if args.step_groups:
+            return step_groups(root, args.step_groups)
         n_calls, n_prompt, n_final = duckdb.connect().execute(f"""
             SELECT count(*), sum(len(prompt_token_ids)), sum(len(prompt_token_ids) + len(response_token_ids))
                    FILTER (WHERE seq = {CALLS_PER_ROLLOUT - 1})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 
@@ -22,11 +23,16 @@ def views_sql() -> str:
     return resources.files("lgt.store").joinpath("sql/views.sql").read_text()
 
 
-def connect(store: str | Path, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
+def connect(store: str | Path, database: str = ":memory:", *,
+            rollout_ids: Iterable[str] | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the store's views; a table with no files yet is an empty view.
 
     The store is migrated first (see ``migrations``); a corrupt or foreign Parquet file in a table's
     folder raises :class:`StoreFileError` naming it.
+
+    ``rollout_ids``: the connection sees only these rollouts — every table's rows of them, read from
+    only the files that hold them (:func:`file_index`) — so work on a few rollouts of a large store
+    costs what those rollouts cost (the trainer builds each step's samples this way).
     """
     root = Path(store).resolve()
     if not root.is_dir():
@@ -35,13 +41,26 @@ def connect(store: str | Path, database: str = ":memory:") -> duckdb.DuckDBPyCon
     con = duckdb.connect(database)
     con.execute("SET file_search_path = ?", [str(root)])
     con.execute("SET parquet_metadata_cache = true")  # files are immutable once renamed in
-    check_files(con, root)
+    scope: dict[str, list[str]] | None = None
+    if rollout_ids is None:
+        check_files(con, root)
+    else:
+        want = set(rollout_ids)
+        scope = {t: [f for f, entry in file_index(root, t, con).items() if not want.isdisjoint(entry[0])]
+                 for t in TABLES}
+        con.execute("SET VARIABLE lgt_rollout_ids = ?", [sorted(want)])
+        for table, files in scope.items():
+            con.execute(f"SET VARIABLE lgt_files_{table} = ?", [files])
     for stmt in views_sql().split(";"):
         body = "\n".join(l for l in stmt.splitlines() if not l.strip().startswith("--")).strip()
         if not body:
             continue
         m = re.search(r"read_parquet\('(\w+)/\*\.parquet'", body)
-        if m and not any((root / m[1]).glob("*.parquet")):  # no files yet: an empty table
+        if m and scope is not None:  # only the rollouts asked for, from the files that hold them
+            body = body.replace(f"'{m[1]}/*.parquet'", f"getvariable('lgt_files_{m[1]}')")
+            body += "\nWHERE rollout_id IN (SELECT unnest(getvariable('lgt_rollout_ids')))"
+        if m and not (scope[m[1]] if scope is not None
+                      else any((root / m[1]).glob("*.parquet"))):  # no files (yet): an empty table
             table, view = m[1], re.search(r"VIEW (\w+)", body)[1]
             con.register(f"_empty_{table}", pa.Table.from_pylist([], schema=TABLES[table]))
             con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM _empty_{table}")
@@ -50,22 +69,75 @@ def connect(store: str | Path, database: str = ":memory:") -> duckdb.DuckDBPyCon
     return con
 
 
-def check_files(con: duckdb.DuckDBPyConnection, root: Path) -> None:
-    """Refuse a store whose table folders hold a file that is not one of that table's.
+# What each finished file holds, per process: files never change once renamed in, so each is checked
+# and read once (keyed by path, size and mtime). path -> (rollout ids, {group id: rollout ids}).
+FileEntry = tuple[frozenset[str], dict[str, frozenset[str]]]
+_SEEN: dict[tuple[str, int, int], FileEntry] = {}
+
+
+def file_index(root: Path, table: str, con: duckdb.DuckDBPyConnection | None = None) -> dict[str, FileEntry]:
+    """Every Parquet file of ``table`` -> the rollout ids in it (and, for ``rollouts``, its groups'
+    rollout ids). Files new to this process are checked (:func:`check_files`) and their id columns
+    read; the others come from memory, so a trainer pays for each file once."""
+    out: dict[str, FileEntry] = {}
+    new: list[tuple[Path, tuple[str, int, int]]] = []
+    for path in sorted((root / table).glob("*.parquet")):
+        st = path.stat()
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key in _SEEN:
+            out[key[0]] = _SEEN[key]
+        else:
+            new.append((path, key))
+    if not new:
+        return out
+    own = con is None
+    if own:
+        con = duckdb.connect()
+        con.execute("SET file_search_path = ?", [str(root)])
+    try:
+        check_files(con, root, {table: [p for p, _ in new]})
+    finally:
+        if own:
+            con.close()
+    cols = ["rollout_id", "group_id"] if table == "rollouts" else ["rollout_id"]
+    for path, key in new:
+        t = pq.read_table(path, columns=cols)
+        ids = t.column("rollout_id").to_pylist()
+        groups: dict[str, set[str]] = {}
+        if table == "rollouts":
+            for g, r in zip(t.column("group_id").to_pylist(), ids):
+                if g is not None:
+                    groups.setdefault(g, set()).add(r)
+        _SEEN[key] = out[key[0]] = (frozenset(ids), {g: frozenset(r) for g, r in groups.items()})
+    return out
+
+
+def group_rollouts(store: str | Path, group_ids: Iterable[str]) -> set[str]:
+    """The rollout ids of these groups, as the ``rollouts`` table's files give them."""
+    root = Path(store).resolve()
+    want = set(group_ids)
+    return {r for _, groups in file_index(root, "rollouts").values()
+            for g in want.intersection(groups) for r in groups[g]}
+
+
+def check_files(con: duckdb.DuckDBPyConnection, root: Path,
+                only: dict[str, list[Path]] | None = None) -> None:
+    """Refuse a store whose table folders hold a file that is not one of that table's (``only``:
+    just these tables' listed files).
 
     lgt's writers tag each file with its table and schema version; those tags are read for all files
     at once (DuckDB reads the footers in parallel). An untagged file is checked column by column; a
     file DuckDB cannot read is looked at alone to name it and the problem.
     """
-    for table in TABLES:
-        paths = sorted((root / table).glob("*.parquet"))
+    for table in (only if only is not None else TABLES):
+        paths = list(only[table]) if only is not None else sorted((root / table).glob("*.parquet"))
         if not paths:
             continue
         try:
             rows = con.execute(
                 "SELECT file_name, decode(key), decode(value) FROM parquet_kv_metadata(?) "
                 "WHERE key IN ('lgt.table'::BLOB, 'lgt.schema_version'::BLOB)",
-                [f"{table}/*.parquet"]).fetchall()
+                [[str(p) for p in paths] if only is not None else f"{table}/*.parquet"]).fetchall()
         except duckdb.Error:
             for path in paths:  # find the unreadable one (DuckDB stops at the first)
                 check_file(path, table, root)

@@ -41,6 +41,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from .migrations import migrate
+from .query import connect, group_rollouts
 from .schema import CALLS
 
 MODES = ("exact", "realign")
@@ -127,11 +129,40 @@ def build_samples(con: duckdb.DuckDBPyConnection, *, mode: str = "exact", tokeni
     install(con)
     check_unique_seq(con)
     order = call_order(con)
-    merged = merge_calls(prefetched(call_batches(root)), order, mode, decode)
+    merged = merge_calls(prefetched(call_batches(root, scoped_files(con))), order, mode, decode)
     per_sample, rollouts = rollout_scalars(con, merged.scalars, std_normalize, eps)
     samples = assemble(merged, per_sample, mode)
     breaks = pa.Table.from_pylist(merged.breaks, schema=MERGE_BREAKS)
     return SampleBuild(samples, breaks, make_report(mode, merged, samples, rollouts))
+
+
+def build_group_samples(store: str | Path, group_ids: Iterable[str], *, mode: str = "exact",
+                        tokenizer: Any = None, std_normalize: bool = True,
+                        eps: float = 1e-6) -> SampleBuild:
+    """:func:`build_samples` of the rollout groups ``group_ids`` alone (a trainer's batch).
+
+    Only the files holding those groups' rollouts are read (``connect(rollout_ids=…)``; which files
+    hold which rollouts is remembered per process), so a trainer's step costs what its batch costs
+    however large the store has grown. Groups are whole, so advantages equal those of a build
+    of the whole store; loss weights are normalised over these groups' rollouts. A group id of the
+    form ``<rollout_id>~<attempt>`` also names an attempt seen only in calls (its own group).
+    """
+    root = Path(store).resolve()
+    groups = sorted(set(group_ids))
+    migrate(root, readonly_ok=True)
+    ids = group_rollouts(root, groups) | {g.rsplit("~", 1)[0] for g in groups if "~" in g}
+    con = connect(root, rollout_ids=ids)
+    try:
+        built = build_samples(con, mode=mode, tokenizer=tokenizer, std_normalize=std_normalize, eps=eps)
+    finally:
+        con.close()
+    keep = pc.is_in(built.samples["group_id"], value_set=pa.array(groups, pa.string()))
+    if pc.all(keep).as_py() is not False:
+        return built
+    samples = built.samples.filter(keep)  # attempts seen only in calls that share a rollout id
+    kept = pa.array(sorted(set(samples["rollout_id"].to_pylist())), pa.string())
+    breaks = built.merge_breaks.filter(pc.is_in(built.merge_breaks["rollout_id"], value_set=kept))
+    return SampleBuild(samples, breaks, built.report)
 
 
 def check_args(mode: str, tokenizer: Any, eps: float) -> Callable[[list[int]], str] | None:
@@ -174,9 +205,15 @@ def call_order(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, int, int], tup
     return dict(zip(zip(*cols[:3]), zip(*cols[3:])))
 
 
-def call_batches(root: Path) -> Iterator[pa.RecordBatch]:
-    """The calls files' rows, in file order (whole files only: writers rename finished files in)."""
-    files = sorted(str(p) for p in (root / "calls").glob("*.parquet"))
+def scoped_files(con: duckdb.DuckDBPyConnection) -> list[str] | None:
+    """The calls files of a connection scoped to some rollouts (``connect(rollout_ids=…)``), else None."""
+    return con.execute("SELECT getvariable('lgt_files_calls')").fetchall()[0][0]
+
+
+def call_batches(root: Path, files: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+    """The calls files' rows (all of ``calls/``, or ``files``), in file order (whole files only:
+    writers rename finished files in)."""
+    files = sorted(files if files is not None else (str(p) for p in (root / "calls").glob("*.parquet")))
     if not files:
         return iter(())
     schema = pa.schema([CALLS.field(name) for name in CALL_COLUMNS])

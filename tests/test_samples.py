@@ -27,6 +27,7 @@ from lgt.store.samples import (
     CALL_COLUMNS,
     MERGE_BREAKS,
     SAMPLES,
+    build_group_samples,
     build_samples,
     call_order,
     install,
@@ -577,3 +578,70 @@ def test_attempts_and_calls_only_rollouts(tmp_path: Path, tok: Tokenizer) -> Non
     got = {r["sample_id"]: (r["group_id"], r["reward"], r["group_size"]) for r in b.samples.to_pylist()}
     assert got == {"r1~1#0": ("g", 1.0, 1), "r2~0#0": ("r2~0", 0.5, 1)}
     assert b.merge_breaks.num_rows == 0
+
+
+# --- a trainer's batch: some groups of a large store -------------------------------------------------
+
+def groups_store(tmp_path: Path, tok: Tokenizer) -> Path:
+    """Groups g0..g5 of three rollouts each, calls spread over 6 files (group k's calls in file k),
+    plus r9, seen only in calls."""
+    agent = Agent(tok)
+    rng = random.Random(5)
+    root = tmp_path / "store"
+    rollouts, rewards = [], []
+    for k in range(6):
+        calls = []
+        for j in range(3):
+            rid = f"g{k}-r{j}"
+            calls += agent.run(rid, [Turn(sentence(rng, 3), sentence(rng, 4) + "."),
+                                     Turn(sentence(rng, 2), sentence(rng, 3) + ".", forget=j == 2)])
+            rollouts.append(rollout(rid, f"g{k}"))
+            rewards.append(reward(rid, rng.choice([0.0, 0.5, 1.0])))
+        (root / "calls").mkdir(parents=True, exist_ok=True)
+        write_parquet_atomic(to_arrow([call_row(c) for c in calls], "calls"),
+                             root / "calls" / f"part-{k:03d}.parquet")
+    calls = agent.run("r9", [Turn("hi", "hello.")])
+    write_parquet_atomic(to_arrow([call_row(c) for c in calls], "calls"), root / "calls" / "part-009.parquet")
+    rewards.append(reward("r9", 1.0))
+    for table, items in (("rollouts", rollouts), ("rewards", rewards)):
+        (root / table).mkdir(parents=True, exist_ok=True)
+        write_parquet_atomic(to_arrow(items, table), root / table / "part-000.parquet")
+    return root
+
+
+def test_group_build_equals_the_whole_build_of_those_groups(tmp_path: Path, tok: Tokenizer) -> None:
+    root = groups_store(tmp_path, tok)
+    whole = {r["sample_id"]: r for r in build_samples(connect(root)).samples.to_pylist()}
+    some = build_group_samples(root, ["g1", "g4", "r9~0", "nope"])
+    got = {r["sample_id"]: r for r in some.samples.to_pylist()}
+    assert {r["group_id"] for r in got.values()} == {"g1", "g4", "r9~0"}
+    assert set(got) == {s for s, r in whole.items() if r["group_id"] in ("g1", "g4", "r9~0")}
+    for sid, r in got.items():  # tokens, advantages, groups: as in the whole build
+        w = whole[sid]
+        assert r["advantage"] == pytest.approx(w["advantage"], abs=1e-12)
+        assert {k: v for k, v in r.items() if k not in ("advantage", "loss_weight")} == \
+               {k: v for k, v in w.items() if k not in ("advantage", "loss_weight")}
+    # loss weights count each of these 7 rollouts once
+    per_rollout = Counter()
+    for r in got.values():
+        per_rollout[r["rollout_id"]] += r["loss_weight"] * sum(r["loss_mask"])
+    assert len(per_rollout) == 7 and all(v == pytest.approx(1 / 7) for v in per_rollout.values())
+    assert sorted(b["rollout_id"] for b in some.merge_breaks.to_pylist()) == ["g1-r2", "g4-r2"]
+    assert some.report["rollouts"] == {"trained": 7, "excluded": {}}
+
+
+def test_a_scoped_connection_sees_and_reads_only_its_rollouts(tmp_path: Path, tok: Tokenizer) -> None:
+    root = groups_store(tmp_path, tok)
+    con = connect(root, rollout_ids=["g2-r0", "g2-r1", "r9"])
+    files = con.execute("SELECT getvariable('lgt_files_calls')").fetchall()[0][0]
+    assert [Path(f).name for f in files] == ["part-002.parquet", "part-009.parquet"]
+    for table in ("calls", "rollouts", "rewards"):
+        seen = {r for (r,) in con.execute(f"SELECT DISTINCT rollout_id FROM {table}").fetchall()}
+        assert seen == {"g2-r0", "g2-r1", "r9"}, table
+    empty = connect(root, rollout_ids=[])
+    assert empty.execute("SELECT count(*) FROM calls").fetchall() == [(0,)]
+    assert build_samples(empty).samples.num_rows == 0
+    # a file replaced by one that is not a calls file is named, though its rollouts are not asked for
+    (root / "calls" / "part-005.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match="part-005.parquet"):
+        connect(root, rollout_ids=["g2-r0"])
