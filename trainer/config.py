@@ -111,7 +111,7 @@ class RunConfig:
     steps: int = 20
     max_minutes: float | None = None
     max_samples: int | None = None  # stop once this many samples were trained
-    target_reward: float | None = None  # stop once a step's mean reward reaches it (after min 3 steps)
+    target_reward: float | None = None  # stop once the mean reward of the last 10 steps reaches it
     max_staleness: int = 1
     max_inflight: int = 32
     seed: int = 0

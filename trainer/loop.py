@@ -45,11 +45,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lgt.store.query import connect
-from lgt.store.samples import build_samples
+from lgt.store.samples import build_group_samples
 
 from . import config as cfgmod
 from .config import RunConfig
 from .proxy_client import ProxyClient
+
+FAIL_FAST_GROUPS = 2  # groups that all failed, with no rollout ever ok, end the run
+TARGET_WINDOW = 10  # target_reward is reached when the mean reward of this many last steps reaches it
 
 
 @dataclass
@@ -104,6 +107,10 @@ class Run:
         self.stats = StepStats()
         self.groups: dict[str, Group] = {}
         self.ready: list[Group] = []
+        self.recent_rewards: list[float] = []  # mean reward of the last steps (target_reward)
+        self.ok_rollouts = 0  # rollouts that ended ok in this process
+        self.failed_groups = 0  # groups whose every rollout failed, before any rollout was ok
+        self.fatal: str | None = None  # set when the run cannot go on; train() raises it
         self.trained_groups: set[str] = set()
         self.trained_samples: int = 0
         self.next_group = 0
@@ -142,6 +149,8 @@ class Run:
             self.step = int(extra.get("step", 0))
             self.trained_groups = set(extra.get("trained_groups", []))
             self.trained_samples = int(extra.get("trained_samples", 0))
+            self.recent_rewards = [r["rollout/reward_mean"] for r in self.metrics_rows()
+                                   if r["step"] <= self.step][-TARGET_WINDOW:]
             serve_dir = ckpt
             self.log(f"resuming from {ckpt.name}: step {self.step}, policy version {self.version}")
         else:
@@ -250,6 +259,8 @@ class Run:
                 (cfg.max_samples is None or self.trained_samples < cfg.max_samples):
             self.launch()
             while len(self.ready) < cfg.batch_groups or (cfg.mode == "sync" and self.inflight_groups()):
+                if self.fatal:
+                    raise RuntimeError(self.fatal)
                 self.engine.check_alive()
                 self.proxy.check_alive()
                 self._wake.clear()
@@ -260,10 +271,23 @@ class Run:
             self.ready.sort(key=lambda g: g.index)
             batch, self.ready = self.ready[:cfg.batch_groups], self.ready[cfg.batch_groups:]
             await self.update(batch)
-            if cfg.target_reward is not None and self.step >= 3 and \
-                    self.stats.reward_mean >= cfg.target_reward:
-                self.log(f"reward {self.stats.reward_mean:.3f} reached the target {cfg.target_reward}")
+            window = self.recent_rewards[-TARGET_WINDOW:]
+            if cfg.target_reward is not None and len(window) == TARGET_WINDOW and \
+                    sum(window) / TARGET_WINDOW >= cfg.target_reward:
+                self.log(f"mean reward of the last {TARGET_WINDOW} steps {sum(window) / TARGET_WINDOW:.3f} "
+                         f"reached the target {cfg.target_reward}")
                 break
+
+    def metrics_rows(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a line cut off by a crash
+                rows.append(json.loads(line))
+        return [r for r in rows if isinstance(r.get("rollout/reward_mean"), (int, float))
+                and not math.isnan(r["rollout/reward_mean"])]
 
     def inflight_groups(self) -> int:
         return sum(1 for g in self.groups.values() if not g.done)
@@ -312,6 +336,7 @@ class Run:
         g.results.append(res)
         g.pending -= 1
         if res is not None:
+            self.ok_rollouts += res.ok
             self.durations.append(res.seconds)
             with open(self.run_dir / "rollouts.jsonl", "a") as f:
                 f.write(json.dumps(_result_row(res), default=str) + "\n")
@@ -320,6 +345,9 @@ class Run:
                 self.ready.append(g)
             else:
                 self.log(f"group {g.group_id}: every rollout failed; see {self.run_dir / 'rollouts'}")
+                self.failed_groups += 1
+                if self.ok_rollouts == 0 and self.failed_groups >= FAIL_FAST_GROUPS:
+                    self.fatal = agent_broken(self.failed_groups, [r for r in g.results if r is not None])
         self.refresh()
         self._wake.set()
 
@@ -369,6 +397,8 @@ class Run:
         s = self.stats
         s.step, s.version = self.step, self.version
         s.reward_mean = info.get("rollout/reward_mean", float("nan"))
+        if not math.isnan(s.reward_mean):
+            self.recent_rewards = [*self.recent_rewards[-TARGET_WINDOW + 1:], s.reward_mean]
         s.staleness = info.get("rollout/staleness_max", 0)
         s.drain_s = row["perf/drain_s"]
         s.tokens_per_s = metrics.get("perf/tokens_per_s", metrics.get("tokens_per_s", 0.0))
@@ -379,15 +409,8 @@ class Run:
     def samples_for(self, batch: list[Group]) -> tuple[pa.Table, dict[str, Any]]:
         """The training samples of ``batch``'s groups, their loss weights renormalised to this batch."""
         cfg = self.cfg
-        con = connect(self.store)
-        try:
-            built = build_samples(con, mode=cfg.algorithm.sample_mode, tokenizer=self.tokenizer,
-                                  std_normalize=cfg.algorithm.std_normalize)
-        finally:
-            con.close()
-        t = built.samples
-        ids = pa.array([g.group_id for g in batch])
-        t = t.filter(pc.is_in(t["group_id"], value_set=ids))
+        t = build_group_samples(self.store, [g.group_id for g in batch], mode=cfg.algorithm.sample_mode,
+                                tokenizer=self.tokenizer, std_normalize=cfg.algorithm.std_normalize).samples
         info: dict[str, Any] = {}
         # staleness: versions between the policy that generated a token and the one trained now
         min_version = {}
@@ -494,6 +517,21 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False,
         with contextlib.suppress(Exception):
             finish(run_dir, r.store)
     return run_dir
+
+
+def agent_broken(n_groups: int, results: list[Any]) -> str:
+    """The sentence that ends a run whose agent has not once finished: what its last attempt said."""
+    last = results[-1] if results else None
+    said = ""
+    if last is not None:
+        with contextlib.suppress(OSError):
+            text = last.stderr_path.read_text(errors="replace")
+            lines = [x.strip() for x in text.splitlines() if x.strip()]
+            said = lines[-1] if lines else ""
+        said = said or last.error or f"status {last.status}, exit code {last.exit_code}"
+    where = f" ({last.stderr_path})" if last is not None else ""
+    return (f"the agent failed in every rollout of the first {n_groups} groups, so it does not run "
+            f"here; its last error: {said[:300]}{where}")
 
 
 def finish(run_dir: Path, store: Path | None = None) -> None:

@@ -13,7 +13,8 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen2 model + local byte-level BPE tokenizer with a ChatML template (HF format)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model", HERE.parent / "engine" / "make_tiny_model.py")
+    spec = importlib.util.spec_from_file_location("make_tiny_model",
+                                                  HERE.parent / "engine" / "make_tiny_model.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path_factory.mktemp("tiny-model")

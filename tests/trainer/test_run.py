@@ -81,7 +81,8 @@ def test_async_run_trains_syncs_and_records_everything(tmp_path: Path, arith_mod
     assert "run directory:" in out.stdout
 
 
-def test_killed_mid_step_resumes_without_training_a_sample_twice(tmp_path: Path, arith_model_dir: Path) -> None:
+def test_killed_mid_step_resumes_without_training_a_sample_twice(tmp_path: Path,
+                                                                 arith_model_dir: Path) -> None:
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path, arith_model_dir, steps=4)
     out = lgt_train(str(cfg), "--run-dir", str(run_dir), env={"LGT_FAULT_CRASH_AT_STEP": "3"})
@@ -119,3 +120,15 @@ def test_sync_mode_trains_each_batch_of_the_current_policy(tmp_path: Path, arith
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["rollout/staleness_max"] == 0 and r["perf/in_flight_at_pause"] == 0 for r in rows)
     assert all(r["groups"] == 2 for r in rows)
+
+
+def test_an_agent_that_never_runs_ends_the_run_with_its_error(tmp_path: Path, arith_model_dir: Path) -> None:
+    agent = {"command": [sys.executable, "-c", "import sys; sys.exit('cannot reach my sandbox')"],
+             "timeout_s": 30, "retries": 1}
+    run_dir = tmp_path / "run"
+    out = lgt_train(str(write_config(tmp_path, arith_model_dir, agent=agent)), "--run-dir", str(run_dir))
+    assert out.returncode == 1
+    err = " ".join(out.stderr.split())
+    assert "the agent failed in every rollout of the first 2 groups" in err, out.stderr[-2000:]
+    assert "cannot reach my sandbox" in err
+    assert not (run_dir / "metrics.jsonl").exists()  # nothing was trained
