@@ -82,9 +82,15 @@ class ForkServer:
             msg = json.loads(line)
             rid = msg.get("id")
             if "pid" in msg and rid in self._started:
-                self._started.pop(rid).set_result(msg["pid"])
+                started = self._started.pop(rid)
+                if started.done():  # its spawn() was cancelled: no one will wait for or stop this child
+                    _kill_child(msg["pid"])
+                else:
+                    started.set_result(msg["pid"])
             elif "exit" in msg and rid in self._exited:
-                self._exited.pop(rid).set_result(msg["exit"])
+                exited = self._exited.pop(rid)
+                if not exited.done():
+                    exited.set_result(msg["exit"])
         err = ForkServerError(f"the fork server exited (code {await self.proc.wait()})")
         for fut in [*self._started.values(), *self._exited.values()]:
             if not fut.done():
@@ -118,6 +124,13 @@ class ForkServer:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 await self.proc.wait()
         self._reader.cancel()
+
+
+def _kill_child(pid: int) -> None:
+    """SIGKILL a forked child and its process group (it may not have made its own group yet)."""
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
 
 
 async def _drain(stream: asyncio.StreamReader | None) -> None:

@@ -114,3 +114,46 @@ def test_auto_preload_learns_the_library_modules_of_the_first_rollouts(tmp_path:
 
     # the first child imports yaml itself; the zygote then imports it, so later children start with it
     assert run(main()) == ["False", "True", "True"]
+
+
+def test_spawns_cancelled_while_starting_leave_no_child_and_no_stuck_server(tmp_path: Path) -> None:
+    """A run that stops (Ctrl-C, a fatal error) cancels rollouts that are still being forked: their
+    children are killed when their pids arrive, and the server goes on reporting the others' exits."""
+    (tmp_path / "agent.py").write_text(AGENT)
+    marker = str(tmp_path / "agent.py")
+
+    async def main():
+        fs = await ForkServer.start(sys.executable, [])
+        try:
+            tasks = [asyncio.get_running_loop().create_task(
+                fs.spawn([marker, "sleep"], {}, tmp_path, tmp_path / f"{i}.out", tmp_path / f"{i}.err"))
+                for i in range(20)]
+            await asyncio.sleep(0.05)  # requests written, most pids not back yet
+            cancelled = sum(t.cancel() for t in tasks)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            p = await asyncio.wait_for(
+                fs.spawn([marker, "5"], {}, tmp_path, tmp_path / "last.out", tmp_path / "last.err"), 30)
+            code = await asyncio.wait_for(p.wait(), 30)
+            for t in tasks:  # the ones that did start are the caller's: stop them as the controller would
+                if not t.cancelled():
+                    os.killpg(t.result().pid, signal.SIGKILL)
+            return cancelled, code
+        finally:
+            await fs.aclose()
+
+    cancelled, code = run(main())
+    assert cancelled > 0 and code == 5  # the server still reports exits after the cancellations
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, marker)]
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, f"children of cancelled spawns still running: {left}"
+
+
+def _cmdline_has(pid: str, text: str) -> bool:
+    try:
+        return text in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
