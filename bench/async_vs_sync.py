@@ -31,7 +31,7 @@ def config(args: argparse.Namespace, mode: str) -> dict:
     return {
         "name": f"bench-{mode}", "mode": mode, "seed": args.seed,
         "model": {"path": str(args.model), "make": {"preset": "demo", "warm_start": args.agent,
-                                                     "seconds": 90, "seed": 0}},
+                                                     "seconds": 180, "seed": 0}},
         "tasks": str(agent_dir / "tasks.jsonl"),
         "agent": {"command": [sys.executable, str(agent_dir / "agent.py")], "env": env,
                   "python_preload": ["auto"], "timeout_s": 300, "retries": 1},
