@@ -149,8 +149,10 @@ class Run:
             self.step = int(extra.get("step", 0))
             self.trained_groups = set(extra.get("trained_groups", []))
             self.trained_samples = int(extra.get("trained_samples", 0))
-            self.recent_rewards = [r["rollout/reward_mean"] for r in self.metrics_rows()
-                                   if r["step"] <= self.step][-TARGET_WINDOW:]
+            rewards = [r.get("rollout/reward_mean") for r in metric_rows(self.run_dir)
+                       if r.get("step", 0) <= self.step]
+            self.recent_rewards = [x for x in rewards if isinstance(x, (int, float)) and math.isfinite(x)
+                                   ][-TARGET_WINDOW:]
             serve_dir = ckpt
             self.log(f"resuming from {ckpt.name}: step {self.step}, policy version {self.version}")
         else:
@@ -278,17 +280,6 @@ class Run:
                          f"reached the target {cfg.target_reward}")
                 break
 
-    def metrics_rows(self) -> list[dict[str, Any]]:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):  # a line cut off by a crash
-                rows.append(json.loads(line))
-        return [r for r in rows if isinstance(r.get("rollout/reward_mean"), (int, float))
-                and not math.isnan(r["rollout/reward_mean"])]
-
     def inflight_groups(self) -> int:
         return sum(1 for g in self.groups.values() if not g.done)
 
@@ -346,7 +337,7 @@ class Run:
             else:
                 self.log(f"group {g.group_id}: every rollout failed; see {self.run_dir / 'rollouts'}")
                 self.failed_groups += 1
-                if self.ok_rollouts == 0 and self.failed_groups >= FAIL_FAST_GROUPS:
+                if self.fatal is None and self.ok_rollouts == 0 and self.failed_groups >= FAIL_FAST_GROUPS:
                     self.fatal = agent_broken(self.failed_groups, [r for r in g.results if r is not None])
         self.refresh()
         self._wake.set()
@@ -519,6 +510,16 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False,
     return run_dir
 
 
+def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl rows (a last line cut off by a crash is left out)."""
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    return rows
+
+
 def agent_broken(n_groups: int, results: list[Any]) -> str:
     """The sentence that ends a run whose agent has not once finished: what its last attempt said."""
     last = results[-1] if results else None
@@ -547,8 +548,7 @@ def finish(run_dir: Path, store: Path | None = None) -> None:
         finally:
             con.close()
 
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line] \
-        if (run_dir / "metrics.jsonl").exists() else []
+    rows = metric_rows(run_dir)
     if rows:
         cols = sorted({k for r in rows for k in r if k != "sample_ids"},
                       key=lambda k: (k not in ("step", "version", "time_s"), k))
