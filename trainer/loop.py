@@ -273,10 +273,10 @@ class Run:
             self.ready.sort(key=lambda g: g.index)
             batch, self.ready = self.ready[:cfg.batch_groups], self.ready[cfg.batch_groups:]
             await self.update(batch)
-            window = self.recent_rewards[-TARGET_WINDOW:]
-            if cfg.target_reward is not None and len(window) == TARGET_WINDOW and \
-                    sum(window) / TARGET_WINDOW >= cfg.target_reward:
-                self.log(f"mean reward of the last {TARGET_WINDOW} steps {sum(window) / TARGET_WINDOW:.3f} "
+            mean = sum(self.recent_rewards) / TARGET_WINDOW  # recent_rewards holds at most that many
+            if cfg.target_reward is not None and len(self.recent_rewards) == TARGET_WINDOW and \
+                    mean >= cfg.target_reward:
+                self.log(f"mean reward of the last {TARGET_WINDOW} steps {mean:.3f} "
                          f"reached the target {cfg.target_reward}")
                 break
 
@@ -521,18 +521,12 @@ def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def agent_broken(n_groups: int, results: list[Any]) -> str:
-    """The sentence that ends a run whose agent has not once finished: what its last attempt said."""
+    """The sentence that ends a run whose agent has not once finished: its last attempt's error (the
+    controller's, which names the last line the agent wrote to stderr)."""
     last = results[-1] if results else None
-    said = ""
-    if last is not None:
-        with contextlib.suppress(OSError):
-            text = last.stderr_path.read_text(errors="replace")
-            lines = [x.strip() for x in text.splitlines() if x.strip()]
-            said = lines[-1] if lines else ""
-        said = said or last.error or f"status {last.status}, exit code {last.exit_code}"
-    where = f" ({last.stderr_path})" if last is not None else ""
-    return (f"the agent failed in every rollout of the first {n_groups} groups, so it does not run "
-            f"here; its last error: {said[:300]}{where}")
+    said = "" if last is None else \
+        f"; its last attempt: {last.error or f'status {last.status}'} ({last.stderr_path})"
+    return f"the agent failed in every rollout of the first {n_groups} groups, so it does not run here{said}"
 
 
 def finish(run_dir: Path, store: Path | None = None) -> None:
