@@ -290,6 +290,7 @@ class Engine:
     def start(cls, cfg: EngineConfig) -> Engine:
         """Start vLLM for ``cfg`` and wait until it serves (raises ModelError / EngineError, one sentence)."""
         info = check_model_dir(cfg.model)
+        info.check_context(cfg.max_model_len)
         if importlib.util.find_spec("vllm") is None:
             raise EngineError(f"vLLM is not installed for {sys.executable}: install lgt[engine] (CPU build) "
                               "or lgt[gpu]")

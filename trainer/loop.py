@@ -203,15 +203,15 @@ class Run:
         from . import models, tiny
 
         m = self.cfg.model
-        if m.make is not None and tiny.read_marker(m.path) is None:
-            self.log(f"building the model {m.path} (preset {m.make.preset}, warm start "
-                     f"{m.make.warm_start or 'none'}, ~{m.make.seconds:.0f} s) ...")
+        if m.make is not None:  # reuses the model when it was made with the same settings
+            made = tiny.is_made(m.path, preset=m.make.preset, warm_start_task=m.make.warm_start,
+                                seconds=m.make.seconds, seed=m.make.seed)
+            if not made:
+                self.log(f"building the model {m.path} (preset {m.make.preset}, warm start "
+                         f"{m.make.warm_start or 'none'}, ~{m.make.seconds:.0f} s) ...")
             tiny.make_model(m.path, preset=m.make.preset, warm_start_task=m.make.warm_start,
-                            seconds=m.make.seconds, seed=m.make.seed)
-        elif m.make is not None:  # reuses the model when it was made with the same settings
-            tiny.make_model(m.path, preset=m.make.preset, warm_start_task=m.make.warm_start,
-                            seconds=m.make.seconds, seed=m.make.seed, progress=False)
-        models.check_model_dir(m.path, need_chat_template=True)
+                            seconds=m.make.seconds, seed=m.make.seed, progress=not made)
+        models.check_model_dir(m.path, need_chat_template=True).check_context(self.cfg.engine.max_model_len)
         return m.path
 
     def backend_config(self) -> Any:

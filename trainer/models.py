@@ -39,6 +39,15 @@ class ModelInfo:
     has_chat_template: bool
     eos_token_id: int | None
     eos_token_ids: tuple[int, ...] = ()
+    rope_scaled: bool = False  # RoPE scaling (YaRN, linear...) stretches the trained positions
+
+    def check_context(self, max_model_len: int | None) -> None:
+        """ModelError when ``max_model_len`` reaches past the positions the model has: vLLM's CPU build
+        reads past its RoPE cache there (garbage logits, then NaN logprobs it cannot answer with)."""
+        limit = self.max_position_embeddings
+        if max_model_len is not None and limit is not None and not self.rope_scaled and max_model_len > limit:
+            raise ModelError(f"max_model_len {max_model_len} exceeds {self.path}'s max_position_embeddings "
+                             f"{limit}: positions past it are not computed correctly; lower max_model_len")
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -123,6 +132,8 @@ def check_model_dir(path: str | Path, *, need_chat_template: bool = False) -> Mo
         raise ModelError(f"{path}/config.json has no positive vocab_size: the model's config is incomplete")
     max_pos = text.get("max_position_embeddings", config.get("max_position_embeddings"))
     tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
 
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ModelError(f"{path} has no tokenizer: lgt needs tokenizer.json (or vocab/merges files) next "
@@ -141,4 +152,5 @@ def check_model_dir(path: str | Path, *, need_chat_template: bool = False) -> Mo
     return ModelInfo(path=path, architecture=architecture, model_type=model_type, vocab_size=vocab_size,
                      max_position_embeddings=max_pos if isinstance(max_pos, int) else None,
                      tie_word_embeddings=bool(tie), has_chat_template=has_template,
-                     eos_token_id=eos[0] if eos else None, eos_token_ids=eos)
+                     eos_token_id=eos[0] if eos else None, eos_token_ids=eos,
+                     rope_scaled=rope_type not in ("default", None))

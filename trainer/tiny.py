@@ -37,7 +37,7 @@ ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 MARKER = "lgt-model.json"  # written last by make_model: its presence means the directory is finished
-MARKER_VERSION = 1
+MARKER_VERSION = 2  # 2: max_position_embeddings 32768 (was 1024)
 TASKS = ("arith", "calc", "both")
 
 CALC_TOOL: dict[str, Any] = {
@@ -101,7 +101,12 @@ PRESETS: dict[str, dict[str, int]] = {
     "10m": dict(hidden_size=384, intermediate_size=1152, num_hidden_layers=6, num_attention_heads=6,
                 num_key_value_heads=2),
 }
-MAX_POSITIONS = 1024
+# RoPE needs no weights per position, so a wide range costs nothing; and it must cover every position
+# an agent can reach. vLLM's CPU build reads past its RoPE cache beyond max_position_embeddings: from
+# there its logits are garbage (11 nats off transformers on the demo model) and then NaN, so a logprob
+# the server cannot write as JSON (400 "Out of range float values"). Agent frameworks send prompts of
+# several thousand tokens; 1024 was too short.
+MAX_POSITIONS = 32768
 
 
 class TinyModelError(ValueError):
@@ -698,6 +703,14 @@ def read_marker(model_dir: str | Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def is_made(out_dir: str | Path, *, preset: str, warm_start_task: str | None, seconds: float,
+            seed: int) -> bool:
+    """``out_dir`` holds a finished model made by this lgt with these settings."""
+    spec = _spec(preset, warm_start_task, seconds, seed)
+    marker = read_marker(out_dir)
+    return marker is not None and {k: marker.get(k) for k in spec} == spec
+
+
 def make_model(out_dir: str | Path, *, preset: str = "demo", warm_start_task: str | None = None,
                seconds: float = 90.0, seed: int = 0, progress: bool = True) -> Path:
     """Tokenizer + model (+ warm start) in ``out_dir``; returns it.
@@ -712,10 +725,10 @@ def make_model(out_dir: str | Path, *, preset: str = "demo", warm_start_task: st
     if warm_start_task is not None and warm_start_task not in TASKS:
         raise TinyModelError(f"warm_start_task {warm_start_task!r} is not one of {', '.join(TASKS)} or None")
     out = Path(out_dir)
+    if is_made(out, preset=preset, warm_start_task=warm_start_task, seconds=seconds, seed=seed):
+        return out
     spec = _spec(preset, warm_start_task, seconds, seed)
     marker = read_marker(out)
-    if marker is not None and {k: marker.get(k) for k in spec} == spec:
-        return out
     if out.exists() and (not out.is_dir() or (marker is None and any(out.iterdir()))):
         raise TinyModelError(f"{out} already exists and is not a model made by lgt: choose another directory")
     out.parent.mkdir(parents=True, exist_ok=True)

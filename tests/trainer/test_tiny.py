@@ -69,6 +69,17 @@ def test_check_model_dir_good(tmp_path: Path) -> None:
                              has_chat_template=True, eos_token_id=2, eos_token_ids=(2,))
 
 
+def test_max_model_len_past_the_models_positions_is_refused(tmp_path: Path) -> None:
+    info = check_model_dir(write_model_dir(tmp_path / "m"))
+    info.check_context(1024)
+    info.check_context(None)
+    with pytest.raises(ModelError, match=r"^max_model_len 4096 exceeds .*'s max_position_embeddings 1024: "
+                                         r"positions past it are not computed correctly; lower max_model_len$"):
+        info.check_context(4096)
+    scaled = {**QWEN_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    check_model_dir(write_model_dir(tmp_path / "y", config=scaled)).check_context(4096)  # scaled: allowed
+
+
 def test_check_model_dir_template_file_and_generation_config_eos(tmp_path: Path) -> None:
     """transformers >= 4.47 keeps the template in chat_template.jinja; eos may live in generation_config."""
     config = {k: v for k, v in QWEN_CONFIG.items() if k != "eos_token_id"}
@@ -284,7 +295,7 @@ def test_build_model_presets(tmp_path: Path, tokenizer_dir: Path, preset: str, l
     config = json.loads((d / "config.json").read_text())
     assert config["hidden_size"] // config["num_attention_heads"] == 64  # vLLM's CPU attention needs 64
     assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is True
-    assert config["max_position_embeddings"] == 1024
+    assert config["max_position_embeddings"] == 32768  # what agent frameworks send fits
     assert low <= count_parameters(d) <= high
     gen = json.loads((d / "generation_config.json").read_text())
     tok = load_tokenizer(d)
