@@ -26,6 +26,9 @@ from mitmproxy import http
 from mitmproxy.proxy.mode_specs import ReverseMode
 
 from lgt.store.schema import (
+    EGRESS_HTTP,
+    EGRESS_TCP,
+    EGRESS_TLS_FAILED,
     STATUS_CLIENT_DISCONNECT,
     STATUS_HTTP_ERROR,
     STATUS_OK,
@@ -37,6 +40,7 @@ from lgt.store.writer import TableWriter
 from . import wire
 from .auth import AuthError, Identity, parse_basic, verify
 from .gate import Gate, Metrics, Rejected
+from .resend import Resender
 
 log = logging.getLogger("lgt.proxy")
 
@@ -56,11 +60,13 @@ class Runtime:
     writer: TableWriter
     gate: Gate
     rewards: TableWriter | None = None
+    egress_log: TableWriter | None = None  # the egress table: non-LLM traffic, allowed or blocked
     metrics: Metrics = field(default_factory=Metrics)
     upstream: str | None = None  # base URL, e.g. http://127.0.0.1:8000/v1
     served_model: str | None = None
     upstream_api_key: str | None = None
     capture_tokens: bool = False
+    resender: Resender = field(default_factory=Resender)  # asks the upstream again (see Record)
     egress: str = "allow"  # allow | allowlist | deny
     allow_hosts: tuple[str, ...] = ()
     max_body_bytes: int = 32 << 20
@@ -68,6 +74,8 @@ class Runtime:
     seqs: dict[tuple[str, int], int] = field(default_factory=dict)
     # the latest whole-rollout reward per (rollout, attempt) recorded since start, for GET /rewards
     recent_rewards: dict[tuple[str, int], float] = field(default_factory=dict)
+    # who opened each authenticated CONNECT tunnel (client connection -> identity)
+    tunnels: weakref.WeakKeyDictionary[Any, Identity] = field(default_factory=weakref.WeakKeyDictionary)
 
     def add_reward(self, identity: Identity, body: Any, source: str) -> dict[str, Any]:
         """Validate and durably record one reward; ValueError (one sentence) for bad input."""
@@ -121,7 +129,7 @@ def _now_us() -> int:
 class Identify:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self.tunnels: weakref.WeakKeyDictionary[Any, Identity] = weakref.WeakKeyDictionary()
+        self.tunnels = rt.tunnels
 
     def _from_header(self, value: str | None) -> Identity:
         if not value:
@@ -288,6 +296,8 @@ class Call:
     request_json: str
     injected: wire.Injected
     capture: wire.Capture
+    request: dict[str, Any] = field(default_factory=dict)  # the agent's parsed request
+    capture_reason: str | None = None  # set when the upstream refused what the proxy injected
     upstream: str | None = None
     served_model: str | None = None
     t0: float = field(default_factory=time.monotonic)
@@ -310,6 +320,33 @@ def _error_text(content: bytes | None, limit: int = 2000) -> str:
     except ValueError:
         pass
     return content[:limit].decode("utf-8", "replace")
+
+
+# Upstream answers that a field the proxy injected may have caused (vLLM: 400 for a request it
+# cannot serve, e.g. a NaN logprob it cannot write as JSON; 422 validation; 500 a failure inside).
+# 401/403/404/429/503 and the like have other causes: they reach the agent at once.
+INJECTION_SUSPECT = frozenset({400, 422, 500})
+
+# Why a successful call's capture is not full (the calls table's capture_reason).
+REJECTED_LOGPROBS = "upstream_rejected_logprobs"  # refused with logprobs, answered without them
+REJECTED_TOKEN_IDS = "upstream_rejected_token_ids"  # refused with token ids too
+NONFINITE_LOGPROBS = "nonfinite_logprobs"  # a logprob was NaN, infinite or vLLM's -9999 floor
+MISSING_LOGPROBS = "missing_logprobs"  # token ids came back, logprobs did not (or not one per token)
+MISSING_TOKEN_IDS = "missing_token_ids"  # asked for token ids, none came back (not vLLM?)
+NOT_REQUESTED = "not_requested"  # capture is off (observe-only): not a degradation
+
+
+def why_not_full(call: Call, level: str, first: wire.ChoiceCapture | None) -> str | None:
+    """Why an ok call's capture is ``level`` rather than full (None when it is full)."""
+    if level == wire.CAPTURE_FULL:
+        return None
+    if call.capture_reason is not None:
+        return call.capture_reason
+    if level == wire.CAPTURE_NO_TOKENS:
+        return MISSING_TOKEN_IDS if call.injected.token_ids else NOT_REQUESTED
+    if first is not None and first.nonfinite:
+        return NONFINITE_LOGPROBS
+    return MISSING_LOGPROBS if call.injected.logprobs else NOT_REQUESTED
 
 
 class Record:
@@ -396,6 +433,7 @@ class Record:
             request_json=body.decode("utf-8", "replace"),
             injected=injected,
             capture=wire.Capture(endpoint),
+            request=req,
         )
         flow.metadata[CALL] = call
         if self.upstream is not None:
@@ -416,14 +454,18 @@ class Record:
             call.stream = StreamRewriter(self, flow, call)
             flow.response.stream = call.stream
 
-    def response(self, flow: http.HTTPFlow) -> None:
+    async def response(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(CALL)
         if call is None or call.recorded or flow.response is None:
             return
-        resp = flow.response
         if call.stream is not None:
             self.finish_stream(flow, call)
             return
+        if flow.response.status_code in INJECTION_SUSPECT and call.injected.captures:
+            await self._ask_again(flow, call)
+            if call.recorded:  # the new answer was a stream, recorded as it was read
+                return
+        resp = flow.response
         if not 200 <= resp.status_code < 300:
             self._record(call, STATUS_HTTP_ERROR, resp.status_code, _error_text(resp.raw_content),
                          response_json=None)
@@ -444,6 +486,48 @@ class Record:
         if not ok:  # never hand the agent a response the store does not have
             flow.response = _json_response(503, "lgt-proxy: the call could not be recorded",
                                            "server_error")
+
+    async def _ask_again(self, flow: http.HTTPFlow, call: Call) -> None:
+        """The upstream refused a call carrying injected capture fields: ask again without the
+        logprobs, then also without the token ids, until it answers 2xx or nothing injected is
+        left; the agent gets that answer — the one it would have had without the proxy."""
+        rt = self.rt
+        for drop, reason in (("logprobs", REJECTED_LOGPROBS), ("token_ids", REJECTED_TOKEN_IDS)):
+            if not getattr(call.injected, drop):
+                continue
+            first_error = _error_text(flow.response.raw_content, 300)
+            body, injected = wire.prepare_request(
+                call.endpoint, call.request, served_model=call.served_model,
+                capture_tokens=call.injected.token_ids and drop != "token_ids", capture_logprobs=False)
+            try:
+                answer = await rt.resender.send(flow.request, wire.dumps(body))
+            except Exception as e:  # the upstream went away: the agent keeps the first answer
+                log.warning("call %s: asking the upstream again without %s failed: %s",
+                            call.call_id, drop, e)
+                return
+            log.info("call %s of rollout %s: the upstream answered %d with injected %s (%s); "
+                     "asked again without: %d", call.call_id, call.identity.name,
+                     flow.response.status_code, drop, first_error, answer.status_code)
+            flow.request.content = wire.dumps(body)
+            flow.response, call.injected = answer, injected
+            if 200 <= answer.status_code < 300:
+                call.capture_reason = reason
+                if answer.headers.get("content-type", "").startswith("text/event-stream"):
+                    self._replay_stream(flow, call)
+                return
+            if answer.status_code not in INJECTION_SUSPECT:
+                return
+
+    def _replay_stream(self, flow: http.HTTPFlow, call: Call) -> None:
+        """A whole SSE body read by ``_ask_again``: captured, stripped and recorded as if streamed;
+        the agent gets it in one piece."""
+        assert flow.response is not None
+        call.stream = StreamRewriter(self, flow, call)
+        out = call.stream(flow.response.get_content(strict=False) or b"") + call.stream(b"")
+        flow.response.headers.pop("content-encoding", None)
+        flow.response.content = b"".join(out)
+        if not call.recorded:
+            self.finish_stream(flow, call)
 
     def finish_stream(self, flow: http.HTTPFlow, call: Call) -> bool:
         """Record a streamed call (at [DONE], or when the stream ends); False if recording failed."""
@@ -502,6 +586,10 @@ class Record:
         ] or None
         usage = cap.usage_dict() or {}
         first_byte = call.first_chunk_us or call.first_byte_us
+        level = wire.capture_level(cap.prompt_token_ids, token_ids, logprobs)
+        reason = why_not_full(call, level, first) if status == STATUS_OK else None
+        if reason is not None and reason != NOT_REQUESTED:
+            rt.metrics.degraded(reason)
         row = {
             "call_id": call.call_id,
             "rollout_id": call.identity.rollout_id,
@@ -524,6 +612,8 @@ class Record:
             "prompt_token_ids": cap.prompt_token_ids,
             "response_token_ids": token_ids,
             "response_logprobs": logprobs,
+            "capture": level,
+            "capture_reason": reason,
             "extra_choices": extra,
             "finish_reason": first.finish_reason if first else None,
             "status": status,
@@ -547,8 +637,27 @@ class Record:
         return True
 
 
+SECRET_QUERY = re.compile(r"(?i)(key|token|secret|passw|sig|auth|credential|session|code)")
+EGRESS = "lgt.egress"
+
+
+def redact_path(path: str) -> str:
+    """``path`` with the values of secret-looking query parameters replaced by ``***``."""
+    base, sep, query = path.partition("?")
+    if not sep:
+        return path
+    parts = []
+    for item in query.split("&"):
+        name, eq, _ = item.partition("=")
+        parts.append(f"{name}=***" if eq and SECRET_QUERY.search(name) else item)
+    return f"{base}?{'&'.join(parts)}"
+
+
 class Egress:
-    """Policy for traffic that is not a recognised LLM call."""
+    """Everything an identified agent reaches through the proxy that is not an LLM call (nor a
+    reward report): allowed or blocked by the policy (allow, an allowlist of hosts, or deny), and
+    each one a row of the store's ``egress`` table — HTTP requests (plain, or inside a tunnel the
+    proxy intercepted), other TCP connections, and tunnels whose TLS the agent refused."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
@@ -562,21 +671,97 @@ class Egress:
             return False
         return any(host == h or (h.startswith(".") and host.endswith(h)) for h in self.rt.allow_hosts)
 
+    def _blocked(self, identity: Identity, what: str) -> None:
+        self.rt.metrics.blocked_egress += 1
+        log.info("egress blocked for rollout %s: %s (egress policy %s)", identity.name, what,
+                 self.rt.egress)
+
+    def _write(self, identity: Identity, started_us: int, kind: str, host: str, port: int | None,
+               allowed: bool, **cols: Any) -> None:
+        if self.rt.egress_log is None:
+            return
+        row = {"egress_id": uuid.uuid4().hex, "rollout_id": identity.rollout_id,
+               "attempt": identity.attempt, "started_at": started_us, "ended_at": _now_us(),
+               "kind": kind, "host": host, "port": port, "allowed": allowed,
+               "policy": self.rt.egress, "proxy_session": self.rt.writer.session, **cols}
+        try:
+            self.rt.egress_log.append(row)
+        except Exception:  # the agent's traffic goes on; the failure is counted and logged
+            self.rt.metrics.record_failures += 1
+            log.exception("could not record egress to %s for rollout %s", host, identity.name)
+
+    # -- HTTP ------------------------------------------------------------------------------------
     def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None or IDENT not in flow.metadata:
+        identity = flow.metadata.get(IDENT)
+        if flow.response is not None or identity is None:
             return
         if CALL in flow.metadata or flow.metadata.get(ROUTED):
             return
         host = flow.request.pretty_host
-        if not self.allowed(host):
-            self.rt.metrics.blocked_egress += 1
+        allowed = self.allowed(host)
+        flow.metadata[EGRESS] = (_now_us(), allowed)
+        if not allowed:
+            self._blocked(identity, f"{flow.request.method} {flow.request.scheme}://{host}"
+                                    f"{redact_path(flow.request.path)}")
             flow.response = http.Response.make(
                 403, f"lgt-proxy: egress to {host} is blocked by the proxy's egress policy "
                      f"({self.rt.egress})\n", {"content-type": "text/plain"},
             )
 
+    def _http_row(self, flow: http.HTTPFlow, error: str | None) -> None:
+        mark = flow.metadata.pop(EGRESS, None)
+        if mark is None:
+            return
+        req, resp = flow.request, flow.response
+        self._write(flow.metadata[IDENT], mark[0], EGRESS_HTTP, req.pretty_host, req.port, mark[1],
+                    scheme=req.scheme, method=req.method, path=redact_path(req.path),
+                    status=resp.status_code if resp is not None else None,
+                    request_bytes=len(req.raw_content or b""),
+                    response_bytes=len(resp.raw_content or b"") if resp is not None else None,
+                    error=error)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._http_row(flow, None)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._http_row(flow, flow.error.msg if flow.error else "unknown error")
+
+    # -- other TCP, refused TLS ------------------------------------------------------------------
     def tcp_start(self, flow: Any) -> None:
-        host = flow.server_conn.address[0] if flow.server_conn.address else ""
-        if not self.allowed(host):
-            self.rt.metrics.blocked_egress += 1
+        host, port = flow.server_conn.address or ("", None)
+        identity = self.rt.tunnels.get(flow.client_conn)
+        allowed = self.allowed(host)
+        if identity is not None:
+            flow.metadata[EGRESS] = (_now_us(), allowed)
+            if not allowed:
+                self._blocked(identity, f"TCP {host}:{port}")
+        if not allowed:
+            if identity is None:
+                self.rt.metrics.blocked_egress += 1
             flow.kill()
+
+    def _tcp_row(self, flow: Any) -> None:
+        mark = flow.metadata.pop(EGRESS, None)
+        identity = self.rt.tunnels.get(flow.client_conn)
+        if mark is None or identity is None:
+            return
+        host, port = flow.server_conn.address or ("", None)
+        sent = sum(len(m.content) for m in flow.messages if m.from_client)
+        got = sum(len(m.content) for m in flow.messages if not m.from_client)
+        self._write(identity, mark[0], EGRESS_TCP, host, port, mark[1], request_bytes=sent,
+                    response_bytes=got, error=flow.error.msg if flow.error else None)
+
+    def tcp_end(self, flow: Any) -> None:
+        self._tcp_row(flow)
+
+    def tcp_error(self, flow: Any) -> None:
+        self._tcp_row(flow)
+
+    def tls_failed_client(self, data: Any) -> None:
+        identity = self.rt.tunnels.get(data.context.client)
+        if identity is None:
+            return
+        host, port = data.context.server.address or ("", None)
+        host = data.context.client.sni or host
+        self._write(identity, _now_us(), EGRESS_TLS_FAILED, host, port, self.allowed(host),
+                    error=data.conn.error or "the agent refused the proxy's TLS certificate")

@@ -9,7 +9,8 @@
                                            record a reward (an evaluator's; agents use lgt.invalid)
     GET  /rewards?rollout_id=r1&attempt=0  {"value": 1.0 | null}: the latest whole-rollout reward
                                            recorded since this proxy started (no store query)
-    POST /flush                            make every recorded call and reward visible as Parquet
+    POST /flush                            make every recorded call, reward and egress row visible
+                                           as Parquet
     GET  /healthz                          no token needed
 """
 
@@ -61,6 +62,7 @@ def state(rt: Runtime) -> dict[str, Any]:
         "blocked_egress": rt.metrics.blocked_egress,
         "auth_failures": rt.metrics.auth_failures,
         "record_failures": rt.metrics.record_failures,
+        "degraded_captures": dict(rt.metrics.degraded_captures),
         "rows_written": rt.writer.rows_written,
         "upstream": rt.upstream,
         "served_model": rt.served_model,
@@ -107,9 +109,9 @@ def make_app(rt: Runtime, token: str) -> web.Application:
                             headers={"X-Content-Type": "text/plain; version=0.0.4"})
 
     async def flush(request: web.Request) -> web.Response:
-        await asyncio.to_thread(rt.writer.flush)
-        if rt.rewards is not None:
-            await asyncio.to_thread(rt.rewards.flush)
+        for w in (rt.writer, rt.rewards, rt.egress_log):
+            if w is not None:
+                await asyncio.to_thread(w.flush)
         return web.json_response({"rows_written": rt.writer.rows_written})
 
     async def rewards(request: web.Request) -> web.Response:

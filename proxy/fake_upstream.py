@@ -41,7 +41,12 @@ names: `strict_model=True`). With chunk_delay_s=0 a stream's events leave in one
 set a delay to see them arrive one by one. Not modelled: echo, prompt_logprobs,
 continuous_usage_stats, reasoning, beam search.
 Magic strings in the last user message (or the completions prompt) inject faults:
-`__status:NNN__`, `__sleep:S__`, `__broken_sse__`, `__drop__`, `__long:N__`.
+`__status:NNN__`, `__sleep:S__`, `__broken_sse__`, `__drop__`, `__long:N__`, and two that act only
+on what the request asks for: `__nan_logprob__` makes the second token's logprob NaN, as vLLM's CPU
+build gives past a model's max_position_embeddings (a whole body then cannot be written as JSON:
+400 "Out of range float values are not JSON compliant"; a stream sends that logprob as `null`, as
+pydantic writes NaN), and `__reject_token_ids__` answers 400 to a request with `return_token_ids`
+(an upstream that does not know the field).
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ from aiohttp import web
 
 VLLM_VERSION = "0.32.0"
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-_MAGIC = re.compile(r"__(status|sleep|long):([0-9.]+)__|__(broken_sse|drop)__")
+_MAGIC = re.compile(r"__(status|sleep|long):([0-9.]+)__|__(broken_sse|drop|nan_logprob|reject_token_ids)__")
+NAN_POSITION = 1  # the token whose logprob __nan_logprob__ makes NaN
 Json = dict[str, Any]
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -176,6 +182,8 @@ class Faults:
     long: int | None = None
     broken_sse: bool = False
     drop: bool = False
+    nan_logprob: bool = False
+    reject_token_ids: bool = False
 
 
 def parse_faults(text: str) -> Faults:
@@ -183,7 +191,7 @@ def parse_faults(text: str) -> Faults:
     status, long = found.get("status"), found.get("long")
     return Faults(None if status is None else int(float(status)), float(found.get("sleep", 0)),
                   None if long is None else int(float(long)), "broken_sse" in found,
-                  "drop" in found)
+                  "drop" in found, "nan_logprob" in found, "reject_token_ids" in found)
 
 
 @dataclass
@@ -332,6 +340,13 @@ def _begin(request: web.Request, required: str, prefix: str,
     if (code := faults.status) is not None:
         return _json(error_body(f"Injected failure (HTTP {code}).",
                                 _ERROR_TYPES.get(code, "Error"), code), code)
+    if faults.reject_token_ids and body.get("return_token_ids"):
+        return _invalid({"type": "extra_forbidden", "loc": "body.return_token_ids",
+                         "msg": "Extra inputs are not permitted", "input": True}, "return_token_ids")
+    wants_logprobs = bool(body.get("logprobs")) if required == "messages" else body.get("logprobs") is not None
+    if faults.nan_logprob and wants_logprobs and not body.get("stream"):
+        return _json(error_body("Out of range float values are not JSON compliant", "BadRequestError",
+                                400), 400)
     rid = f"{prefix}-{request.headers.get('X-Request-Id') or os.urandom(8).hex()}"
     return _Call(request, body, model, rid, int(time.time()), cfg["fingerprint"], faults,
                  bool(body.get("return_token_ids")), bool(body.get("return_tokens_as_token_ids")),
@@ -458,6 +473,8 @@ def _chat_events(call: _Call, seqs: list[Seq], finish: list[str], prompt: str,
         for s in (s for s in seqs if t < len(s.token_ids)):  # n choices interleave per step
             last = t == len(s.token_ids) - 1
             lp = None if k is None else chat_logprobs(s.token_ids[t:t + 1], t, k, call.as_ids)
+            if lp is not None and call.faults.nan_logprob and t == NAN_POSITION:
+                lp["content"][0]["logprob"] = None  # NaN, as pydantic writes it
             delta = _tool_delta(s, t, sent) if s.tool else {"content": s.deltas[t]}
             if delta is None:
                 if not (last or lp or call.token_ids):
@@ -528,6 +545,8 @@ def _completion_events(call: _Call, runs: list[tuple[list[int], Seq]],
             if k is not None:
                 lp = completion_logprobs(s.token_ids[t:t + 1], t, k, offsets[r], call.as_ids)
                 offsets[r] += len(lp["tokens"][0])
+                if call.faults.nan_logprob and t == NAN_POSITION:
+                    lp["token_logprobs"][0] = None  # NaN, as pydantic writes it
             chunk: Json = {**base, "choices": [{
                 "index": s.index, "text": s.deltas[t], "logprobs": lp,
                 "finish_reason": s.finish_reason if last else None,

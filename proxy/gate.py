@@ -122,10 +122,14 @@ class Metrics:
     blocked_egress: int = 0
     auth_failures: int = 0
     record_failures: int = 0
+    degraded_captures: dict[str, int] = field(default_factory=dict)  # ok calls, by capture_reason
     started: float = field(default_factory=time.time)
 
     def count(self, status: str) -> None:
         self.calls[status] = self.calls.get(status, 0) + 1
+
+    def degraded(self, reason: str) -> None:
+        self.degraded_captures[reason] = self.degraded_captures.get(reason, 0) + 1
 
     def prometheus(self, gate: Gate, rows_written: int) -> str:
         lines = [
@@ -134,6 +138,13 @@ class Metrics:
         ]
         for status, n in sorted(self.calls.items()):
             lines.append(f'lgt_proxy_calls_total{{status="{status}"}} {n}')
+        lines += [
+            "# HELP lgt_proxy_degraded_captures_total Successful calls recorded without full token "
+            "capture, by reason.",
+            "# TYPE lgt_proxy_degraded_captures_total counter",
+        ]
+        for reason, n in sorted(self.degraded_captures.items()):
+            lines.append(f'lgt_proxy_degraded_captures_total{{reason="{reason}"}} {n}')
         errors = sum(n for s, n in self.calls.items() if s != "ok")
         for name, kind, help_, value in (
             ("lgt_proxy_errors_total", "counter", "Recorded calls whose status is not ok.", errors),

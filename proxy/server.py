@@ -19,6 +19,7 @@ from . import auth
 from .addons import Egress, Identify, Record, Rewards, Runtime
 from .control import make_app
 from .gate import HOLD, REJECT, Gate
+from .resend import Resender
 
 log = logging.getLogger("lgt.proxy")
 
@@ -178,11 +179,16 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
     writer = TableWriter(store, "calls", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync).open()
     rewards = TableWriter(store, "rewards", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync,
                           session=writer.session).open()
+    egress_log = TableWriter(store, "egress", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync,
+                             session=writer.session).open()
+    writers = (writer, rewards, egress_log)
     capture = cfg.capture_tokens == "on" or (cfg.capture_tokens == "auto" and cfg.upstream is not None)
     rt = Runtime(
         secret=secret,
         writer=writer,
         rewards=rewards,
+        egress_log=egress_log,
+        resender=Resender(ca_bundle=_upstream_ca_bundle(cfg), insecure=cfg.upstream_insecure),
         gate=Gate(cfg.pause_mode, cfg.policy_version),
         upstream=cfg.upstream.rstrip("/") if cfg.upstream else None,
         served_model=cfg.served_model,
@@ -208,9 +214,8 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         connection_strategy="lazy",  # never contact the host an agent aimed at before routing
         ssl_insecure=cfg.upstream_insecure,
     )
-    bundle = _upstream_ca_bundle(cfg)
-    if bundle:
-        opts.update(ssl_verify_upstream_trusted_ca=bundle)
+    if rt.resender.ca_bundle:
+        opts.update(ssl_verify_upstream_trusted_ca=rt.resender.ca_bundle)
 
     runner = web.AppRunner(make_app(rt, ctl_token), access_log=None)
     await runner.setup()
@@ -218,8 +223,8 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
     try:
         await site.start()
     except OSError as e:
-        writer.close()
-        rewards.close()
+        for w in writers:
+            w.close()
         raise ConfigError(f"cannot listen on control port {cfg.control_host}:{cfg.control_port}: "
                           f"{e.strerror}") from None
 
@@ -243,8 +248,9 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
             master.shutdown()
             await asyncio.gather(run, return_exceptions=True)
         await runner.cleanup()
-        writer.close()
-        rewards.close()
+        await rt.resender.close()
+        for w in writers:
+            w.close()
 
 
 async def _wait_listening(master, run: asyncio.Task) -> None:

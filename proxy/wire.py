@@ -19,6 +19,7 @@ so stripping sets a present key back to ``null``; it never deletes or adds a key
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,21 +88,33 @@ class Injected:
     logprobs: bool = False
     model: str | None = None  # the agent's model name, when the proxy rewrote it
 
+    @property
+    def captures(self) -> bool:
+        """The proxy asked for token ids or logprobs the agent did not ask for."""
+        return self.token_ids or self.logprobs
+
 
 def prepare_request(
-    endpoint: str, req: dict[str, Any], *, served_model: str | None, capture_tokens: bool
+    endpoint: str, req: dict[str, Any], *, served_model: str | None, capture_tokens: bool,
+    capture_logprobs: bool | None = None,
 ) -> tuple[dict[str, Any], Injected]:
-    """The request to send upstream and what was injected into it (``req`` is not modified)."""
+    """The request to send upstream and what was injected into it (``req`` is not modified).
+
+    ``capture_tokens`` asks for token ids, ``capture_logprobs`` (default: the same) for the sampled
+    tokens' logprobs; a retry without one of them prepares the agent's request again with it off.
+    """
     out = dict(req)
     model = None
     if served_model is not None and req.get("model") != served_model:
         model = req.get("model")
         out["model"] = served_model
     token_ids = logprobs = False
-    if capture_tokens:
-        if not req.get("return_token_ids"):
-            out["return_token_ids"] = True
-            token_ids = True
+    if capture_logprobs is None:
+        capture_logprobs = capture_tokens
+    if capture_tokens and not req.get("return_token_ids"):
+        out["return_token_ids"] = True
+        token_ids = True
+    if capture_logprobs:
         if endpoint == CHAT:
             if not req.get("logprobs"):
                 out["logprobs"] = True
@@ -173,6 +186,40 @@ def _str(v: Any) -> str | None:
 
 
 # -- capture ------------------------------------------------------------------------------------
+LOGPROB_FLOOR = -9999.0  # vLLM clamps a sampled token's logprob to this; reaching it means -inf
+
+
+def _nonfinite(v: Any) -> bool:
+    """A logprob value that says nothing true: NaN, infinite, or vLLM's floor for -inf (a JSON
+    ``null`` is how pydantic writes NaN/inf in a stream chunk)."""
+    if v is None:
+        return True
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and not (math.isfinite(v) and v > LOGPROB_FLOOR))
+
+
+def _logprob(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or _nonfinite(v):
+        return None
+    return float(v)
+
+
+# How complete a call's capture is (the calls table's ``capture``), and why not full.
+CAPTURE_FULL = "full"  # prompt and generated token ids, one finite logprob per generated token
+CAPTURE_NO_LOGPROBS = "no_logprobs"  # token ids without (usable) logprobs
+CAPTURE_NO_TOKENS = "no_tokens"  # no token ids
+CAPTURES = (CAPTURE_FULL, CAPTURE_NO_LOGPROBS, CAPTURE_NO_TOKENS)
+
+
+def capture_level(prompt_ids: list[int] | None, token_ids: list[int] | None,
+                  logprobs: list[float | None] | None) -> str:
+    if prompt_ids is None or token_ids is None:
+        return CAPTURE_NO_TOKENS
+    if logprobs is None or len(logprobs) != len(token_ids) or None in logprobs:
+        return CAPTURE_NO_LOGPROBS
+    return CAPTURE_FULL
+
+
 @dataclass
 class ChoiceCapture:
     index: int
@@ -183,6 +230,7 @@ class ChoiceCapture:
     role: str | None = None
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # other message fields, e.g. reasoning
+    nonfinite: int = 0  # logprobs that were NaN, infinite, or vLLM's -9999 floor (kept as None)
 
     def add_ids(self, ids: Any) -> None:
         ids = _ids(ids)
@@ -199,10 +247,8 @@ class ChoiceCapture:
             values = [e.get("logprob") if isinstance(e, dict) else None for e in entries]
         else:
             values = entries
-        self.logprobs = (self.logprobs or []) + [
-            float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-            for v in values
-        ]
+        self.logprobs = (self.logprobs or []) + [_logprob(v) for v in values]
+        self.nonfinite += sum(_nonfinite(v) for v in values)
 
 
 @dataclass

@@ -53,8 +53,15 @@ def _add_rollouts_and_rewards(root: Path) -> None:
         (root / table).mkdir(exist_ok=True)
 
 
+def _add_capture_and_egress(root: Path) -> None:
+    # Schema 3 adds the calls columns capture and capture_reason (older files read them as null: the
+    # views use union_by_name) and the egress table.
+    (root / "egress").mkdir(exist_ok=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "add the rollouts and rewards tables", _add_rollouts_and_rewards),
+    Migration(3, "add calls.capture, calls.capture_reason and the egress table", _add_capture_and_egress),
 )
 assert [m.version for m in MIGRATIONS] == list(range(2, SCHEMA_VERSION + 1)), "one migration a version"
 

@@ -1,8 +1,9 @@
 """``lgt-train report``: one self-contained HTML page about a store, charts as inline SVG.
 
 No plotting library (the page is made where only the proxy's light dependencies are installed):
-reward per step, samples per rollout, merge breaks by reason, policy staleness of calls, and the
-calls' status counts. Every chart is built from one SQL query over the store's views or from the
+reward per step, samples per rollout, merge breaks by reason, policy staleness of calls, the
+calls' status counts, how completely their tokens were captured, and what agents reached besides
+their LLM calls (egress, blocked or allowed). Every chart is built from one SQL query over the store's views or from the
 sample build, so what the page shows is what ``lgt-train sql`` shows.
 """
 
@@ -85,7 +86,18 @@ def report_data(con: duckdb.DuckDBPyConnection, build: Any | None = None) -> dic
         SELECT (SELECT count(*) FROM calls), (SELECT count(*) FROM rollouts),
                (SELECT count(*) FROM rewards WHERE call_id IS NULL),
                (SELECT coalesce(sum(usage_total_tokens), 0) FROM calls)""").fetchone()
+    capture: list[tuple[str, int]] = []
+    if "capture" in _columns(con, "calls"):  # stores written before schema 3 lack it
+        capture = [(str(c), int(n)) for c, n in con.execute("""
+            SELECT coalesce(capture || coalesce(' (' || capture_reason || ')', ''), 'not recorded'),
+                   count(*)
+            FROM calls WHERE status = 'ok' GROUP BY 1 ORDER BY 2 DESC""").fetchall()]
+    egress = con.execute("""
+        SELECT host, bool_and(allowed), count(*) FROM egress GROUP BY 1 ORDER BY 3 DESC, 1 LIMIT 30"""
+                         ).fetchall()
     data: dict[str, Any] = {
+        "capture": capture,
+        "egress": [(h, bool(a), int(n)) for h, a, n in egress],
         "reward_per_step": [(float(s), float(v), int(n)) for s, v, n in rows],
         "call_status": [(s, int(n)) for s, n in status],
         "staleness": [(int(b), int(n)) for b, n in stale if b is not None],
@@ -102,6 +114,10 @@ def report_data(con: duckdb.DuckDBPyConnection, build: Any | None = None) -> dic
         reasons = Counter(build.merge_breaks.column("reason").to_pylist())
         data["merge_breaks"] = sorted(reasons.items(), key=lambda kv: -kv[1])
     return data
+
+
+def _columns(con: duckdb.DuckDBPyConnection, view: str) -> list[str]:
+    return [d[0] for d in con.execute(f"SELECT * FROM {view} LIMIT 0").description]
 
 
 def render_html(data: dict[str, Any], title: str) -> str:
@@ -122,6 +138,13 @@ def render_html(data: dict[str, Any], title: str) -> str:
                    [float(n) for _, n in data["staleness"]], "#b279a2")),
         ("Calls by status", "", _svg_bars([s for s, _ in data["call_status"]],
                                           [float(n) for _, n in data["call_status"]], "#9d755d")),
+        ("Token capture", "Successful calls by how completely their tokens were recorded (full: "
+         "token ids and a logprob per token; no_logprobs: the trainer recomputes the logprobs).",
+         _svg_bars([c for c, _ in data["capture"]], [float(n) for _, n in data["capture"]], "#72b7b2")),
+        ("Egress", "What agents reached besides their LLM calls: requests per host, most first "
+         "(blocked: refused by the proxy's egress policy).",
+         _svg_bars([h + ("" if a else " (blocked)") for h, a, _ in data["egress"]],
+                   [float(n) for _, _, n in data["egress"]], "#e45756")),
     ]
     body = "".join(f"<section><h2>{html.escape(h)}</h2><p>{html.escape(d)}</p>{svg}</section>"
                    for h, d, svg in sections)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2  # 1: calls; 2: + rollouts, rewards
+SCHEMA_VERSION = 3  # 1: calls; 2: + rollouts, rewards; 3: + calls.capture(_reason), egress
 SCHEMA_VERSION_KEY = b"lgt.schema_version"
 TABLE_KEY = b"lgt.table"
 
@@ -63,6 +63,9 @@ CALLS = pa.schema(
         ("prompt_token_ids", pa.list_(pa.int32())),
         ("response_token_ids", pa.list_(pa.int32())),  # choice 0
         ("response_logprobs", pa.list_(pa.float32())),  # choice 0, one per response token
+        # how complete the token capture is: full | no_logprobs | no_tokens (null: before schema 3)
+        ("capture", pa.string()),
+        ("capture_reason", pa.string()),  # why an ok call's capture is not full (see proxy/addons.py)
         ("extra_choices", pa.list_(EXTRA_CHOICE)),  # choices 1.. when n > 1
         ("finish_reason", pa.string()),
         ("status", pa.string(), False),
@@ -113,5 +116,35 @@ REWARDS = pa.schema(
     metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode(), TABLE_KEY: b"rewards"},
 )
 
-TABLES: dict[str, pa.Schema] = {"calls": CALLS, "rollouts": ROLLOUTS, "rewards": REWARDS}
+# Egress kinds: what an agent reached through the proxy that is not an LLM call.
+EGRESS_HTTP = "http"  # one HTTP request (plain, or inside a TLS tunnel the proxy intercepted)
+EGRESS_TCP = "tcp"  # a connection that carried something other than HTTP
+EGRESS_TLS_FAILED = "tls_failed"  # a CONNECT whose TLS the agent refused (e.g. a pinned certificate)
+
+EGRESS = pa.schema(
+    [
+        ("egress_id", pa.string(), False),
+        ("rollout_id", pa.string(), False),
+        ("attempt", pa.int32(), False),
+        ("started_at", _TS, False),
+        ("ended_at", _TS),
+        ("kind", pa.string(), False),  # http | tcp | tls_failed
+        ("scheme", pa.string()),  # http | https (http kind)
+        ("method", pa.string()),
+        ("host", pa.string(), False),
+        ("port", pa.int32()),
+        ("path", pa.string()),  # the values of secret-looking query parameters redacted
+        ("allowed", pa.bool_(), False),  # false: blocked by the proxy's egress policy
+        ("policy", pa.string(), False),  # allow | allowlist | deny
+        ("status", pa.int32()),  # the HTTP status the agent got (403 when blocked)
+        ("request_bytes", pa.int64()),
+        ("response_bytes", pa.int64()),
+        ("error", pa.string()),
+        ("proxy_session", pa.string()),
+    ],
+    metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode(), TABLE_KEY: b"egress"},
+)
+
+TABLES: dict[str, pa.Schema] = {"calls": CALLS, "rollouts": ROLLOUTS, "rewards": REWARDS,
+                                "egress": EGRESS}
 TIMESTAMP_FIELDS = {name: [f.name for f in s if f.type == _TS] for name, s in TABLES.items()}

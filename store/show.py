@@ -30,6 +30,7 @@ class Trajectory:
     calls: list[dict[str, Any]]  # ordered by seq
     rewards: list[dict[str, Any]]  # the rewards view's rows of this attempt (call_id None: rollout)
     attempts: list[int]  # every attempt of the rollout
+    egress: list[dict[str, Any]] = ()  # the egress view's rows of this attempt, in time order
 
 
 def load_trajectory(con: duckdb.DuckDBPyConnection, rollout_id: str,
@@ -49,7 +50,9 @@ def load_trajectory(con: duckdb.DuckDBPyConnection, rollout_id: str,
     calls = _dicts(con, "SELECT * FROM calls WHERE rollout_id = ? AND attempt = ? ORDER BY seq", params)
     rewards = _dicts(con, "SELECT * FROM rewards WHERE rollout_id = ? AND attempt = ? "
                           "ORDER BY call_id NULLS FIRST", params)
-    return Trajectory(rollout, calls, rewards, attempts)
+    egress = _dicts(con, "SELECT * FROM egress WHERE rollout_id = ? AND attempt = ? ORDER BY started_at",
+                    params)
+    return Trajectory(rollout, calls, rewards, attempts, egress)
 
 
 def _dicts(con: duckdb.DuckDBPyConnection, sql: str, params: list) -> list[dict[str, Any]]:
@@ -96,10 +99,12 @@ def call_excluded(call: dict[str, Any]) -> str | None:
         return call["status"]
     if call.get("prompt_token_ids") is None or call.get("response_token_ids") is None:
         return "no_token_ids"
+    return None  # a call without logprobs is trained: the trainer recomputes them
+
+
+def logprobs_recorded(call: dict[str, Any]) -> bool:
     lp = call.get("response_logprobs")
-    if lp is None or len(lp) != len(call["response_token_ids"]):
-        return "no_logprobs"
-    return None
+    return lp is not None and len(lp) == len(call.get("response_token_ids") or ())
 
 
 def rollout_excluded(rollout: dict[str, Any], rewarded: bool) -> str | None:
@@ -147,8 +152,7 @@ LINKS = {
     "truncation": "a new sample: shorter than the previous prompt + reply (context trimmed)",
     "differs": "a new sample: does not extend the previous call token by token",
 }
-CALL_EXCLUDED = {"no_token_ids": "no token ids recorded (observe-only upstream?)",
-                 "no_logprobs": "no logprob for each generated token"}
+CALL_EXCLUDED = {"no_token_ids": "no token ids recorded (observe-only upstream?)"}
 
 
 def render(traj: Trajectory, tokenizer: Any | None = None, *,
@@ -193,6 +197,8 @@ def render(traj: Trajectory, tokenizer: Any | None = None, *,
         trained = v.excluded is None
         if trained:
             tok.append(f"generated {len(gen)} · trained (sample {v.sample})")
+            if not logprobs_recorded(c):
+                tok.append(click.style("logprobs recomputed by the trainer", fg="yellow"))
         elif v.link is not None:  # a good call of a rollout that is not trained
             tok.append(f"generated {len(gen)} · not trained")
         else:
@@ -230,6 +236,30 @@ def render(traj: Trajectory, tokenizer: Any | None = None, *,
                                  truncate, bold=trained, dim=not trained)
         if c["call_id"] in per_call:
             lines.append("  reward for this call " + _reward(per_call[c["call_id"]]))
+    if traj.egress:
+        lines.append("")
+        lines += egress_lines(traj.egress)
+    return lines
+
+
+def egress_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The attempt's non-LLM traffic: a header, then one line per request or connection."""
+    blocked = sum(not r["allowed"] and r["kind"] != "tls_failed" for r in rows)
+    head = f"── egress · {plural(len(rows), 'request')} besides LLM calls"
+    lines = [click.style(head, dim=True) + (click.style(f" · {blocked} blocked", fg="red") if blocked else "")]
+    for r in rows:
+        where = (f"{r['method']} {r['scheme']}://{r['host']}{r['path'] or ''}" if r["kind"] == "http"
+                 else f"{r['kind']} {r['host']}:{r['port']}")
+        if r["kind"] == "tls_failed":  # never got as far as the policy: the agent refused the TLS
+            outcome = ""
+        elif r["allowed"]:
+            outcome = (f"{r['status']}" if r.get("status") is not None else "") + (
+                f" · {r['response_bytes']} B" if r.get("response_bytes") is not None else "")
+        else:
+            outcome = click.style(f"blocked ({r['policy']})", fg="red")
+        if r.get("error"):
+            outcome += click.style(f" · {r['error']}", fg="yellow")
+        lines.append(f"  {where} · {outcome.lstrip(' ·')}")
     return lines
 
 
@@ -294,7 +324,11 @@ def _call_header(c: dict[str, Any]) -> list[str]:
     model = c.get("requested_model") or "?"
     if c.get("served_model") and c["served_model"] != model:
         model += f" → {c['served_model']}"
-    parts += [c["endpoint"], model, click.style(c["call_id"], dim=True)]
+    parts += [c["endpoint"], model]
+    if c.get("capture") not in (None, "full"):
+        why = f" ({c['capture_reason']})" if c.get("capture_reason") else ""
+        parts.append(click.style(f"capture {c['capture']}{why}", fg="yellow"))
+    parts.append(click.style(c["call_id"], dim=True))
     return [click.style("── ", dim=True) + " · ".join(parts)]
 
 

@@ -117,7 +117,7 @@ def test_record_routes_rewrites_and_injects(rt: Runtime) -> None:
                          "finish_reason": "stop"}]}).encode())
         f.response.headers["content-type"] = "application/json"
         addon.responseheaders(f)
-        addon.response(f)
+        asyncio.run(addon.response(f))
         body = f.response.json()
         assert body["model"] == "gpt-4o" and body["prompt_token_ids"] is None
         assert body["choices"][0]["token_ids"] is None and body["choices"][0]["logprobs"] is None

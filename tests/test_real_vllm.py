@@ -41,11 +41,15 @@ def _engine_ok() -> bool:
 
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from serve_tiny_model(tmp_path_factory.mktemp("vllm"))
+
+
+def serve_tiny_model(work: Path, *model_args: str) -> Iterator[str]:
+    """vLLM's CPU build serving a tiny model made by tests/engine/make_tiny_model.py; its /v1 URL."""
     if not _engine_ok():
         pytest.skip(f"no vLLM engine environment at {ENGINE_PY} (run scripts/setup.sh)")
-    work = tmp_path_factory.mktemp("vllm")
     model = work / "tiny"
-    subprocess.run([ENGINE_PY, str(ROOT / "tests/engine/make_tiny_model.py"), str(model)],
+    subprocess.run([ENGINE_PY, str(ROOT / "tests/engine/make_tiny_model.py"), str(model), *model_args],
                    check=True, capture_output=True)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
@@ -156,3 +160,42 @@ def test_recorded_tokens_and_logprobs_are_vllms_own(real_proxy: ProxyProc, vllm_
         assert row["response_token_ids"] == ref["choices"][0]["token_ids"]
         assert row["response_logprobs"] == pytest.approx(want_lp, abs=1e-5)
         assert row["usage_total_tokens"] == ref["usage"]["total_tokens"]
+
+
+# -- a real vLLM that refuses the injected logprobs --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nan_vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """vLLM serving a model whose logits are NaN: every request for logprobs gets 400."""
+    yield from serve_tiny_model(tmp_path_factory.mktemp("vllm-nan"), "--nan-logits")
+
+
+def test_a_call_vllm_refuses_for_the_injected_logprobs_still_reaches_the_agent(
+    tmp_path: Path, nan_vllm_url: str, rollout: str
+) -> None:
+    ask = {**ASK, "max_tokens": 4}
+    with httpx.Client(trust_env=False, timeout=60) as d:
+        refused = d.post(f"{nan_vllm_url}/chat/completions", json={**ask, "logprobs": True})
+        want = d.post(f"{nan_vllm_url}/chat/completions", json=ask)
+    assert refused.status_code == 400 and "Out of range float values" in refused.text  # the issue's
+    assert want.status_code == 200
+    p = ProxyProc(tmp_path / "store", nan_vllm_url).start()
+    try:
+        ctx = ssl.create_default_context(cafile=p.ca_bundle)
+        with httpx.Client(proxy=p.proxy_url(rollout), verify=ctx, trust_env=False, timeout=60) as c:
+            got = c.post("https://api.openai.invalid/v1/chat/completions", json={**ask, "model": "gpt-4o"})
+            streamed = c.post("https://api.openai.invalid/v1/chat/completions",
+                              json={**ask, "model": "gpt-4o", "stream": True})
+        assert got.status_code == 200 and streamed.status_code == 200
+        assert stable(got.json()) == json.loads(json.dumps(stable(want.json())).replace(
+            '"model": "policy"', '"model": "gpt-4o"'))
+        whole, stream = p.calls("rollout_id = ?", [rollout])
+        assert (whole["status"], whole["capture"], whole["capture_reason"]) == \
+            ("ok", "no_logprobs", "upstream_rejected_logprobs")
+        assert (stream["status"], stream["capture"], stream["capture_reason"]) == \
+            ("ok", "no_logprobs", "nonfinite_logprobs")
+        for row in (whole, stream):
+            assert row["prompt_token_ids"] and row["response_token_ids"] and row["response_logprobs"] is None
+    finally:
+        p.stop()

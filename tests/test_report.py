@@ -19,10 +19,13 @@ def make_store(root: Path) -> None:
             TableWriter(root, "rewards") as rw:
         for (rid, step), value in rewards.items():
             for seq in range(2):
+                degraded = rid == "s1b" and seq == 1
                 calls.append({"call_id": f"{rid}-{seq}", "rollout_id": rid, "attempt": 0,
                               "seq": seq, "started_at": T0, "endpoint": "chat/completions",
                               "policy_version": step, "streamed": False, "status": "ok",
-                              "usage_total_tokens": 10})
+                              "usage_total_tokens": 10,
+                              "capture": "no_logprobs" if degraded else "full",
+                              "capture_reason": "upstream_rejected_logprobs" if degraded else None})
             rollouts.append({"rollout_id": rid, "attempt": 0, "task_id": "t", "step": step,
                              "group_id": f"g{step}", "status": "ok", "recorded_at": T0})
             rw.append({"reward_id": rid, "rollout_id": rid, "attempt": 0, "value": value,
@@ -30,6 +33,11 @@ def make_store(root: Path) -> None:
         calls.append({"call_id": "bad", "rollout_id": "s1a", "attempt": 0, "seq": 2,
                       "started_at": T0, "endpoint": "chat/completions", "policy_version": 1,
                       "streamed": False, "status": "http_error"})
+    with TableWriter(root, "egress") as egress:
+        for i, (host, allowed) in enumerate([("pypi.org", True), ("pypi.org", True),
+                                             ("telemetry.invalid", False)]):
+            egress.append({"egress_id": f"e{i}", "rollout_id": "s0a", "attempt": 0, "started_at": T0,
+                           "kind": "http", "host": host, "allowed": allowed, "policy": "allowlist"})
 
 
 def test_report_numbers(tmp_path: Path) -> None:
@@ -39,6 +47,8 @@ def test_report_numbers(tmp_path: Path) -> None:
     assert data["call_status"] == [("ok", 8), ("http_error", 1)]
     assert data["staleness"] == [(0, 4), (1, 4)]  # ok calls only
     assert data["totals"] == {"calls": 9, "rollouts": 4, "rewarded_rollouts": 4, "tokens": 80}
+    assert data["capture"] == [("full", 7), ("no_logprobs (upstream_rejected_logprobs)", 1)]
+    assert data["egress"] == [("pypi.org", True, 2), ("telemetry.invalid", False, 1)]
 
 
 def test_report_page_is_written_whole(tmp_path: Path) -> None:
@@ -48,9 +58,10 @@ def test_report_page_is_written_whole(tmp_path: Path) -> None:
     page = out.read_text()
     assert page.startswith("<!doctype html>") and page.rstrip().endswith("</html>")
     for heading in ("Reward per step", "Samples per rollout", "Merge breaks", "Staleness",
-                    "Calls by status"):
+                    "Calls by status", "Token capture", "Egress"):
         assert f"<h2>{heading}</h2>" in page
     assert page.count("<svg") >= 3 and "step 0: 0.250" in page and "step 1: 0.750" in page
+    assert "telemetry.invalid (blocked): 1" in page
     assert not list(tmp_path.glob(".*.tmp"))
 
 

@@ -269,25 +269,34 @@ def write_v1_store(root: Path) -> None:
     """A store as the proxy wrote it at schema version 1: calls only, no migration record."""
     (root / "calls").mkdir(parents=True)
     rows = tool_rollout("old", "1+2", "3")
-    table = pa.Table.from_pylist(rows, schema=schema.CALLS.with_metadata(
-        {schema.SCHEMA_VERSION_KEY: b"1", schema.TABLE_KEY: b"calls"}))
+    v1 = pa.schema([f for f in schema.CALLS if f.name not in ("capture", "capture_reason")],
+                   metadata={schema.SCHEMA_VERSION_KEY: b"1", schema.TABLE_KEY: b"calls"})
+    table = pa.Table.from_pylist(rows, schema=v1)
     pq.write_table(table, root / "calls" / "part-1.parquet")
 
 
-def test_a_version_1_store_is_brought_to_version_2(tmp_path: Path) -> None:
+def test_a_version_1_store_is_brought_to_the_current_version(tmp_path: Path) -> None:
     write_v1_store(tmp_path)
     assert store_version(tmp_path) == 1
-    assert migrate(tmp_path) == 2
+    assert migrate(tmp_path) == 3 == schema.SCHEMA_VERSION
     record = orjson.loads((tmp_path / META_DIR / RECORD).read_bytes())
-    assert record["schema_version"] == 2
+    assert record["schema_version"] == 3
     assert [(a["version"], a["name"]) for a in record["applied"]] == [
-        (2, "add the rollouts and rewards tables")]
-    assert (tmp_path / "rollouts").is_dir() and (tmp_path / "rewards").is_dir()
-    assert migrate(tmp_path) == 2  # nothing left to do; the record is kept as it was
+        (2, "add the rollouts and rewards tables"),
+        (3, "add calls.capture, calls.capture_reason and the egress table")]
+    assert all((tmp_path / t).is_dir() for t in ("rollouts", "rewards", "egress"))
+    assert migrate(tmp_path) == 3  # nothing left to do; the record is kept as it was
     assert orjson.loads((tmp_path / META_DIR / RECORD).read_bytes()) == record
     add_reward(tmp_path, "old", 1)  # and the old rows are readable next to new tables
-    assert connect(tmp_path).execute("SELECT count(*) FROM calls JOIN rewards USING (rollout_id)"
-                                     ).fetchone() == (2,)
+    con = connect(tmp_path)
+    assert con.execute("SELECT count(*) FROM calls JOIN rewards USING (rollout_id)").fetchone() == (2,)
+    assert con.execute("SELECT count(*) FROM egress").fetchone() == (0,)
+    # a version-3 calls file next to the old one: the old rows read capture as null
+    new_rows = [{**r, "call_id": r["call_id"] + "-new", "rollout_id": "new", "capture": "full"}
+                for r in tool_rollout("new", "1+2", "3")]
+    pq.write_table(pa.Table.from_pylist(new_rows, schema=schema.CALLS), tmp_path / "calls" / "part-2.parquet")
+    assert connect(tmp_path).execute("SELECT rollout_id, capture FROM calls GROUP BY ALL ORDER BY 1"
+                                     ).fetchall() == [("new", "full"), ("old", None)]
 
 
 def test_a_recorded_version_1_is_migrated_on_connect(tmp_path: Path) -> None:
@@ -295,16 +304,17 @@ def test_a_recorded_version_1_is_migrated_on_connect(tmp_path: Path) -> None:
     (tmp_path / META_DIR).mkdir()
     (tmp_path / META_DIR / RECORD).write_text('{"schema_version": 1, "applied": []}')
     connect(tmp_path)
-    assert store_version(tmp_path) == 2
+    assert store_version(tmp_path) == schema.SCHEMA_VERSION
     assert not [p for p in (tmp_path / META_DIR).iterdir() if p.name.endswith(".tmp")]
 
 
 def test_a_store_from_a_newer_lgt_is_refused(tmp_path: Path) -> None:
     write_v1_store(tmp_path)
     (tmp_path / META_DIR).mkdir()
-    (tmp_path / META_DIR / RECORD).write_text('{"schema_version": 3, "applied": []}')
-    message = (r"was written by a newer lgt \(schema version 3; this lgt knows up to 2\); "
-               "upgrade lgt to use this store")
+    newer = schema.SCHEMA_VERSION + 1
+    (tmp_path / META_DIR / RECORD).write_text(f'{{"schema_version": {newer}, "applied": []}}')
+    message = (rf"was written by a newer lgt \(schema version {newer}; this lgt knows up to "
+               rf"{schema.SCHEMA_VERSION}\); upgrade lgt to use this store")
     with pytest.raises(StoreVersionError, match=message):
         migrate(tmp_path)
     with pytest.raises(StoreVersionError, match=message):
@@ -317,7 +327,8 @@ def test_a_store_from_a_newer_lgt_is_refused(tmp_path: Path) -> None:
 def test_a_file_from_a_newer_lgt_is_refused_by_name(fresh: Path) -> None:
     src = next((fresh / "calls").glob("*.parquet"))
     t = pq.read_table(src)
-    pq.write_table(t.replace_schema_metadata({**t.schema.metadata, schema.SCHEMA_VERSION_KEY: b"3"}),
+    newer = str(schema.SCHEMA_VERSION + 1).encode()
+    pq.write_table(t.replace_schema_metadata({**t.schema.metadata, schema.SCHEMA_VERSION_KEY: newer}),
                    fresh / "calls" / "new.parquet")
     with pytest.raises(StoreVersionError, match=r"calls/new.parquet was written by a newer lgt"):
         connect(fresh)
@@ -482,14 +493,17 @@ def test_show_marks_what_the_sample_builder_trains(fresh: Path) -> None:
         "trained (sample 2) · finish stop",
         "a new sample: does not extend the previous call token by token · generated 4 · trained "
         "(sample 3) · finish stop",
-        "generated 1 · not trained: no logprob for each generated token · finish stop",
+        # recorded without logprobs: trained all the same, the trainer recomputes them
+        "a new sample: shorter than the previous prompt + reply (context trimmed) · generated 1 · "
+        "trained (sample 4) · logprobs recomputed by the trainer · finish stop",
     ]
     build = samples.build_samples(con)
     mine = build.samples.filter(pa.compute.equal(build.samples.column("rollout_id"), "mix"))
-    assert mine.num_rows == 4
-    assert sum(sum(m) for m in mine.column("loss_mask").to_pylist()) == 44 + 9 + 2 + 2 + 4
+    assert mine.num_rows == 5
+    assert sum(sum(m) for m in mine.column("loss_mask").to_pylist()) == 44 + 9 + 2 + 2 + 4 + 1
     breaks = build.merge_breaks.filter(pa.compute.equal(build.merge_breaks.column("rollout_id"), "mix"))
-    assert breaks.column("reason").to_pylist() == ["excluded_call", "truncation", "no_tokenizer"]
+    assert breaks.column("reason").to_pylist() == ["excluded_call", "truncation", "no_tokenizer",
+                                                   "truncation"]
 
 
 def test_show_refuses_unknown_rollouts_and_attempts(store: Path) -> None:

@@ -110,7 +110,7 @@ def test_the_shell_runs_statements_from_stdin(store: Path) -> None:
     ]) + "\n"
     r = lgt_train("sql", "--store", store, input=script)
     assert "│ r-fail     │     2 │" in r.stdout
-    assert "calls  rewards  rewards_log  rollouts  rollouts_log" in r.stdout
+    assert "calls  egress  rewards  rewards_log  rollouts  rollouts_log" in r.stdout
     assert r.stdout.rstrip().endswith("value\n1.0")
     assert 'Error: Binder Error: Referenced column "nope" was not found' in r.stderr
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -74,6 +75,31 @@ def test_prepare_request_completions_uses_integer_logprobs() -> None:
     out, inj = wire.prepare_request(wire.COMPLETIONS, {"model": "m", "prompt": "x", "logprobs": 2},
                                     served_model=None, capture_tokens=True)
     assert out["logprobs"] == 2 and not inj.logprobs
+
+
+def test_prepare_request_again_without_the_logprobs_keeps_the_token_ids() -> None:
+    req = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    out, inj = wire.prepare_request(wire.CHAT, req, served_model="policy", capture_tokens=True,
+                                    capture_logprobs=False)
+    assert "logprobs" not in out and out["return_token_ids"] is True
+    assert inj == wire.Injected(token_ids=True, logprobs=False, model="gpt-4o") and inj.captures
+    out, inj = wire.prepare_request(wire.CHAT, req, served_model="policy", capture_tokens=False,
+                                    capture_logprobs=False)
+    assert out == {**req, "model": "policy"} and not inj.captures
+
+
+def test_non_finite_logprobs_are_not_captured_and_are_counted() -> None:
+    cap = wire.Capture(wire.CHAT)
+    for i, lp in enumerate([-0.5, None, float("nan"), float("-inf"), -9999.0, -1.25]):
+        cap.add_chunk({"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [i],
+                                    "logprobs": {"content": [{"logprob": lp}]}}]})
+    c = cap.choices[0]
+    assert c.logprobs == [-0.5, None, None, None, None, -1.25] and c.nonfinite == 4
+    assert wire.capture_level([1], c.token_ids, c.logprobs) == wire.CAPTURE_NO_LOGPROBS
+    assert wire.capture_level([1], [5, 6], [-0.1, -0.2]) == wire.CAPTURE_FULL
+    assert wire.capture_level([1], [5, 6], [-0.1]) == wire.CAPTURE_NO_LOGPROBS
+    assert wire.capture_level([1], [5], None) == wire.CAPTURE_NO_LOGPROBS
+    assert wire.capture_level(None, [5], [-0.1]) == wire.CAPTURE_NO_TOKENS
 
 
 def test_observe_only_changes_nothing() -> None:
@@ -262,7 +288,7 @@ def test_injected_then_stripped_equals_what_the_agent_asked_for(
 
 
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(
         st.sampled_from(["choices", "index", "delta", "content", "tool_calls", "function",
                          "arguments", "name", "id", "token_ids", "prompt_token_ids", "logprobs",
@@ -285,7 +311,8 @@ def test_capture_never_raises_and_always_yields_storable_values(chunks: list, en
     json.dumps(cap.assembled(wire.Injected(model="m")))
     for ch in cap.choices.values():
         assert ch.token_ids is None or all(type(i) is int for i in ch.token_ids)
-        assert ch.logprobs is None or all(v is None or type(v) is float for v in ch.logprobs)
+        assert ch.logprobs is None or all(v is None or (type(v) is float and math.isfinite(v)
+                                                        and v > wire.LOGPROB_FLOOR) for v in ch.logprobs)
     assert cap.prompt_token_ids is None or all(type(i) is int for i in cap.prompt_token_ids)
     usage = cap.usage_dict()
     assert usage is None or all(type(v) is int for v in usage.values())

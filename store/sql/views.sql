@@ -12,6 +12,11 @@ SELECT * FROM read_parquet('rollouts/*.parquet', union_by_name = true);
 CREATE OR REPLACE VIEW rewards_log AS
 SELECT * FROM read_parquet('rewards/*.parquet', union_by_name = true);
 
+-- What agents reached through the proxy that is not an LLM call: one row per HTTP request or TCP
+-- connection, allowed or blocked by the egress policy.
+CREATE OR REPLACE VIEW egress AS
+SELECT * FROM read_parquet('egress/*.parquet', union_by_name = true);
+
 -- One row per rollout attempt: the latest rollouts row, or, for attempts seen only in calls,
 -- a row derived from them (status 'ok', no task or group: the attempt is its own group).
 CREATE OR REPLACE VIEW rollouts AS

@@ -1,7 +1,11 @@
 """Build a tiny random Qwen2 model with a locally trained byte-level BPE tokenizer (ChatML template).
 
 For tests that need a real vLLM engine: nothing is downloaded. Run with an environment that has
-transformers and tokenizers (the engine's): python make_tiny_model.py OUT_DIR
+transformers and tokenizers (the engine's): python make_tiny_model.py OUT_DIR [--nan-logits]
+
+``--nan-logits`` sets the final norm's weight to infinity, so every logit is NaN: vLLM then cannot
+write a logprob as JSON and answers 400 to any request for logprobs (what it does past a model's
+positions on CPU, where the failure depends on memory layout; this one is deterministic).
 """
 
 import sys
@@ -14,7 +18,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def main(out: str) -> None:
+def main(out: str, nan_logits: bool = False) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -37,8 +41,12 @@ def main(out: str) -> None:
                       # and kernel differences between two identical requests could flip
                       initializer_range=0.5)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    model = Qwen2ForCausalLM(cfg)
+    if nan_logits:
+        with torch.no_grad():
+            model.model.norm.weight.fill_(float("inf"))
+    model.save_pretrained(out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--nan-logits" in sys.argv[2:])
