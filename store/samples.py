@@ -290,14 +290,15 @@ class _Call:
     stop: bool
     prompt: pa.Buffer = field(default_factory=lambda: _EMPTY)  # little-endian int32 ids
     response: pa.Buffer = field(default_factory=lambda: _EMPTY)  # int32 ids
-    logprobs: pa.Buffer = field(default_factory=lambda: _EMPTY)  # float32
+    logprobs: pa.Buffer = field(default_factory=lambda: _EMPTY)  # float32 (NaN: not recorded)
+    missing_logprobs: bool = False  # recorded without logprobs: the trainer recomputes them
 
     def detach(self) -> _Call:
         """A copy holding its own bytes (it waits for its predecessor, past its batch)."""
         own = lambda b: pa.py_buffer(b.to_pybytes())  # noqa: E731
         return _Call(self.key, self.seq, self.prev_seq, self.next_seq, self.excluded,
                      self.policy_version, self.stop, own(self.prompt), own(self.response),
-                     own(self.logprobs))
+                     own(self.logprobs), self.missing_logprobs)
 
 
 @dataclass(slots=True)
@@ -360,6 +361,7 @@ class Merged:
     excluded_calls: Counter
     used_calls: int = 0
     realigned: int = 0
+    missing_logprobs: int = 0  # used calls without logprobs (NaN in behaviour_logprobs)
 
 
 class _Output:
@@ -479,6 +481,7 @@ def _take(att: _Attempt, c: _Call, mode: str, decode: Callable[[list[int]], str]
         att.after_excluded = att.sample is not None
         return
     state.used_calls += 1
+    state.missing_logprobs += c.missing_logprobs
     context_from, reason = 0, None
     if att.sample is not None:
         if att.after_excluded:
@@ -522,8 +525,9 @@ def _ints(b: pa.Buffer) -> list[int]:
 def _calls(batch: pa.RecordBatch, order: dict) -> Iterator[_Call]:
     """The batch's rows that are in ``order``, as :class:`_Call` views over its buffers (no copies).
 
-    A call is excluded (the ``sample_calls`` view says the same in SQL) when its status is not ok,
-    or it lacks prompt or generated token ids, or one logprob per generated token."""
+    A call is excluded (the ``sample_calls`` view says the same in SQL) when its status is not ok or
+    it lacks prompt or generated token ids. A call without one logprob per generated token is kept,
+    its logprobs NaN (the trainer recomputes them; ``Merged.missing_logprobs`` counts such calls)."""
     col = batch.column
     p, r, lp = col("prompt_token_ids"), col("response_token_ids"), col("response_logprobs")
     prompt, response, logprobs = _values(p), _values(r), _values(lp)
@@ -540,15 +544,24 @@ def _calls(batch: pa.RecordBatch, order: dict) -> Iterator[_Call]:
             continue
         prev, nxt = neighbours
         n_gen = ro[i + 1] - ro[i]
-        excluded = (status if status != "ok" else "no_token_ids" if not tokens_ok[i]
-                    else "no_logprobs" if not logprobs_ok[i] or lpo[i + 1] - lpo[i] != n_gen else None)
+        excluded = status if status != "ok" else "no_token_ids" if not tokens_ok[i] else None
         if excluded is None:
+            has_logprobs = logprobs_ok[i] and lpo[i + 1] - lpo[i] == n_gen
             yield _Call((rid, attempt), seq, prev, nxt, None, version, finish == "stop",
                         prompt.slice(pb + 4 * po[i], 4 * (po[i + 1] - po[i])),
                         response.slice(rb + 4 * ro[i], 4 * n_gen),
-                        logprobs.slice(lb + 4 * lpo[i], 4 * n_gen))
+                        logprobs.slice(lb + 4 * lpo[i], 4 * n_gen) if has_logprobs else _nans(n_gen),
+                        not has_logprobs)
         else:
             yield _Call((rid, attempt), seq, prev, nxt, excluded, version, False)
+
+
+_NAN = b"\x00\x00\xc0\x7f"  # float32 quiet NaN, little-endian
+
+
+def _nans(n: int) -> pa.Buffer:
+    """``n`` float32 NaNs: the logprobs of a call recorded without them."""
+    return pa.py_buffer(_NAN * n)
 
 
 def _values(a: pa.ListArray) -> pa.Buffer:
@@ -655,7 +668,8 @@ def make_report(mode: str, merged: Merged, samples: pa.Table, rollouts: pa.Table
     report: dict[str, Any] = {
         "mode": mode,
         "rollouts": {"trained": len(trained), "excluded": dict(excluded.most_common())},
-        "calls": {"used": merged.used_calls, "excluded": dict(merged.excluded_calls.most_common())},
+        "calls": {"used": merged.used_calls, "excluded": dict(merged.excluded_calls.most_common()),
+                  "logprobs_recomputed": merged.missing_logprobs},
         "samples_per_rollout": {str(k): n for k, n in sorted(per_rollout.items())},
         "groups": {"trained": len({g for g, _, _ in trained}),
                    "zero_variance": len({g for g, z, _ in trained if z}),

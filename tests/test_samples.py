@@ -76,6 +76,7 @@ class Turn:
     forget: bool = False  # the agent drops the earlier turns from its context before this call
     rewrite: bool = False  # the agent rewrites the first user message before this call
     version: int = 0
+    logprobs: bool = True  # False: the proxy recorded the call's tokens without logprobs
 
 
 @dataclass
@@ -106,7 +107,8 @@ class Agent:
             if t.status == "ok":
                 gen = self.generated(t)
                 call |= {"prompt_token_ids": self.enc(render(messages)), "response_token_ids": gen,
-                         "response_logprobs": [-0.125 * ((seq + i) % 7 + 1) for i in range(len(gen))],
+                         "response_logprobs": [-0.125 * ((seq + i) % 7 + 1) for i in range(len(gen))]
+                         if t.logprobs else None,
                          "finish_reason": "stop"}
             out.append(call)
             messages.append(("assistant", t.reply))
@@ -227,8 +229,28 @@ def test_exact_splits_at_excluded_calls_and_truncation(tmp_path: Path, tok: Toke
     samples = sorted(b.samples.to_pylist(), key=lambda s: s["sample_index"])
     assert [s["n_calls"] for s in samples] == [2, 1, 1]
     assert samples[1]["input_ids"] == calls[4]["prompt_token_ids"] + calls[4]["response_token_ids"]
-    assert b.report["calls"] == {"used": 4, "excluded": {"http_error": 1, "upstream_error": 1}}
+    assert b.report["calls"] == {"used": 4, "excluded": {"http_error": 1, "upstream_error": 1},
+                                 "logprobs_recomputed": 0}
     assert b.report["samples_per_rollout"] == {"3": 1}
+
+
+def test_a_call_recorded_without_logprobs_stays_in_its_sample_for_the_trainer_to_recompute(
+        tmp_path: Path, tok: Tokenizer) -> None:
+    agent = Agent(tok)
+    calls = agent.run("r1", [Turn("how do the water", "the water is 42."),
+                             Turn("and then", "then we call it a day.", logprobs=False),
+                             Turn("why", "no way.")])
+    con = store_of(tmp_path, calls)
+    b = build_samples(con)
+    (s,) = b.samples.to_pylist()  # no split: the prompts still extend token by token
+    assert b.merge_breaks.num_rows == 0 and s["n_calls"] == 3
+    runs = generated_runs(s)
+    assert [ids for ids, _, _ in runs] == [c["response_token_ids"] for c in calls]
+    assert all(math.isnan(lp) for lp in runs[1][1]) and not any(math.isnan(lp) for lp in runs[0][1] + runs[2][1])
+    assert b.report["calls"] == {"used": 3, "excluded": {}, "logprobs_recomputed": 1}
+    install(con)  # the plain-SQL view says the same
+    (v,) = con.sql("FROM samples").to_arrow_table().to_pylist()
+    assert v["behaviour_logprobs"] == pytest.approx(s["behaviour_logprobs"], nan_ok=True)
 
 
 def test_exact_names_token_differences_only_with_a_tokenizer(tmp_path: Path, tok: Tokenizer) -> None:
@@ -334,7 +356,8 @@ def conversations(draw) -> list[list[Turn]]:
                 reply=sentence(rng, rng.randint(0, 8)) + rng.choice(".?"),
                 split=roll < 0.25, stop="</s>" if 0.25 <= roll < 0.4 else "<|im_end|>",
                 status="http_error" if 0.4 <= roll < 0.5 else "ok",
-                forget=0.5 <= roll < 0.55 and k > 1, rewrite=0.55 <= roll < 0.6, version=k))
+                forget=0.5 <= roll < 0.55 and k > 1, rewrite=0.55 <= roll < 0.6, version=k,
+                logprobs=not 0.6 <= roll < 0.7))
         rollouts.append(turns)
     return rollouts
 
@@ -349,10 +372,11 @@ def check_unmerge(build, calls: list[dict]) -> None:
             got.setdefault(s["rollout_id"], []).extend((t, lp, v) for t, lp in zip(ids, lps))
     want: dict[str, list] = {}
     for c in sorted(calls, key=lambda c: (c["rollout_id"], c["seq"])):
-        if c["status"] == "ok":
+        if c["status"] == "ok":  # a call recorded without logprobs: NaN, for the trainer to recompute
+            lps = c["response_logprobs"] or [math.nan] * len(c["response_token_ids"])
             want.setdefault(c["rollout_id"], []).extend(
-                (t, pytest.approx(lp), c["policy_version"])
-                for t, lp in zip(c["response_token_ids"], c["response_logprobs"]))
+                (t, pytest.approx(lp, nan_ok=True), c["policy_version"])
+                for t, lp in zip(c["response_token_ids"], lps))
     assert got == want
 
 
@@ -394,10 +418,12 @@ def test_merge_then_unmerge_gives_back_every_generated_token(tmp_path_factory, t
     install(con)
     view = {r["sample_id"]: r for r in con.sql("FROM samples").to_arrow_table().to_pylist()}
     assert view.keys() == by_id(exact).keys()
+    approx = ("loss_weight", "advantage", "behaviour_logprobs")
     for sid, r in by_id(exact).items():
-        assert {k: v for k, v in r.items() if k not in ("loss_weight", "advantage")} == \
-            {k: v for k, v in view[sid].items() if k not in ("loss_weight", "advantage")}
+        assert {k: v for k, v in r.items() if k not in approx} == \
+            {k: v for k, v in view[sid].items() if k not in approx}
         assert r["loss_weight"] == pytest.approx(view[sid]["loss_weight"])
+        assert r["behaviour_logprobs"] == pytest.approx(view[sid]["behaviour_logprobs"], nan_ok=True)
     assert breaks(exact) == sorted((r, q, why) for r, _, q, why in con.sql("FROM merge_breaks").fetchall())
 
 

@@ -42,6 +42,11 @@ Choices, and where they depart from the usual recipes:
   computes ``log_softmax(logits)[target]`` per chunk in float32, saves only the input logits for
   backward and recomputes each chunk's softmax there, straight into the gradient (a custom autograd
   function).
+- **Missing behaviour logprobs** (NaN in the store's ``behaviour_logprobs``: the proxy recorded the
+  call's tokens but the engine could not give their logprobs, see ``calls.capture``) are recomputed:
+  the trainer's own log-probabilities at the start of the update (``old``) stand in for them
+  (:func:`fill_behaviour`), so those tokens train with IS weight 1 — exact for an on-policy call,
+  uncorrected staleness for a stale one. ``actor/behaviour_recomputed_frac`` says how many.
 - Masked positions never leak: per-token outputs are 0 where the mask is 0 (IS weights are 1 there:
   no correction) and values at masked-out positions (even inf/NaN) do not reach sums.
 """
@@ -61,6 +66,7 @@ __all__ = [
     "KL_KINDS",
     "LossConfig",
     "aggregate_loss",
+    "fill_behaviour",
     "grpo_advantages",
     "importance_weights",
     "kl_penalty",
@@ -306,6 +312,14 @@ def _check_is(mode: str, cap: float) -> None:
         raise ValueError(f"the importance-weight cap must be a finite number >= 1, not {cap!r}")
 
 
+def fill_behaviour(behaviour_logp: Tensor, logp_old: Tensor) -> tuple[Tensor, Tensor]:
+    """``(behaviour, recomputed)``: the behaviour logprobs with each NaN (not recorded) replaced by the
+    old policy's, and the (B, T) bool mask of the replaced positions. Detached."""
+    missing = torch.isnan(behaviour_logp)
+    filled = torch.where(missing, logp_old.detach().to(behaviour_logp.dtype), behaviour_logp.detach())
+    return filled, missing
+
+
 def importance_weights(logp_old: Tensor, behaviour_logp: Tensor, mask: Tensor, *, mode: str = "truncate",
                        cap: float = 2.0) -> Tensor:
     """Per-token importance weights correcting the behaviour (engine) policy to the old policy.
@@ -515,7 +529,7 @@ def policy_loss(logp: Tensor, batch: Mapping[str, Tensor], cfg: LossConfig, *,
 
     logp: (B, T) current log-probabilities with gradient (``token_logprobs``). batch:
     "loss_mask" (B, T); "advantages" (B,) or (B, T); "behaviour_logprobs" (B, T) (engine's, 0 off the
-    mask); optional "old_logprobs" (B, T) (default ``logp.detach()``: ratio 1), "loss_weight" (B,)
+    mask, NaN where not recorded: recomputed, see :func:`fill_behaviour`); optional "old_logprobs" (B, T) (default ``logp.detach()``: ratio 1), "loss_weight" (B,)
     (needed by agg "rollout"), "ref_logprobs" (B, T) (needed when ``kl_coef`` > 0). ``num_tokens`` /
     ``num_samples``: whole-batch totals when this is a micro-batch (see ``aggregate_loss``).
     Returns (scalar loss, metrics). "loss/*" metrics are this micro-batch's contributions (they sum
@@ -528,6 +542,7 @@ def policy_loss(logp: Tensor, batch: Mapping[str, Tensor], cfg: LossConfig, *,
     old = batch.get("old_logprobs")
     old = logp.detach() if old is None else old
     _check_same_shape(logp=logp, loss_mask=mask, behaviour_logprobs=behaviour, old_logprobs=old)
+    behaviour, recomputed = fill_behaviour(behaviour, old)
     weights = batch.get("loss_weight")
     if cfg.agg == "rollout":
         weights = _batch_tensor(batch, "loss_weight", 'loss aggregation "rollout" weighs samples by it')
@@ -559,6 +574,7 @@ def policy_loss(logp: Tensor, batch: Mapping[str, Tensor], cfg: LossConfig, *,
         "actor/is_weight_mean": float(masked_mean(is_w, mask)),
         "actor/is_clipped_frac": float(masked_mean(1.0 - kept, mask)),
         "actor/behaviour_kl": float(masked_mean(_upcast(old.detach()) - _upcast(behaviour.detach()), mask)),
+        "actor/behaviour_recomputed_frac": float(masked_mean(recomputed.float(), mask)),
     })
     if "dual_clipfrac" in stats:
         metrics["actor/dual_clipfrac"] = float(stats["dual_clipfrac"])

@@ -154,7 +154,7 @@ from verl import DataProto  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
-from lgt.trainer.rl import IS_MODES, importance_weights  # noqa: E402
+from lgt.trainer.rl import IS_MODES, fill_behaviour, importance_weights  # noqa: E402
 
 # -- errors ------------------------------------------------------------------------------------------
 
@@ -207,7 +207,8 @@ def samples_to_dataproto(
       ``position_ids`` (B, P+R) int64, 0.. over the real tokens (verl's ``cumsum(mask) - 1`` clipped at
       0: left padding at 0, right padding repeating the last position);
       ``response_mask`` (B, R) int64 = the sample's ``loss_mask`` over the response part;
-      ``old_log_probs`` (B, R) float32 = ``behaviour_logprobs`` there (0 off the mask);
+      ``old_log_probs`` (B, R) float32 = ``behaviour_logprobs`` there (0 off the mask; NaN where the
+      proxy recorded none: ``VerlBackend.train_step`` recomputes those);
       ``advantages`` (B, R) float32 = advantage (× ``loss_weight`` when ``fold_loss_weight``) on the
       mask, 0 elsewhere;
     ``non_tensor_batch["uid"]`` the sample ids; ``meta_info``: ``temperature`` (the sampling temperature
@@ -269,7 +270,7 @@ def samples_to_dataproto(
         attention[i, width_p - pl:width_p + rl] = 1
         response_mask[i, :rl] = mask[moff[i] + firsts[i]:moff[i + 1]]
         old_lp[i, :rl] = blp[boff[i] + firsts[i]:boff[i + 1]]
-    old_lp *= response_mask  # 0 off the mask, whatever the store held there
+    old_lp = np.where(response_mask != 0, old_lp, np.float32(0))  # 0 off the mask, whatever was there
     scale = adv * weight if fold_loss_weight else adv
     advantages = (scale[:, None] * response_mask).astype(np.float32)
     position = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
@@ -546,7 +547,9 @@ class VerlBackend:
         if size % mini:
             raise SampleConversionError(
                 f"the batch of {size} samples is not a multiple of ppo_mini_batch_size ({mini}).")
-        extra = self._recompute_old_logprobs(batch) if self.config.old_logprobs == "recompute" else {}
+        extra = self._fill_missing_behaviour(batch)
+        if self.config.old_logprobs == "recompute":
+            extra |= self._recompute_old_logprobs(batch)
         td = left_right_2_no_padding(batch.to_tensordict())
         tu.assign_non_tensor(
             td, calculate_entropy=self.config.entropy_coeff != 0, global_batch_size=mini,
@@ -560,6 +563,17 @@ class VerlBackend:
         metrics["batch/samples"] = float(size)
         metrics["batch/tokens"] = float(batch.batch["response_mask"].sum())
         return metrics | extra
+
+    def _fill_missing_behaviour(self, batch: DataProto) -> dict[str, float]:
+        """Behaviour logprobs the proxy could not record (NaN) become the current policy's, from one
+        forward pass before the update (``lgt.trainer.rl.fill_behaviour``: IS weight 1 there)."""
+        mask = batch.batch["response_mask"]
+        behaviour = batch.batch["old_log_probs"]
+        missing = torch.isnan(behaviour) & mask.bool()
+        if missing.any():
+            filled, _ = fill_behaviour(behaviour, self._logprobs(batch) * mask)
+            batch.batch["old_log_probs"] = torch.where(mask.bool(), filled, torch.zeros_like(filled))
+        return {"actor/behaviour_recomputed_frac": float(missing.sum() / mask.sum().clamp_min(1))}
 
     def _recompute_old_logprobs(self, batch: DataProto) -> dict[str, float]:
         """Replace ``old_log_probs`` by the current policy's and add verl's ``rollout_is_weights``."""

@@ -8,14 +8,16 @@
 -- reading the token lists once (and offers realign); the tests hold the two to each other.
 
 -- Every call, with why it cannot be trained (excluded NULL: it can): it did not succeed, or it
--- lacks prompt or generated token ids, or one logprob per generated token.
+-- lacks prompt or generated token ids. A call without one logprob per generated token (capture
+-- 'no_logprobs') is trained: its logprobs are NaN here, and the trainer recomputes them.
 CREATE OR REPLACE VIEW sample_calls AS
 SELECT rollout_id, attempt, seq, policy_version, finish_reason,
-       prompt_token_ids, response_token_ids, response_logprobs,
+       prompt_token_ids, response_token_ids,
+       CASE WHEN response_logprobs IS NULL OR len(response_logprobs) <> len(response_token_ids)
+            THEN list_resize([]::FLOAT[], len(response_token_ids), 'NaN'::FLOAT)
+            ELSE response_logprobs END AS response_logprobs,
        CASE WHEN status <> 'ok' THEN status
             WHEN prompt_token_ids IS NULL OR response_token_ids IS NULL THEN 'no_token_ids'
-            WHEN response_logprobs IS NULL
-                 OR len(response_logprobs) <> len(response_token_ids) THEN 'no_logprobs'
        END AS excluded
 FROM calls;
 

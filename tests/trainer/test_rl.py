@@ -526,6 +526,24 @@ def test_policy_loss_truncated_is_and_old_logprobs() -> None:
     assert close(loss, 0.75) and close(metrics["actor/is_clipped_frac"], 1 / 3)
 
 
+def test_policy_loss_recomputes_missing_behaviour_logprobs_from_the_old_policy() -> None:
+    batch = tiny_batch()
+    # token (0, 1) was recorded without its logprob (NaN); token (0, 2) is stale by 1 nat
+    batch["behaviour_logprobs"] = t([0.0, math.nan, -3.0], [0.0, -1.0, 0.0])
+    logp = t([0.0, -1.0, -2.0], [0.0, -1.0, 0.0]).requires_grad_()  # old = logp.detach()
+    loss, metrics = rl.policy_loss(logp, batch, rl.LossConfig())
+    # IS weights: the missing one takes old itself -> 1; the stale one exp(1) -> truncated to 2
+    # per token -A * is_w: row 0 [-, -1, -2], row 1 [-, +2, -] -> 0.25 * -3 + 0.5 * 2 = 0.25
+    assert close(loss, 0.25) and math.isfinite(metrics["loss/total"])
+    assert close(metrics["actor/behaviour_recomputed_frac"], 1 / 3)  # 1 of the 3 trained tokens
+    assert close(metrics["actor/is_weight_mean"], 4 / 3)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
+    filled, missing = rl.fill_behaviour(batch["behaviour_logprobs"], logp)
+    assert missing.tolist() == [[False, True, False], [False, False, False]]
+    assert filled[0, 1] == -1.0 and not filled.requires_grad
+
+
 def test_policy_loss_with_kl_and_token_mean() -> None:
     batch = tiny_batch()
     batch["ref_logprobs"] = batch["behaviour_logprobs"] + t([0.0, LN2, 0.0], [0.0, 0.0, 0.0])

@@ -4,6 +4,7 @@ nothing, checkpoints resume exactly, bad samples fail in one sentence before any
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -143,6 +144,26 @@ def test_steps_raise_positive_and_lower_negative_logprobs(tiny_model_dir: Path) 
     assert losses[-1] < losses[0]
     assert pos1 > pos0 + 0.05
     assert neg1 < neg0 - 0.05
+
+
+def test_missing_behaviour_logprobs_train_as_on_policy(tiny_model_dir: Path) -> None:
+    # A call the proxy recorded without logprobs reaches the trainer as NaN behaviour logprobs: the
+    # update recomputes them (the policy's own, before the step), exactly what on-policy ones give.
+    specs = random_specs(1, 4, vocab(tiny_model_dir))
+    grads_of = {}
+    for kind in ("recorded", "missing"):
+        backend = TorchBackend.load(tiny_model_dir, TorchConfig(lr=1e-3, micro_batch_tokens=64))
+        batch = on_policy(backend, specs)
+        if kind == "missing":
+            batch = make_samples(specs, behaviour=[[math.nan if m else 0.0 for m in mask]
+                                                   for _, mask, _ in specs])
+        backend.optimizer.zero_grad(set_to_none=True)
+        out = backend.accumulate(batch)
+        assert math.isfinite(out["loss"])
+        assert out["actor/behaviour_recomputed_frac"] == (1.0 if kind == "missing" else 0.0)
+        grads_of[kind] = grads(backend)
+    for name, g in grads_of["recorded"].items():
+        assert_close_scaled(grads_of["missing"][name], g, name)
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)

@@ -344,3 +344,34 @@ def test_actor_update_on_cpu_moves_logprobs_with_advantages(tiny_model_dir, old_
 @pytest.mark.parametrize("old_logprobs", ["behaviour", "recompute"])
 def test_actor_update_on_cuda_moves_logprobs_with_advantages(tiny_model_dir, old_logprobs):
     run_actor(tiny_model_dir, old_logprobs)
+
+
+@pytest.mark.slow
+def test_missing_behaviour_logprobs_are_recomputed_before_the_update(tiny_model_dir):
+    # A call recorded without logprobs reaches verl as NaN behaviour logprobs; they become the policy's
+    # own from a forward pass before the update, so on-policy samples train exactly as if recorded.
+    if torch.cuda.is_available():
+        pytest.skip("CPU check")
+    recorded = on_policy_samples(tiny_model_dir)
+    rows = recorded.to_pylist()
+    rows[0]["behaviour_logprobs"] = [math.nan if m else 0.0 for m in rows[0]["loss_mask"]]
+    missing = table(rows)
+    out = {}
+    for name, samples in (("recorded", recorded), ("missing", missing)):
+        backend = VerlBackend(VerlConfig(model_path=str(tiny_model_dir), lr=2e-4, param_dtype="fp32",
+                                         ppo_micro_batch_size_per_gpu=2))
+        try:
+            metrics = backend.train_step(samples)
+            out[name] = (metrics, {n: t.float().cpu().clone() for n, t in backend.named_weights()})
+        finally:
+            backend.close()
+    (m_rec, w_rec), (m_mis, w_mis) = out["recorded"], out["missing"]
+    assert m_rec["actor/behaviour_recomputed_frac"] == 0.0
+    assert m_mis["actor/behaviour_recomputed_frac"] == pytest.approx(5 / sum(map(sum, recorded.column(
+        "loss_mask").to_pylist())))
+    assert m_mis["loss/pg"] == pytest.approx(m_rec["loss/pg"], rel=1e-4) and math.isfinite(m_mis["loss/pg"])
+    assert m_mis["actor/grad_norm"] == pytest.approx(m_rec["actor/grad_norm"], rel=1e-3)
+    # (verl's forward and transformers' differ by ~1e-5, and Adam's first step is lr * sign(grad), so a
+    # weight whose gradient is ~0 may step either way: at most 2 * lr apart)
+    for n, w in w_rec.items():
+        assert torch.allclose(w_mis[n], w, atol=2 * 2e-4), n
