@@ -46,7 +46,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,14 +236,11 @@ def median_of(runs: list[dict]) -> dict:
 
 def count_rows(store: Path, control_port: int) -> tuple[int, int]:
     """Flush lgt-proxy's store through the control API; (rows, ok rows) of the bench rollout."""
-    from lgt.proxy import auth
+    from lgt.proxy.client import ControlClient, resolve_token
     from lgt.store.query import connect
     from lgt.store.schema import STATUS_OK
 
-    token = auth.control_token(auth.load_secret(store))
-    req = urllib.request.Request(f"http://127.0.0.1:{control_port}/flush", data=b"{}",
-                                 method="POST", headers={"Authorization": f"Bearer {token}"})
-    urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=60).read()
+    ControlClient(f"http://127.0.0.1:{control_port}", resolve_token(store=store)).flush()
     rows, ok = connect(store).execute(
         "SELECT count(*), count(*) FILTER (WHERE status = ?) FROM calls WHERE rollout_id = ?",
         [STATUS_OK, ROLLOUT]).fetchone()

@@ -10,14 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
-import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import click
 
 from . import auth
+from .client import ControlClient, ControlError, resolve_token
 from .server import CAPTURE_MODES, EGRESS_MODES, ConfigError, ProxyConfig, serve
 
 
@@ -125,31 +123,15 @@ def creds(rollout_id: str, store: Path, attempt: int, host: str, port: int,
 @click.option("--timeout", default=60.0, show_default=True, type=float, help="pause: drain timeout.")
 def ctl(action: str, store: Path, control_host: str, control_port: int, secret_file: Path | None,
         policy_version: int | None, timeout: float) -> None:
-    """Call the running proxy's control API."""
-    token = auth.control_token(auth.load_secret(store, secret_file))
-    body: dict | None = None
-    if action == "pause":
-        body = {"timeout": timeout}
-    elif action == "resume":
-        body = {} if policy_version is None else {"policy_version": policy_version}
-    elif action == "flush":
-        body = {}
-    req = urllib.request.Request(
-        f"http://{control_host}:{control_port}/{action}",
-        data=None if body is None else json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-        method="GET" if body is None else "POST",
-    )
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    """Call the running proxy's control API (token: $LGT_CONTROL_TOKEN, else from the store's secret)."""
     try:
-        with opener.open(req, timeout=timeout + 10) as r:
-            click.echo(r.read().decode().rstrip())
-    except urllib.error.HTTPError as e:
-        click.echo(e.read().decode().rstrip())
-        sys.exit(1)
-    except urllib.error.URLError as e:
-        raise click.ClickException(
-            f"no lgt-proxy control API at {control_host}:{control_port} ({e.reason})") from None
+        api = ControlClient(f"http://{control_host}:{control_port}", resolve_token(None, store, secret_file))
+        calls = {"state": api.state, "metrics": api.metrics, "flush": api.flush,
+                 "pause": lambda: api.pause(timeout), "resume": lambda: api.resume(policy_version)}
+        out = calls[action]()
+    except (ControlError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(out.rstrip() if isinstance(out, str) else json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@
     POST /flush                            make every recorded call, reward and egress row visible
                                            as Parquet
     GET  /healthz                          no token needed
+
+Its client, for every caller: :mod:`lgt.proxy.client`.
 """
 
 from __future__ import annotations

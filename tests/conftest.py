@@ -15,8 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from typing import Any
 import pytest
 
 from lgt.proxy import auth
+from lgt.proxy.client import ControlClient, resolve_token
 from lgt.proxy.fake_upstream import FakeUpstream
 
 ENV_VARS = (
@@ -74,10 +73,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _no_proxy_opener() -> urllib.request.OpenerDirector:
-    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
 class ProxyProc:
     """``lgt-proxy`` started for real as a subprocess (``python -m lgt.proxy.cli``)."""
 
@@ -109,7 +104,7 @@ class ProxyProc:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
                     pass
-                if self.control("GET", "/healthz", auth_=False)[0] == 200:
+                if ControlClient(self.control_url, "").healthz():  # no token (nor secret) needed
                     return self
             except OSError:
                 pass
@@ -140,27 +135,17 @@ class ProxyProc:
     def ca_bundle(self) -> str:
         return str(auth.ca_bundle(auth.proxy_dir(self.store)))
 
-    def control(self, method: str, path: str, body: Any = None, auth_: bool = True,
-                token: str | None = None, timeout: float = 60) -> tuple[int, Any]:
-        headers = {"Content-Type": "application/json"}
-        if auth_:
-            headers["Authorization"] = f"Bearer {token or auth.control_token(self.secret)}"
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.control_port}{path}", data=data,
-                                     headers=headers, method=method)
-        try:
-            with _no_proxy_opener().open(req, timeout=timeout) as r:
-                raw, status = r.read(), r.status
-        except urllib.error.HTTPError as e:
-            raw, status = e.read(), e.code
-        try:
-            return status, json.loads(raw)
-        except ValueError:
-            return status, raw.decode()
+    @property
+    def control_url(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}"
+
+    @property
+    def client(self) -> ControlClient:
+        """The control API, with the token this proxy derived from its store's secret."""
+        return ControlClient(self.control_url, resolve_token(store=self.store))
 
     def flush(self) -> None:
-        status, body = self.control("POST", "/flush", {})
-        assert status == 200, body
+        self.client.flush()
 
     def calls(self, where: str = "true", params: list | None = None) -> list[dict[str, Any]]:
         """Rows of the calls view (after a flush), as dicts ordered by rollout, attempt, seq."""

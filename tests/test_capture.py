@@ -56,8 +56,7 @@ def same_answer(want: httpx.Response, got: httpx.Response) -> None:
 
 
 def degraded(proxy: ProxyProc) -> dict[str, int]:
-    status, text = proxy.control("GET", "/metrics")
-    assert status == 200
+    text = proxy.client.metrics()
     return {m[1]: int(m[2]) for m in
             re.finditer(r'^lgt_proxy_degraded_captures_total\{reason="(\w+)"\} (\d+)$', text, re.M)}
 
@@ -110,7 +109,8 @@ def test_a_non_finite_logprob_in_a_stream_drops_the_logprobs_not_the_call(
     same_answer(want, got)
     assert len(sent) == 1
     [row] = proxy.calls("rollout_id = ?", [rollout])
-    assert (row["status"], row["capture"], row["capture_reason"]) == ("ok", "no_logprobs", "nonfinite_logprobs")
+    assert (row["status"], row["capture"], row["capture_reason"]) == \
+        ("ok", "no_logprobs", "nonfinite_logprobs")
     assert len(row["response_token_ids"]) > 2 and row["response_logprobs"] is None
 
 
@@ -187,7 +187,7 @@ def test_every_host_an_agent_reaches_is_on_the_record(
         assert first["port"] == internet.port and first["response_bytes"] == len(ok.content)
         assert second["request_bytes"] == 10 and second["policy"] == "allowlist"
         assert {r["rollout_id"] for r in rows} == {rollout}
-        assert p.control("GET", "/state")[1]["blocked_egress"] == 1
+        assert p.client.state()["blocked_egress"] == 1
     finally:
         p.stop()
     log = p.log_text()

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from conftest import ProxyProc, sse_objects, stable
+from lgt.proxy.client import ControlClient, ControlError
 from lgt.proxy.fake_upstream import FakeUpstream, render_chat, token_logprob, tokenize
 
 HOSTED = "https://api.openai.invalid/v1"
@@ -171,8 +172,7 @@ def test_missing_or_wrong_credentials_get_407_and_nothing_is_forwarded(
                 c.post(f"{HOSTED}/chat/completions", json=CHAT)
     assert len(upstream.requests) == before
     assert proxy.calls("rollout_id = ?", [rollout]) == []
-    status, state = proxy.control("GET", "/state")
-    assert state["auth_failures"] >= 4
+    assert proxy.client.state()["auth_failures"] >= 4
 
 
 def test_another_rollouts_token_is_refused(proxy: ProxyProc, rollout: str) -> None:
@@ -306,23 +306,23 @@ def test_pause_drains_in_flight_holds_new_calls_and_resume_sets_the_version(
     with client(proxy, rollout) as c:
         t1, r1 = _in_thread(lambda: c.post(f"{HOSTED}/chat/completions", json=slow))
         time.sleep(0.3)
-        status, paused = proxy.control("POST", "/pause", {"timeout": 10})
-        assert status == 200 and paused["drained"] is True
+        paused = proxy.client.pause(timeout=10)
+        assert paused["drained"] is True
         assert paused["in_flight_at_pause"] == 1 and paused["drain_seconds"] > 0.2
         t1.join(5)
         assert r1["result"].status_code == 200  # the in-flight call finished normally
         t2, r2 = _in_thread(lambda: c.post(f"{HOSTED}/chat/completions", json=CHAT))
         time.sleep(0.5)
         assert t2.is_alive() and not r2  # held open, not failed
-        _, state = proxy.control("GET", "/state")
+        state = proxy.client.state()
         assert state["paused"] is True and state["held"] == 1 and state["in_flight"] == 0
-        status, resumed = proxy.control("POST", "/resume", {"policy_version": 7})
-        assert status == 200 and resumed["paused"] is False and resumed["policy_version"] == 7
+        resumed = proxy.client.resume(policy_version=7)
+        assert resumed["paused"] is False and resumed["policy_version"] == 7
         t2.join(5)
         assert r2["result"].status_code == 200
     rows = proxy.calls("rollout_id = ?", [rollout])
     assert [r["policy_version"] for r in rows] == [0, 7]
-    proxy.control("POST", "/resume", {"policy_version": 0})
+    proxy.client.resume(policy_version=0)
 
 
 def test_pause_times_out_with_504_while_a_call_is_still_running(
@@ -332,9 +332,10 @@ def test_pause_times_out_with_504_while_a_call_is_still_running(
     with client(proxy, rollout) as c:
         t, r = _in_thread(lambda: c.post(f"{HOSTED}/chat/completions", json=slow))
         time.sleep(0.3)
-        status, body = proxy.control("POST", "/pause", {"timeout": 0.2})
-        assert status == 504 and body["drained"] is False and body["in_flight"] == 1
-        proxy.control("POST", "/resume", {})
+        with pytest.raises(ControlError, match="answered POST /pause with 504") as e:
+            proxy.client.pause(timeout=0.2)
+        assert e.value.status == 504 and e.value.body["drained"] is False and e.value.body["in_flight"] == 1
+        proxy.client.resume()
         t.join(5)
         assert r["result"].status_code == 200
 
@@ -345,31 +346,30 @@ def test_reject_mode_answers_429_with_retry_after(
     p = ProxyProc(tmp_path / "store", upstream.url, "--pause-mode", "reject",
                   "--retry-after", "3").start()
     try:
-        assert p.control("POST", "/pause", {})[0] == 200
+        assert p.client.pause()["drained"] is True
         with client(p, rollout) as c:
             r = c.post(f"{HOSTED}/chat/completions", json=CHAT)
             assert r.status_code == 429 and r.headers["retry-after"] == "3"
-            p.control("POST", "/resume", {"policy_version": 1})
+            p.client.resume(policy_version=1)
             assert c.post(f"{HOSTED}/chat/completions", json=CHAT).status_code == 200
         assert [r["policy_version"] for r in p.calls()] == [1]
-        assert p.control("GET", "/state")[1]["rejected"] == 1
+        assert p.client.state()["rejected"] == 1
     finally:
         p.stop()
 
 
 def test_control_api_needs_the_bearer_token(proxy: ProxyProc) -> None:
-    assert proxy.control("GET", "/state", auth_=False)[0] == 401
-    assert proxy.control("GET", "/state", token="wrong")[0] == 401
-    assert proxy.control("GET", "/healthz", auth_=False)[0] == 200
-    status, body = proxy.control("POST", "/resume", {"policy_version": "seven"})
+    assert proxy.client.request("GET", "/state", auth=False)[0] == 401
+    assert ControlClient(proxy.control_url, "wrong").request("GET", "/state")[0] == 401
+    assert proxy.client.request("GET", "/healthz", auth=False)[0] == 200
+    status, body = proxy.client.request("POST", "/resume", {"policy_version": "seven"})
     assert status == 400 and "non-negative integer" in body["error"]
 
 
 def test_metrics_are_prometheus_text(proxy: ProxyProc, rollout: str) -> None:
     with client(proxy, rollout) as c:
         c.post(f"{HOSTED}/chat/completions", json=CHAT)
-    status, text = proxy.control("GET", "/metrics")
-    assert status == 200
+    text = proxy.client.metrics()
     ok = re.search(r'^lgt_proxy_calls_total\{status="ok"\} (\d+)$', text, re.M)
     assert ok and int(ok[1]) >= 1
     count = re.search(r"^lgt_proxy_latency_seconds_count (\d+)$", text, re.M)
@@ -504,18 +504,16 @@ def test_an_agent_reports_its_reward_through_the_proxy(
                                           (2, None, 0.5, "proxy")]
     # the latest reward per attempt, from memory (what a rollout controller asks after each rollout)
     for attempt, value in ((0, 1.0), (2, 0.5), (1, None)):
-        status, body = proxy.control("GET", f"/rewards?rollout_id={rollout}&attempt={attempt}")
-        assert status == 200 and body["value"] == value
-    assert proxy.control("GET", "/rewards?rollout_id=a%20b&attempt=x")[0] == 400
+        assert proxy.client.reward(rollout, attempt) == value
+    assert proxy.client.request("GET", "/rewards?rollout_id=a%20b&attempt=x")[0] == 400
 
 
 def test_an_evaluator_posts_rewards_to_the_control_api(proxy: ProxyProc, rollout: str) -> None:
     with client(proxy, rollout) as c:
         assert c.post(f"{HOSTED}/completions", json=COMPLETION).status_code == 200
-    status, body = proxy.control("POST", "/rewards", {"rollout_id": rollout, "value": 1})
-    assert status == 200 and body["attempt"] == 0
-    status, body = proxy.control("POST", "/rewards", {"rollout_id": rollout + "-never", "value": 1})
+    assert proxy.client.add_reward(rollout, 1)["attempt"] == 0
+    status, body = proxy.client.request("POST", "/rewards", {"rollout_id": rollout + "-never", "value": 1})
     assert status == 404 and "has made no call" in body["error"]
-    status, body = proxy.control("POST", "/rewards", {"rollout_id": rollout, "value": None})
+    status, body = proxy.client.request("POST", "/rewards", {"rollout_id": rollout, "value": None})
     assert status == 400 and "finite number" in body["error"]
     assert rewards_of(proxy, rollout) == [(0, None, 1.0, "proxy")]

@@ -1,13 +1,13 @@
 """The trainer's side of ``lgt-proxy``: start one for a run, or use a running one, and drive its control API.
 
 The proxy is a separately deployed tool with its own environment; the trainer only starts its executable
-and talks HTTP to it (pause / resume / flush / state). Nothing here imports mitmproxy.
+and talks HTTP to it through :mod:`lgt.proxy.client` (pause / resume / flush / state). Nothing here
+imports mitmproxy.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shlex
 import shutil
@@ -16,19 +16,17 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lgt.proxy import auth
+from lgt.proxy.client import ControlClient, resolve_token
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 class ProxyError(RuntimeError):
-    """The proxy could not be started or did not answer as expected."""
+    """The proxy could not be found or started, or its process exited (control calls: ControlError)."""
 
 
 def find_proxy_command() -> list[str]:
@@ -65,14 +63,23 @@ def die_with_parent() -> None:
 
 @dataclass
 class ProxyClient:
-    """The control API of a proxy (``http://host:control_port``) and the port agents use."""
+    """A proxy for a run: the port agents use, its control API (:class:`lgt.proxy.client.ControlClient`)
+    and, when this process started it, its process. Control calls raise
+    :class:`lgt.proxy.client.ControlError` unless answered 200."""
 
     store: Path
     port: int
-    control_url: str
-    token: str
+    api: ControlClient
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+
+    @property
+    def control_url(self) -> str:
+        return self.api.url
+
+    @property
+    def token(self) -> str:
+        return self.api.token
 
     # --- lifecycle -------------------------------------------------------------------------------
     @classmethod
@@ -93,20 +100,16 @@ class ProxyClient:
                                     preexec_fn=die_with_parent)
         finally:
             log.close()
-        client = cls(store=store, port=port, control_url=f"http://127.0.0.1:{control_port}",
-                     token=auth.control_token(auth.load_secret(store)) if (store / "_proxy").exists() else "",
-                     proc=proc, log_path=log_path)
+        url = f"http://127.0.0.1:{control_port}"
+        client = cls(store=store, port=port, api=ControlClient(url, ""), proc=proc, log_path=log_path)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise ProxyError(f"lgt-proxy exited with code {proc.returncode} while starting; "
                                  f"its log ({log_path}):\n{_tail(log_path)}")
-            try:
-                if client.request("GET", "/healthz", auth_=False, timeout=1)[0] == 200:
-                    client.token = auth.control_token(auth.load_secret(store))
-                    return client
-            except OSError:
-                pass
+            if client.api.healthz(timeout=1):  # the proxy has made its secret: the token can be read
+                client.api = ControlClient(url, resolve_token(store=store))
+                return client
             time.sleep(0.1)
         client.stop()
         raise ProxyError(f"lgt-proxy did not answer on its control port within {timeout:.0f} s; "
@@ -114,14 +117,10 @@ class ProxyClient:
 
     @classmethod
     def connect(cls, store: Path, control_url: str, port: int, token: str | None = None) -> ProxyClient:
-        token = token or os.environ.get("LGT_CONTROL_TOKEN") or auth.control_token(auth.load_secret(store))
-        client = cls(store=store, port=port, control_url=control_url.rstrip("/"), token=token)
-        try:
-            status, body = client.request("GET", "/state")
-        except OSError as e:
-            raise ProxyError(f"no lgt-proxy answers at {control_url}: {e}") from None
-        if status != 200:
-            raise ProxyError(f"the proxy at {control_url} refused the control token ({status}): {body}")
+        """A running proxy; ControlError unless it answers ``GET /state`` with this token
+        (:func:`resolve_token`: ``token``, ``$LGT_CONTROL_TOKEN`` or the store's secret)."""
+        client = cls(store=store, port=port, api=ControlClient(control_url, resolve_token(token, store)))
+        client.state()
         return client
 
     def stop(self, timeout: float = 20) -> None:
@@ -135,43 +134,22 @@ class ProxyClient:
             self.proc.wait()
 
     # --- control API -----------------------------------------------------------------------------
-    def request(self, method: str, path: str, body: Any = None, *, auth_: bool = True,
-                timeout: float = 120) -> tuple[int, Any]:
-        headers = {"Content-Type": "application/json"}
-        if auth_:
-            headers["Authorization"] = f"Bearer {self.token}"
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.control_url + path, data=data, headers=headers, method=method)
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        try:
-            with opener.open(req, timeout=timeout) as r:
-                raw, status = r.read(), r.status
-        except urllib.error.HTTPError as e:
-            raw, status = e.read(), e.code
-        try:
-            return status, json.loads(raw)
-        except ValueError:
-            return status, raw.decode(errors="replace")
-
-    def _ok(self, method: str, path: str, body: Any = None, timeout: float = 120) -> dict[str, Any]:
-        self.check_alive()
-        status, out = self.request(method, path, body, timeout=timeout)
-        if status != 200:
-            raise ProxyError(f"lgt-proxy {method} {path} answered {status}: {out}")
-        return out
-
     def pause(self, timeout: float = 120) -> dict[str, Any]:
         """Hold new calls and wait until in-flight ones finish: ``drain_seconds``, ``in_flight_at_pause``."""
-        return self._ok("POST", "/pause", {"timeout": timeout}, timeout=timeout + 10)
+        self.check_alive()
+        return self.api.pause(timeout)
 
     def resume(self, policy_version: int) -> dict[str, Any]:
-        return self._ok("POST", "/resume", {"policy_version": policy_version})
+        self.check_alive()
+        return self.api.resume(policy_version)
 
     def flush(self) -> dict[str, Any]:
-        return self._ok("POST", "/flush", {})
+        self.check_alive()
+        return self.api.flush()
 
     def state(self) -> dict[str, Any]:
-        return self._ok("GET", "/state")
+        self.check_alive()
+        return self.api.state()
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
