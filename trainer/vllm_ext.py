@@ -12,12 +12,19 @@ One thing that path misses: with tied embeddings the output head shares ``embed_
 receives no weights of its own, so on CPU its packed GEMM copy stays stale. ``_retie_lm_head`` points
 it at the embedding again and re-runs its post-load processing (a no-op on GPU).
 
+On the same machine without a file: ``lgt_load_weights_shm`` views the tensors the trainer copied once
+into a POSIX shared-memory segment (no safetensors serialisation, no file). On a GPU, when the trainer
+shares the engine's GPU, ``lgt_load_weights_ipc`` takes the weights without touching the host: the
+trainer sends CUDA IPC handles of its tensors (``lgt.trainer.engine.ipc_payload``), each worker opens
+them on its own device and loads from the trainer's memory.
+
 This module runs inside the vLLM worker process: it imports only torch and safetensors at import time.
 The file is left in place; the caller deletes it once every worker has answered.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +61,46 @@ def _retie_lm_head(model: torch.nn.Module) -> bool:
     return True
 
 
+IPC_DEVICE_ARG = 6  # rebuild_cuda_tensor's storage_device argument (torch.multiprocessing.reductions)
+
+
+def open_ipc_payload(payload: str, device: int) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a trainer on the same GPU shared as CUDA IPC handles (``lgt.trainer.engine.
+    ipc_payload``): each rebuilt on this worker's ``device``, sharing the trainer's memory (no copy)."""
+    import base64
+    import pickle
+
+    out = []
+    for name, rebuild, args in pickle.loads(base64.b64decode(payload)):  # noqa: S301 - our own trainer
+        args = list(args)
+        args[IPC_DEVICE_ARG] = device  # this process may number the GPUs differently
+        out.append((name, rebuild(*args)))
+    return out
+
+
+def open_shm_layout(name: str, layout: str) -> tuple[object, list[tuple[str, torch.Tensor]]]:
+    """``(segment, tensors)``: the tensors a trainer on this machine packed into the POSIX shared-memory
+    segment ``name`` (``lgt.trainer.engine.shm_pack``), viewed in place. Close the segment when done
+    (never unlink it: the trainer does)."""
+    import json
+    from multiprocessing import resource_tracker, shared_memory
+
+    segment = shared_memory.SharedMemory(name=name)
+    try:  # the trainer owns the segment: this process must not unlink it when it exits
+        resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - Python >= 3.13 does not track attached segments
+        pass
+    tensors = []
+    for entry in json.loads(layout):
+        dtype = getattr(torch, entry["dtype"])
+        count = 1
+        for d in entry["shape"]:
+            count *= d
+        flat = torch.frombuffer(segment.buf, dtype=dtype, count=count, offset=entry["offset"])
+        tensors.append((entry["name"], flat.view(entry["shape"])))
+    return segment, tensors
+
+
 class WeightSyncExtension:
     """Methods vLLM adds to its worker (``self`` is the worker: ``self.model_runner``, ``reload_weights``).
 
@@ -79,3 +126,29 @@ class WeightSyncExtension:
         with torch.no_grad():
             tied = _retie_lm_head(self.model_runner.get_model())
         return {"tensors": count, "seconds": time.perf_counter() - start, "tied": tied}
+
+    def lgt_load_weights_ipc(self, payload: str) -> dict:
+        """Reload every weight shared by CUDA IPC in ``payload`` (HF names; from a trainer on the same
+        GPU) into the served model, without touching disk. Returns like :meth:`lgt_load_weights`."""
+        start = time.perf_counter()
+        tensors = open_ipc_payload(payload, torch.cuda.current_device())
+        self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+        with torch.no_grad():
+            tied = _retie_lm_head(self.model_runner.get_model())
+        torch.cuda.synchronize()
+        return {"tensors": len(tensors), "seconds": time.perf_counter() - start, "tied": tied}
+
+    def lgt_load_weights_shm(self, name: str, layout: str) -> dict:
+        """Reload every weight packed into the shared-memory segment ``name`` (``layout``: JSON list of
+        name, dtype, shape, byte offset) into the served model: no file, no serialisation. Returns like
+        :meth:`lgt_load_weights`."""
+        start = time.perf_counter()
+        segment, tensors = open_shm_layout(name, layout)
+        try:
+            self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+            with torch.no_grad():
+                tied = _retie_lm_head(self.model_runner.get_model())
+        finally:
+            del tensors
+            segment.close()
+        return {"tensors": len(json.loads(layout)), "seconds": time.perf_counter() - start, "tied": tied}

@@ -256,9 +256,10 @@ def test_pause_resume_and_sleep_on_cpu(engine: Engine) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["file", "shm"])
 def test_weight_sync_matches_transformers(engine: Engine, tiny_model_dir: Path, tmp_path: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_mod, "weights_dir", lambda: tmp_path)
+                                          transport: str) -> None:
+    segments_before = set(os.listdir("/dev/shm"))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     original = {k: v.clone() for k, v in model.state_dict().items()}
     old = hf_logprobs(model, PROMPT_IDS)
@@ -271,12 +272,13 @@ def test_weight_sync_matches_transformers(engine: Engine, tiny_model_dir: Path, 
     new = hf_logprobs(model, PROMPT_IDS)
     assert (new - old).abs().max() > 0.1  # the perturbation moves the logprobs
 
-    seconds = engine.update_weights(model.named_parameters())
+    seconds = engine.update_weights(model.named_parameters(), transport, directory=tmp_path)
     assert seconds > 0 and engine.last_sync is not None and engine.last_sync.total == seconds
     assert (engine_logprobs(engine, PROMPT_IDS) - new).abs().max() < TOLERANCE
     assert os.listdir(tmp_path) == []  # the weights file is gone
+    assert set(os.listdir("/dev/shm")) <= segments_before  # and no shared-memory segment is left
 
-    engine.update_weights(original.items())  # back, from a state dict holding the tied lm_head too
+    engine.update_weights(original.items(), transport)  # back, from a state dict with the tied lm_head
     assert (engine_logprobs(engine, PROMPT_IDS) - old).abs().max() < TOLERANCE
     assert not engine.is_paused()
 
@@ -316,3 +318,29 @@ def test_stop_leaves_no_process(engine: Engine) -> None:
     engine.stop()  # idempotent
     with pytest.raises(EngineError, match="was stopped"):
         engine.check_alive()
+
+
+# -- the GPU path's weight transport (CUDA IPC): checked without a GPU as far as it goes ------------------
+
+
+def _rebuild_probe(*args):
+    """Stands in for torch's rebuild_cuda_tensor: gives back the arguments it was called with."""
+    return torch.tensor([float(args[6])])
+
+
+def test_ipc_payload_is_opened_on_the_workers_own_device() -> None:
+    import base64
+    import pickle
+
+    from lgt.trainer.vllm_ext import IPC_DEVICE_ARG, open_ipc_payload
+
+    args = tuple(range(15))  # rebuild_cuda_tensor's 15 arguments; [6] is the sender's device index
+    payload = base64.b64encode(pickle.dumps([("w", _rebuild_probe, args)])).decode()
+    [(name, tensor)] = open_ipc_payload(payload, device=3)
+    assert name == "w" and tensor.item() == 3.0 and IPC_DEVICE_ARG == 6
+    with pytest.raises(EngineError, match="'w' is on cpu: CUDA IPC shares GPU tensors only"):
+        engine_mod.ipc_payload({"w": torch.zeros(2)})
+    if torch.cuda.is_available():  # on a GPU: the real handles open in this process too
+        t = torch.arange(4.0, device="cuda")
+        [(_, opened)] = open_ipc_payload(engine_mod.ipc_payload({"w": t}), torch.cuda.current_device())
+        assert torch.equal(opened.cpu(), t.cpu())
