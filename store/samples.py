@@ -1,4 +1,4 @@
-"""Training samples from the store: calls merged per rollout attempt, GRPO advantages, loss weights.
+"""Training samples from the store: calls merged per rollout attempt, with their rollout's facts.
 
 A rollout attempt makes a run of model calls; each call's prompt is the agent's whole context. When a
 call's prompt starts with the previous call's prompt + generated tokens, the two calls are one sample:
@@ -8,8 +8,9 @@ is recorded in ``merge_breaks`` with its reason.
 How the work is divided (``sql/samples.sql`` holds the SQL):
 
 * SQL, over scalar columns: which attempts can be trained, the seq order of their calls
-  (``sample_order``), and after the merge each attempt's group, advantage and loss weight
-  (``sample_rollouts``).
+  (``sample_order``), and after the merge each attempt's group, reward and trained-token count
+  (``sample_rollouts``). The store gives facts: advantages and loss weights are the trainer's
+  (:mod:`lgt.trainer.algorithm`, by a registered estimator).
 * One streaming pass over the calls files' token lists (:func:`merge_calls`): the prefix check is a
   memcmp (``pyarrow.Buffer.equals``) on zero-copy slices of the Arrow buffers, and samples are
   assembled by joining byte ranges. The files are read with pyarrow, as the store's contract lays
@@ -25,7 +26,6 @@ and the prompt's tokens after the matching text are appended (:func:`realign_off
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 from array import array
@@ -60,11 +60,7 @@ SAMPLES = pa.schema([
     ("behaviour_logprobs", pa.list_(pa.float32())),
     ("policy_versions", pa.list_(pa.int32())),
     ("reward", pa.float64()),
-    ("advantage", pa.float64()),
-    ("loss_weight", pa.float64()),
-    ("rollout_tokens", pa.int64()),
-    ("group_size", pa.int64()),
-    ("zero_variance", pa.bool_()),
+    ("rollout_tokens", pa.int64()),  # generated (loss-masked) tokens of the rollout's samples
     ("mode", pa.string()),
 ])
 TOKEN_LISTS = ("input_ids", "loss_mask", "behaviour_logprobs", "policy_versions")
@@ -114,37 +110,35 @@ def install(con: duckdb.DuckDBPyConnection) -> None:
                          f"with lgt.store.query.connect ({str(e).splitlines()[0]})") from None
 
 
-def build_samples(con: duckdb.DuckDBPyConnection, *, mode: str = "exact", tokenizer: Any = None,
-                  std_normalize: bool = True, eps: float = 1e-6) -> SampleBuild:
+def build_samples(con: duckdb.DuckDBPyConnection, *, mode: str = "exact",
+                  tokenizer: Any = None) -> SampleBuild:
     """Training samples of every trainable rollout attempt of the store open on ``con``.
 
     ``mode``: ``exact`` merges a call into the previous one's sample only when its prompt extends
     the previous prompt + generated tokens token by token; ``realign`` also merges when the decoded
     text extends (needs ``tokenizer``, anything with ``decode(ids) -> str``). A tokenizer given in
-    exact mode only names the reasons of splits. ``std_normalize``: GRPO advantages
-    ``(r - mean) / (std + eps)``, else ``r - mean``.
+    exact mode only names the reasons of splits.
     """
-    decode = check_args(mode, tokenizer, eps)
+    decode = check_args(mode, tokenizer)
     root = store_root(con)
     install(con)
     check_unique_seq(con)
     order = call_order(con)
     merged = merge_calls(prefetched(call_batches(root, scoped_files(con))), order, mode, decode)
-    per_sample, rollouts = rollout_scalars(con, merged.scalars, std_normalize, eps)
+    per_sample, rollouts = rollout_scalars(con, merged.scalars)
     samples = assemble(merged, per_sample, mode)
     breaks = pa.Table.from_pylist(merged.breaks, schema=MERGE_BREAKS)
     return SampleBuild(samples, breaks, make_report(mode, merged, samples, rollouts))
 
 
 def build_group_samples(store: str | Path, group_ids: Iterable[str], *, mode: str = "exact",
-                        tokenizer: Any = None, std_normalize: bool = True,
-                        eps: float = 1e-6) -> SampleBuild:
+                        tokenizer: Any = None) -> SampleBuild:
     """:func:`build_samples` of the rollout groups ``group_ids`` alone (a trainer's batch).
 
     Only the files holding those groups' rollouts are read (``connect(rollout_ids=…)``; which files
     hold which rollouts is remembered per process), so a trainer's step costs what its batch costs
-    however large the store has grown. Groups are whole, so advantages equal those of a build
-    of the whole store; loss weights are normalised over these groups' rollouts. A group id of the
+    however large the store has grown. Groups are whole: the same rows as a build of the whole
+    store, filtered to these groups. A group id of the
     form ``<rollout_id>~<attempt>`` also names an attempt seen only in calls (its own group).
     """
     root = Path(store).resolve()
@@ -153,7 +147,7 @@ def build_group_samples(store: str | Path, group_ids: Iterable[str], *, mode: st
     ids = group_rollouts(root, groups) | {g.rsplit("~", 1)[0] for g in groups if "~" in g}
     con = connect(root, rollout_ids=ids)
     try:
-        built = build_samples(con, mode=mode, tokenizer=tokenizer, std_normalize=std_normalize, eps=eps)
+        built = build_samples(con, mode=mode, tokenizer=tokenizer)
     finally:
         con.close()
     keep = pc.is_in(built.samples["group_id"], value_set=pa.array(groups, pa.string()))
@@ -165,12 +159,10 @@ def build_group_samples(store: str | Path, group_ids: Iterable[str], *, mode: st
     return SampleBuild(samples, breaks, built.report)
 
 
-def check_args(mode: str, tokenizer: Any, eps: float) -> Callable[[list[int]], str] | None:
+def check_args(mode: str, tokenizer: Any) -> Callable[[list[int]], str] | None:
     """The tokenizer's decode function (None without one); a ValueError for a bad argument."""
     if mode not in MODES:
         raise ValueError(f"unknown sample mode {mode!r}: use one of {', '.join(MODES)}")
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, not {eps!r}")
     if tokenizer is None:
         if mode == "realign":
             raise ValueError("mode 'realign' needs a tokenizer (anything with decode(ids) -> str)")
@@ -609,12 +601,12 @@ def _boundary(decode: Callable[[list[int]], str], prompt: list[int], held: list[
     return None
 
 
-# --- advantages, weights, assembly, report --------------------------------------------------------
+# --- rollout facts, assembly, report -------------------------------------------------------------
 
-def rollout_scalars(con: duckdb.DuckDBPyConnection, scalars: list[SampleScalars], std_normalize: bool,
-                    eps: float) -> tuple[pa.Table, pa.Table]:
+def rollout_scalars(con: duckdb.DuckDBPyConnection,
+                    scalars: list[SampleScalars]) -> tuple[pa.Table, pa.Table]:
     """``(per_sample, rollouts)``: every rollout attempt's row of ``sample_rollouts`` given the merged
-    samples, and per sample (in merge order) its rollout's group, reward, advantage and loss weight,
+    samples, and per sample (in merge order) its rollout's group, task, reward and trained tokens,
     ``keep`` false where the rollout is not trained (it generated no tokens)."""
     meta = pa.table([pa.array(col, t) for col, t in zip(
                         list(zip(*scalars)) or [[]] * 5,
@@ -626,13 +618,11 @@ def rollout_scalars(con: duckdb.DuckDBPyConnection, scalars: list[SampleScalars]
         con.execute("""
             CREATE OR REPLACE TEMP VIEW _lgt_sample_tokens AS
             SELECT rollout_id, attempt, sum(masked) AS rollout_tokens FROM _lgt_sample_meta GROUP BY ALL""")
-        rollouts = con.sql("FROM sample_rollouts('_lgt_sample_tokens', std_normalize := ?, eps := ?)",
-                           params=[bool(std_normalize), float(eps)]).to_arrow_table()
+        rollouts = con.sql("FROM sample_rollouts('_lgt_sample_tokens')").to_arrow_table()
         con.register("_lgt_rollouts", rollouts)
         per_sample = con.sql("""
             SELECT m.row, r.excluded IS NULL AS keep, m.rollout_id, m.attempt, m.sample_index,
-                   m.n_calls, r.group_id, r.task_id, r.reward, r.advantage, r.loss_weight,
-                   r.rollout_tokens, r.group_size, r.zero_variance
+                   m.n_calls, r.group_id, r.task_id, r.reward, r.rollout_tokens
             FROM _lgt_sample_meta m JOIN _lgt_rollouts r USING (rollout_id, attempt)
             ORDER BY m.row""").to_arrow_table()
     finally:
@@ -662,18 +652,19 @@ def make_report(mode: str, merged: Merged, samples: pa.Table, rollouts: pa.Table
     per_rollout = Counter(Counter(zip(samples.column("rollout_id").to_pylist(),
                                       samples.column("attempt").to_pylist())).values())
     excluded = Counter(r for r in rollouts.column("excluded").to_pylist() if r is not None)
-    trained = [(g, z, n) for g, z, n, e in zip(*(rollouts.column(c).to_pylist() for c in
-                                                   ("group_id", "zero_variance", "group_size", "excluded")))
-               if e is None]
+    rewards: dict[str, list[float]] = {}  # trained rollouts' rewards by group
+    for g, w, e in zip(*(rollouts.column(c).to_pylist() for c in ("group_id", "reward", "excluded"))):
+        if e is None:
+            rewards.setdefault(g, []).append(w)
     report: dict[str, Any] = {
         "mode": mode,
-        "rollouts": {"trained": len(trained), "excluded": dict(excluded.most_common())},
+        "rollouts": {"trained": sum(map(len, rewards.values())), "excluded": dict(excluded.most_common())},
         "calls": {"used": merged.used_calls, "excluded": dict(merged.excluded_calls.most_common()),
                   "logprobs_recomputed": merged.missing_logprobs},
         "samples_per_rollout": {str(k): n for k, n in sorted(per_rollout.items())},
-        "groups": {"trained": len({g for g, _, _ in trained}),
-                   "zero_variance": len({g for g, z, _ in trained if z}),
-                   "single_rollout": len({g for g, _, n in trained if n == 1})},
+        "groups": {"trained": len(rewards),  # equal rewards: no signal for a group-baseline estimator
+                   "zero_variance": sum(1 for ws in rewards.values() if min(ws) == max(ws)),
+                   "single_rollout": sum(1 for ws in rewards.values() if len(ws) == 1)},
     }
     if mode == "realign":
         report["realigned_merges"] = merged.realigned

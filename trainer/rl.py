@@ -27,10 +27,9 @@ Choices, and where they depart from the usual recipes:
 - **KL penalty** against a reference policy, added per token: ``k1 = logp - ref``,
   ``k2 = (logp - ref)^2 / 2``, ``k3 = exp(ref - logp) - (ref - logp) - 1`` (low variance, always
   >= 0; its log-ratio clamped to [-20, 20] and value to <= 10 so one odd token cannot dominate).
-- **GRPO advantages** use the *sample* standard deviation (n - 1) and ``eps = 1e-6`` added to it,
-  and give 0 to a group of one or a group whose rewards are all equal — exactly the store's
-  ``sample_rollouts`` macro (store/sql/samples.sql), so advantages computed here and in the store
-  agree.
+- Advantages and the ``rollout`` loss weights are per-rollout numbers: :mod:`lgt.trainer.algorithm`
+  computes them (no torch), and holds :class:`LossConfig` (re-exported here) so that a run config is
+  checked without importing torch; the mode names there are this module's registries' keys.
 - **Loss aggregation** (``AGG_MODES``): ``"token-mean"``, ``"seq-mean-token-mean"``,
   ``"seq-mean-token-sum"`` as in verl, and ``"rollout"``: ``Σ_i w_i Σ_t mask·l`` with the store's
   ``loss_weight`` ``w_i = 1 / (R · masked tokens of sample i's rollout)``, so each *rollout* counts
@@ -55,10 +54,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from . import algorithm
+from .algorithm import LossConfig
 
 __all__ = [
     "AGG_MODES",
@@ -67,7 +68,6 @@ __all__ = [
     "LossConfig",
     "aggregate_loss",
     "fill_behaviour",
-    "grpo_advantages",
     "importance_weights",
     "kl_penalty",
     "masked_mean",
@@ -244,41 +244,6 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, *, chunk_size: int | None 
     return _TokenLogprobs.apply(logits, input_ids.long(), max(1, b) * _chunk_len(b, v, chunk_size))
 
 
-# --- advantages -----------------------------------------------------------------------------------
-
-def grpo_advantages(rewards: Tensor, group_index: Tensor, *, std_normalize: bool = True,
-                    eps: float = 1e-6) -> Tensor:
-    """GRPO advantages: each reward minus its group's mean, divided by (group std + eps).
-
-    rewards: (N,) float; group_index: (N,) integer group ids (any values; equal id = same group).
-    Returns (N,) float32 (float64 for float64 rewards). std is the *sample* standard deviation
-    (n - 1 denominator); a group of one, or whose rewards are all equal, gets 0. This is the store's
-    rule (``sample_rollouts`` in store/sql/samples.sql: ``stddev_samp``, ``eps := 1e-6``,
-    ``zero_variance``). ``std_normalize=False`` gives ``r - mean`` (Dr. GRPO).
-    """
-    if rewards.dim() != 1 or group_index.shape != rewards.shape:
-        raise ValueError(f"rewards and group_index must both be (N,); got {tuple(rewards.shape)} "
-                         f"and {tuple(group_index.shape)}")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, not {eps!r}")
-    r = _upcast(rewards.detach())
-    if r.numel() == 0:
-        return r.clone()
-    _, inverse = torch.unique(group_index, return_inverse=True)
-    n_groups = int(inverse.max()) + 1
-    count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
-    mean = torch.zeros_like(count).index_add_(0, inverse, r) / count
-    dev = r - mean[inverse]
-    lo = torch.full_like(count, math.inf).scatter_reduce_(0, inverse, r, "amin")
-    hi = torch.full_like(count, -math.inf).scatter_reduce_(0, inverse, r, "amax")
-    flat = (lo == hi)[inverse]  # a group of one is flat too
-    if std_normalize:
-        ss = torch.zeros_like(count).index_add_(0, inverse, dev * dev)
-        std = (ss / (count - 1).clamp_min(1)).sqrt()
-        dev = dev / (std[inverse] + eps)
-    return torch.where(flat, torch.zeros_like(dev), dev)
-
-
 # --- importance sampling correction ---------------------------------------------------------------
 
 def _is_ratio(logp_old: Tensor, behaviour_logp: Tensor) -> Tensor:
@@ -359,7 +324,7 @@ def ppo_clip_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tens
     scalar tensors: ``clipfrac`` (tokens where the clipped term was taken), ``ratio_mean``,
     ``approx_kl`` (k3 estimate of KL(old || current)), and ``dual_clipfrac`` when dual clip is on).
     """
-    _check_clip(clip_low, clip_high, dual_clip)
+    LossConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)  # the same checks
     _check_same_shape(logp=logp, logp_old=logp_old, mask=mask)
     logp = _upcast(logp)
     log_ratio = (logp - _upcast(logp_old.detach()).to(logp.dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
@@ -458,6 +423,10 @@ AGG_MODES: dict[str, AggFn] = {
 }
 
 
+assert tuple(AGG_MODES) == algorithm.AGG_MODES and tuple(IS_MODES) == algorithm.IS_MODES \
+    and tuple(KL_KINDS) == algorithm.KL_KINDS, "lgt.trainer.algorithm names the modes registered here"
+
+
 def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str, *, sample_weights: Tensor | None = None,
                    num_tokens: float | None = None, num_samples: float | None = None) -> Tensor:
     """Reduce a per-token loss (B, T) under ``mask`` (B, T) to a scalar; ``mode`` in ``AGG_MODES``.
@@ -483,39 +452,6 @@ def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str, *, sample_weights
 
 # --- the loss of one (micro-)batch ----------------------------------------------------------------
 
-def _check_clip(clip_low: float, clip_high: float, dual_clip: float | None) -> None:
-    if not (0.0 <= clip_low < 1.0):
-        raise ValueError(f"clip_low must be in [0, 1), not {clip_low!r}")
-    if not (math.isfinite(clip_high) and clip_high >= 0.0):
-        raise ValueError(f"clip_high must be a finite number >= 0, not {clip_high!r}")
-    if dual_clip is not None and not (math.isfinite(dual_clip) and dual_clip > 1.0):
-        raise ValueError(f"dual_clip must be a finite number > 1 (or None to turn it off), not {dual_clip!r}")
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Policy-loss settings (see the module docstring for what each means)."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    is_mode: str = "truncate"
-    is_cap: float = 2.0
-    kl_coef: float = 0.0
-    kl_kind: str = "k3"
-    agg: str = "rollout"
-    dual_clip: float | None = None
-
-    def __post_init__(self) -> None:
-        _check_clip(self.clip_low, self.clip_high, self.dual_clip)
-        _check_is(self.is_mode, self.is_cap)
-        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0.0):
-            raise ValueError(f"kl_coef must be a finite number >= 0, not {self.kl_coef!r}")
-        if self.kl_kind not in KL_KINDS:
-            raise _unknown("KL estimator", self.kl_kind, KL_KINDS)
-        if self.agg not in AGG_MODES:
-            raise _unknown("loss aggregation", self.agg, AGG_MODES)
-
-
 def _batch_tensor(batch: Mapping[str, Tensor], key: str, why: str) -> Tensor:
     if key not in batch or batch[key] is None:
         raise ValueError(f'the batch has no "{key}" ({why})')
@@ -529,9 +465,10 @@ def policy_loss(logp: Tensor, batch: Mapping[str, Tensor], cfg: LossConfig, *,
 
     logp: (B, T) current log-probabilities with gradient (``token_logprobs``). batch:
     "loss_mask" (B, T); "advantages" (B,) or (B, T); "behaviour_logprobs" (B, T) (engine's, 0 off the
-    mask, NaN where not recorded: recomputed, see :func:`fill_behaviour`); optional "old_logprobs" (B, T) (default ``logp.detach()``: ratio 1), "loss_weight" (B,)
-    (needed by agg "rollout"), "ref_logprobs" (B, T) (needed when ``kl_coef`` > 0). ``num_tokens`` /
-    ``num_samples``: whole-batch totals when this is a micro-batch (see ``aggregate_loss``).
+    mask, NaN where not recorded: recomputed, see :func:`fill_behaviour`); optional "old_logprobs"
+    (B, T) (default ``logp.detach()``: ratio 1), "loss_weight" (B,) (needed by agg "rollout"),
+    "ref_logprobs" (B, T) (needed when ``kl_coef`` > 0). ``num_tokens`` / ``num_samples``: whole-batch
+    totals when this is a micro-batch (see ``aggregate_loss``).
     Returns (scalar loss, metrics). "loss/*" metrics are this micro-batch's contributions (they sum
     over micro-batches to the batch's value; "loss/kl" is before ``kl_coef``); "actor/*" are means
     over this micro-batch's masked tokens.

@@ -1,11 +1,11 @@
--- lgt samples: how the calls of a rollout attempt become training samples, with credit.
+-- lgt samples: how the calls of a rollout attempt become training samples.
 -- Needs the views of views.sql. lgt loads this file with lgt.store.samples.install(con); in any
 -- DuckDB client started in the store directory, run views.sql and then this file, e.g. in the CLI:
 --   .read /path/to/lgt/store/sql/views.sql
 --   .read /path/to/lgt/store/sql/samples.sql
--- `samples`, `sample_links` and `merge_breaks` are the exact mode with GRPO advantages divided by
--- the group's std (eps 1e-6), in plain SQL. lgt.store.samples.build_samples gives the same rows
--- reading the token lists once (and offers realign); the tests hold the two to each other.
+-- `samples`, `sample_links` and `merge_breaks` are the exact mode, in plain SQL.
+-- lgt.store.samples.build_samples gives the same rows reading the token lists once (and offers
+-- realign); the tests hold the two to each other.
 
 -- Every call, with why it cannot be trained (excluded NULL: it can): it did not succeed, or it
 -- lacks prompt or generated token ids. A call without one logprob per generated token (capture
@@ -77,43 +77,24 @@ CREATE OR REPLACE VIEW merge_breaks AS
 SELECT rollout_id, attempt, seq, link AS reason FROM sample_links
 WHERE link NOT IN ('first', 'extends');
 
--- Every rollout attempt: whether it is trained (excluded NULL) and, if so, its GRPO advantage and
--- loss weight. sample_tokens names a relation (rollout_id, attempt, rollout_tokens): how many
--- generated (loss-masked) tokens the attempt's samples hold.
+-- Every rollout attempt: whether it is trained (excluded NULL), its group and reward, and how many
+-- generated (loss-masked) tokens its samples hold. sample_tokens names a relation (rollout_id,
+-- attempt, rollout_tokens).
 --   excluded: the rollout's status when not 'ok' (failed, timeout), no_reward, no_trainable_calls.
---   A group is group_id (the rollouts of one task in one step) over trained attempts only, so a
---   failed rollout never counts as reward 0. A group of one or with equal rewards is
---   zero_variance: advantage 0.
---   loss_weight = 1 / (R * rollout_tokens), R the trained attempts: summing loss_weight * the
---   per-token loss over all samples weighs every rollout the same, however it was split.
-CREATE OR REPLACE MACRO sample_rollouts(sample_tokens, std_normalize := true, eps := 1e-6) AS TABLE
-WITH a AS (
-    SELECT r.rollout_id, r.attempt, r.task_id, r.step,
-           coalesce(r.group_id, r.rollout_id || '~' || r.attempt) AS group_id,
-           w.value AS reward, coalesce(t.rollout_tokens, 0) AS rollout_tokens,
-           CASE WHEN r.status <> 'ok' THEN r.status
-                WHEN w.value IS NULL THEN 'no_reward'
-                WHEN coalesce(t.rollout_tokens, 0) = 0 THEN 'no_trainable_calls' END AS excluded
-    FROM rollouts r
-    LEFT JOIN rewards w
-           ON w.rollout_id = r.rollout_id AND w.attempt = r.attempt AND w.call_id IS NULL
-    LEFT JOIN query_table(sample_tokens) t
-           ON t.rollout_id = r.rollout_id AND t.attempt = r.attempt
-), g AS (
-    SELECT group_id, count(*) AS group_size, avg(reward) AS group_mean,
-           coalesce(stddev_samp(reward), 0) AS group_std, min(reward) = max(reward) AS zero_variance
-    FROM a WHERE excluded IS NULL GROUP BY group_id
-), n AS (
-    SELECT count(*) AS trained FROM a WHERE excluded IS NULL
-)
-SELECT a.*, g.group_size, g.group_mean, g.group_std, g.zero_variance,
-       CASE WHEN a.excluded IS NULL THEN
-           CASE WHEN g.zero_variance THEN 0.0
-                WHEN std_normalize THEN (a.reward - g.group_mean) / (g.group_std + eps)
-                ELSE a.reward - g.group_mean END
-       END AS advantage,
-       CASE WHEN a.excluded IS NULL THEN 1.0 / (n.trained * a.rollout_tokens) END AS loss_weight
-FROM a LEFT JOIN g USING (group_id) CROSS JOIN n;
+-- The store gives facts: advantages and loss weights are computed by the trainer over the rollouts it
+-- trains together (lgt.trainer.algorithm: a failed rollout never counts as reward 0).
+CREATE OR REPLACE MACRO sample_rollouts(sample_tokens) AS TABLE
+SELECT r.rollout_id, r.attempt, r.task_id, r.step,
+       coalesce(r.group_id, r.rollout_id || '~' || r.attempt) AS group_id,
+       w.value AS reward, coalesce(t.rollout_tokens, 0) AS rollout_tokens,
+       CASE WHEN r.status <> 'ok' THEN r.status
+            WHEN w.value IS NULL THEN 'no_reward'
+            WHEN coalesce(t.rollout_tokens, 0) = 0 THEN 'no_trainable_calls' END AS excluded
+FROM rollouts r
+LEFT JOIN rewards w
+       ON w.rollout_id = r.rollout_id AND w.attempt = r.attempt AND w.call_id IS NULL
+LEFT JOIN query_table(sample_tokens) t
+       ON t.rollout_id = r.rollout_id AND t.attempt = r.attempt;
 
 -- The token lists of each exact-mode sample: every call adds its new prompt tokens (mask 0,
 -- logprob 0, policy version -1) then its generated tokens (mask 1, recorded logprobs, the policy
@@ -136,12 +117,11 @@ FROM sample_links GROUP BY rollout_id, attempt, sample_index;
 CREATE OR REPLACE VIEW sample_tokens AS
 SELECT rollout_id, attempt, sum(masked_tokens) AS rollout_tokens FROM sample_lists GROUP BY ALL;
 
--- What the trainer trains on (exact mode, std-normalised advantages).
+-- What the trainer trains on (exact mode), before it adds advantages and loss weights.
 CREATE OR REPLACE VIEW samples AS
 SELECT s.rollout_id || '~' || s.attempt || '#' || s.sample_index AS sample_id,
        s.rollout_id, s.attempt, r.group_id, r.task_id, s.sample_index, s.n_calls,
        s.input_ids, s.loss_mask, s.behaviour_logprobs, s.policy_versions,
-       r.reward, r.advantage, r.loss_weight, r.rollout_tokens, r.group_size, r.zero_variance,
-       'exact' AS mode
+       r.reward, r.rollout_tokens, 'exact' AS mode
 FROM sample_lists s JOIN sample_rollouts('sample_tokens') r USING (rollout_id, attempt)
 WHERE r.excluded IS NULL;

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import lgt.store
 from lgt.trainer import rl
 
 E = math.e
@@ -185,63 +183,6 @@ def test_token_logprobs_empty_batch_or_sequence() -> None:
         assert out.shape == shape[:2] and out.dtype == torch.float32
         out.sum().backward()
         assert logits.grad is not None and logits.grad.shape == shape
-
-
-# --- grpo_advantages ------------------------------------------------------------------------------
-
-def test_grpo_advantages_hand_computed_sample_std() -> None:
-    rewards = t([1.0, 0.0, 0.0, 1.0, 5.0, 3.0, 3.0], dtype=torch.float64)
-    groups = torch.tensor([7, 7, 7, 7, 2, 9, 9])
-    # group 7: mean 0.5, sample var = 4 * 0.25 / 3 = 1/3, std = 0.57735 -> +-0.5 / (0.57735 + 1e-6)
-    # (the population std 0.5 would give +-1); group 2 has one rollout -> 0; group 9 is flat -> 0
-    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
-    out = rl.grpo_advantages(rewards, groups)
-    assert out.dtype == torch.float64
-    assert close(out, [a, -a, -a, a, 0.0, 0.0, 0.0], atol=1e-12)
-    # without std normalisation: r - mean
-    assert close(rl.grpo_advantages(rewards, groups, std_normalize=False), [0.5, -0.5, -0.5, 0.5, 0, 0, 0])
-    # eps is added to the std: eps = 1 -> 0.5 / (0.57735 + 1)
-    assert close(rl.grpo_advantages(rewards, groups, eps=1.0)[0], 0.5 / (math.sqrt(1 / 3) + 1.0))
-
-
-def test_grpo_advantages_match_the_store_rule() -> None:
-    # The store computes advantages in SQL (store/sql/samples.sql, macro sample_rollouts): sample std
-    # (stddev_samp, 0 for a group of one), eps 1e-6 added to the std, 0 for zero-variance groups.
-    # grpo_advantages follows the same rule; if the store's choice changes, this test must change too.
-    sql = (Path(lgt.store.__file__).parent / "sql" / "samples.sql").read_text()
-    assert "coalesce(stddev_samp(reward), 0) AS group_std" in sql
-    assert "eps := 1e-6" in sql
-    assert "(a.reward - g.group_mean) / (g.group_std + eps)" in sql
-    assert "min(reward) = max(reward) AS zero_variance" in sql
-    import inspect
-    assert inspect.signature(rl.grpo_advantages).parameters["eps"].default == 1e-6
-    # rewards 0.1 three times: the mean 0.1 * 3 / 3 need not equal 0.1 exactly, yet the group is flat -> 0
-    out = rl.grpo_advantages(t([0.1, 0.1, 0.1], dtype=torch.float64), torch.tensor([0, 0, 0]))
-    assert torch.equal(out, torch.zeros(3, dtype=torch.float64))
-
-
-def test_grpo_advantages_bad_input() -> None:
-    with pytest.raises(ValueError, match="eps"):
-        rl.grpo_advantages(t([1.0, 2.0]), torch.tensor([0, 0]), eps=-1.0)
-    with pytest.raises(ValueError, match="group_index"):
-        rl.grpo_advantages(t([1.0, 2.0]), torch.tensor([0, 0, 1]))
-    assert rl.grpo_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long)).shape == (0,)
-
-
-group_rewards = st.lists(st.lists(st.integers(-8, 8), min_size=1, max_size=6), min_size=1, max_size=5)
-
-
-@SETTINGS
-@given(groups=group_rewards, shift=st.integers(-20, 20), std_normalize=st.booleans())
-def test_property_grpo_advantages_sum_to_zero_and_ignore_a_constant(groups: list[list[int]], shift: int,
-                                                                    std_normalize: bool) -> None:
-    rewards = torch.tensor([r / 4 for g in groups for r in g], dtype=torch.float64)
-    index = torch.tensor([i for i, g in enumerate(groups) for _ in g])
-    adv = rl.grpo_advantages(rewards, index, std_normalize=std_normalize)
-    for i in range(len(groups)):
-        assert abs(float(adv[index == i].sum())) < 1e-9
-    shifted = rewards + torch.where(index == 0, float(shift), 0.0)  # a constant added to group 0 only
-    assert torch.allclose(rl.grpo_advantages(shifted, index, std_normalize=std_normalize), adv, atol=1e-9)
 
 
 # --- importance_weights ---------------------------------------------------------------------------
