@@ -1,8 +1,9 @@
-"""Benchmark: TorchBackend.train_step against the bare training loop on the same batches, side by side.
+"""Benchmark: the trainer backends against the bare training loop on the same batches, side by side.
 
     .venv/bin/python bench/trainer_throughput.py                      # tiny model and ~11M-param Qwen2
     .venv/bin/python bench/trainer_throughput.py --models 10m --repeats 7 --samples 32
     .venv/bin/python bench/trainer_throughput.py --with-sync          # + weight sync vs engine restart
+    .venv-verl/bin/python bench/trainer_throughput.py --verl          # + verl, 1 rank and 2 Ray ranks
 
 Models (random weights, nothing downloaded): ``tiny`` is the tests' tiny Qwen2 (tests/engine/
 make_tiny_model.py: vocab ~400, hidden 128, 2 layers); ``10m`` is a Qwen2 with vocab 32000, hidden 256,
@@ -21,6 +22,11 @@ rows split into the same micro-batches (:func:`pack_micro_batches`, ``--micro-ba
   ``model(input_ids).logits``, token cross-entropy (labels shifted, as transformers' loss does, so no
   copy of the logits) times mask and advantage, summed / trained tokens, ``backward``; one
   ``optimizer.step()`` (AdamW) per batch; no clipping, no metrics.
+
+With ``--verl`` (in the verl environment) two more sides: the verl backend in this process (world size 1)
+and on verl's Ray worker groups with 2 CPU ranks (each one torch thread), both micro-batching by the
+same token budget (``micro_batch_tokens``: verl's dynamic batch size), fp32, the same loss. For the Ray
+side "CPU s" is the ranks' CPU time (the driver's is left out; on 2 cores the ranks share them).
 
 Each repeat runs every side once, in turn, after one warm-up step each; the medians of ``--repeats``
 are printed with the ratio (tokens / s of the backend over the bare loop; the goal is >= 0.9). Both
@@ -48,6 +54,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from lgt.store.samples import SAMPLES  # noqa: E402
+from lgt.trainer.algorithm import training_schema  # noqa: E402
 from lgt.trainer.torch_backend import (  # noqa: E402
     TorchBackend,
     TorchConfig,
@@ -101,7 +108,7 @@ def make_batch(n: int, min_len: int, max_len: int, vocab: int, gen_frac: float, 
             "policy_versions": [0 if m else -1 for m in mask], "reward": float(i % 2),
             "advantage": 1.0 if i % 2 else -1.0, "loss_weight": 1.0 / (n * gen), "rollout_tokens": gen,
             "group_size": 8, "zero_variance": False, "mode": "exact"})
-    return pa.Table.from_pylist(rows, schema=SAMPLES)
+    return pa.Table.from_pylist(rows, schema=training_schema(SAMPLES))
 
 
 class BareLoop:
@@ -134,11 +141,24 @@ class BareLoop:
         self.opt.step()
 
 
-def timed(fn) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of ``fn()``."""
-    wall, cpu = time.perf_counter(), time.process_time()
+def timed(fn, cpu_clock=time.process_time) -> tuple[float, float]:
+    """(wall seconds, CPU seconds by ``cpu_clock``) of ``fn()``."""
+    wall, cpu = time.perf_counter(), cpu_clock()
     fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    return time.perf_counter() - wall, cpu_clock() - cpu
+
+
+def verl_sides(model_dir: Path, args: argparse.Namespace) -> dict[str, tuple[object, object]]:
+    """``{name: (actor, cpu_seconds)}``: the verl backend in this process and on 2 Ray ranks."""
+    from lgt.trainer.backend import VerlConfig
+    from lgt.trainer.verl_backend import VerlBackend
+    from lgt.trainer.verl_ray import VerlRayActor
+
+    cfg = VerlConfig(model_path=str(model_dir), lr=1e-5, param_dtype="fp32",
+                     micro_batch_tokens=args.micro_batch_tokens)
+    one = VerlBackend(cfg)
+    two = VerlRayActor(cfg, world_size=2)
+    return {"verl, world size 1": (one, time.process_time), "verl, 2 Ray ranks": (two, two.cpu_seconds)}
 
 
 def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> None:
@@ -152,13 +172,20 @@ def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> None:
     }
     bare = BareLoop(model_dir, table, args.micro_batch_tokens, lr=1e-5)
     run = {k: (lambda b=b: b.train_step(table)) for k, b in sides.items()}
+    cpu_of = {k: time.process_time for k in run}
+    verl = verl_sides(model_dir, args) if args.verl else {}
+    for k, (actor, cpu) in verl.items():
+        run[k], cpu_of[k] = (lambda a=actor: a.train_step(table)), cpu
     run["bare loop"] = bare.step
+    cpu_of["bare loop"] = time.process_time
     for fn in run.values():  # warm-up
         fn()
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in run}
     for _ in range(args.repeats):
         for k, fn in run.items():
-            times[k].append(timed(fn))
+            times[k].append(timed(fn, cpu_of[k]))
+    for actor, _ in verl.values():
+        actor.close()
     params = sum(p.numel() for p in bare.model.parameters())
     metrics = sides["backend"].train_step(table)
     print(f"\n## {name}: {params / 1e6:.2f}M params, vocab {vocab}; {args.samples} samples, "
@@ -203,6 +230,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--with-sync", action="store_true", help="also time weight sync vs engine restart")
+    parser.add_argument("--verl", action="store_true",
+                        help="also the verl backend, 1 rank in-process and 2 Ray ranks (run in .venv-verl)")
     parser.add_argument("--sync-updates", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -50,6 +50,7 @@ def synthetic_samples(model_dir: Path, device: str, *, rollouts: int, seed: int)
     from transformers import AutoModelForCausalLM
 
     from lgt.store.samples import SAMPLES
+    from lgt.trainer.algorithm import training_schema
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     vocab = model.config.vocab_size
@@ -75,7 +76,7 @@ def synthetic_samples(model_dir: Path, device: str, *, rollouts: int, seed: int)
             loss_weight=1.0 / (rollouts * tokens), rollout_tokens=tokens, group_size=4, zero_variance=False,
             mode="exact"))
     del model
-    return pa.Table.from_pylist(rows, schema=SAMPLES)
+    return pa.Table.from_pylist(rows, schema=training_schema(SAMPLES))
 
 
 def main(argv: list[str] | None = None) -> int:

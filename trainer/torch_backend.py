@@ -35,14 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import math
-import os
-import re
 import shutil
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,16 +48,21 @@ import pyarrow as pa
 import torch
 
 from lgt.trainer import rl
+from lgt.trainer.backend import TorchConfig
+from lgt.trainer.checkpoints import (
+    CheckpointError,
+    latest_checkpoint,
+    read_state,
+    tokenizer_files,
+    write_checkpoint,
+)
 from lgt.trainer.models import ModelError, check_model_dir
 
+__all__ = ["CheckpointError", "SampleError", "SampleTooLongError", "TorchBackend", "TorchConfig",
+           "latest_checkpoint", "pack_micro_batches", "read_samples"]
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DONE = "DONE"
-STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
-CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
-# Files of a model directory that make up its tokenizer (copied into every checkpoint).
-TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-                      "chat_template.*", "*.tiktoken", "tiktoken.model", "spiece.model")
 REQUIRED_COLUMNS = ("sample_id", "input_ids", "loss_mask", "behaviour_logprobs", "advantage", "loss_weight")
 ENTROPY_CHUNK_ROWS = 1024  # token rows of logits per chunk when computing the entropy metric
 
@@ -71,74 +73,6 @@ class SampleError(ValueError):
 
 class SampleTooLongError(SampleError):
     """A sample has more tokens than ``max_seq_len``."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be resumed from."""
-
-
-@dataclass(frozen=True)
-class TorchConfig:
-    """How the torch backend trains. Validated on construction (one-sentence ValueError).
-
-    ``micro_batch_tokens``: budget of padded tokens (rows x longest row) per forward/backward.
-    ``max_seq_len``: longest sample accepted (default: the model's ``max_position_embeddings``).
-    ``device``: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``.
-    ``dtype``: ``float32``, or ``bfloat16`` (autocast compute; weights and optimizer stay float32).
-    ``ref_model``: load a frozen copy of the starting weights for the KL term; ``None`` means "when
-    ``loss.kl_coef > 0``". ``grad_clip``: max global gradient norm, ``None`` to not clip.
-    ``entropy``: also report the exact mean entropy of the policy over trained tokens (``actor/entropy``:
-    one more pass over the (B, T, V) logits; ~10-20% of a step on a 32k vocabulary). Always reported,
-    at no cost: ``actor/neg_logprob``, the mean of -log p over trained tokens, an unbiased estimate of
-    that entropy while the samples are on-policy.
-    """
-
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float | None = 1.0
-    micro_batch_tokens: int = 4096
-    max_seq_len: int | None = None
-    device: str = "auto"
-    dtype: str = "float32"
-    loss: rl.LossConfig = field(default_factory=rl.LossConfig)
-    seed: int = 0
-    grad_checkpointing: bool = False
-    ref_model: bool | None = None
-    entropy: bool = False
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.lr, int | float) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be positive, got {self.eps!r}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
-        if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
-            raise ValueError("grad_clip must be a positive number or None (no clipping), "
-                             f"got {self.grad_clip!r}")
-        if not (isinstance(self.micro_batch_tokens, int) and self.micro_batch_tokens > 0):
-            raise ValueError("micro_batch_tokens must be a positive integer, "
-                             f"got {self.micro_batch_tokens!r}")
-        if self.max_seq_len is not None and not (isinstance(self.max_seq_len, int) and self.max_seq_len > 1):
-            raise ValueError(f"max_seq_len must be an integer > 1 or None (the model's limit), "
-                             f"got {self.max_seq_len!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if not isinstance(self.loss, rl.LossConfig):
-            raise ValueError(f"loss must be an lgt.trainer.rl.LossConfig, got {type(self.loss).__name__}")
-        if self.ref_model is False and self.loss.kl_coef > 0:
-            raise ValueError(f"loss.kl_coef is {self.loss.kl_coef} but ref_model is False: the KL term needs "
-                             "the reference model (set ref_model to None or True, or kl_coef to 0)")
-
-    @property
-    def wants_ref_model(self) -> bool:
-        return self.loss.kl_coef > 0 if self.ref_model is None else self.ref_model
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -556,94 +490,38 @@ class TorchBackend:
 
     def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Write ``root/step-<step:08d>`` (HF weights + config + tokenizer files, optimizer.pt,
-        trainer_state.json holding ``step`` and ``extra``) and return it.
-
-        Written in a temporary directory, renamed into place, then ``DONE`` is written: a directory
-        without ``DONE`` is unfinished and ignored by :func:`latest_checkpoint`. ``extra`` must be
-        JSON-serialisable (TypeError otherwise, before anything is written).
+        trainer_state.json holding ``step`` and ``extra``; see :mod:`lgt.trainer.checkpoints`) and
+        return it. ``extra`` must be JSON-serialisable (TypeError otherwise, before anything is written).
         """
-        root = Path(root)
-        state = {"step": self.step, "extra": extra or {}, "base_model": str(self.base_model_dir.resolve())}
-        try:
-            state_text = json.dumps(state, indent=1)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"checkpoint extra must be JSON-serialisable ({e})") from None
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"step-{self.step:08d}"
-        tmp = root / f".{final.name}.tmp-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        self.model.save_pretrained(tmp)
-        for src in _tokenizer_files(self.model_dir):
-            shutil.copy2(src, tmp / src.name)
-        torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        (tmp / STATE_FILE).write_text(state_text)
-        old = None
-        if final.exists():  # the same step saved again: replace it, never leaving no copy behind
-            old = root / f".{final.name}.old-{os.getpid()}"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        _write_atomic(final / DONE, f"{self.step}\n")
-        _fsync_dir(root)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+        def write(tmp: Path) -> None:
+            self.model.save_pretrained(tmp)
+            for src in tokenizer_files(self.model_dir):
+                shutil.copy2(src, tmp / src.name)
+            torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+
+        return write_checkpoint(root, self.step, extra, self.base_model_dir, write)
 
     @classmethod
     def resume(cls, ckpt_dir: str | Path, cfg: TorchConfig) -> tuple[TorchBackend, dict[str, Any]]:
         """A backend restored from a finished checkpoint (model, optimizer, step) and the ``extra`` it
         was saved with. CheckpointError when ``ckpt_dir`` is not a finished checkpoint."""
         ckpt = Path(ckpt_dir)
-        if not (ckpt / DONE).is_file():
-            raise CheckpointError(f"{ckpt} is not a finished checkpoint (no {DONE} file): resume from "
-                                  "latest_checkpoint(root) instead")
+        step, extra, base = read_state(ckpt)
         try:
-            state = json.loads((ckpt / STATE_FILE).read_text())
-            step = int(state["step"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{ckpt}/{STATE_FILE} is unreadable "
-                                  f"({e.__class__.__name__}: {e})") from None
-        base = Path(state.get("base_model", ckpt))
-        try:
-            backend = cls.load(ckpt, cfg, ref_model_dir=base if base.is_dir() else ckpt)
+            backend = cls.load(ckpt, cfg, ref_model_dir=base)
         except ModelError as e:
             raise CheckpointError(f"{ckpt} does not hold a loadable model ({e})") from None
         opt_state = torch.load(ckpt / OPTIMIZER_FILE, map_location=backend.device, weights_only=True)
         backend.optimizer.load_state_dict(opt_state)
         backend.step = step
-        return backend, dict(state.get("extra") or {})
+        return backend, extra
+
+    def push_weights(self, engine: Any) -> Any:
+        """Hand the current weights to a running engine (``Engine.update_weights``): its timings."""
+        return engine.update_weights(self.named_weights())
+
+    def close(self) -> None:
+        """Free the model, its optimizer and the reference copy."""
+        self.model = self.optimizer = self.ref = None  # type: ignore[assignment]
 
 
-def _tokenizer_files(model_dir: Path) -> list[Path]:
-    return sorted({p for pattern in TOKENIZER_PATTERNS for p in model_dir.glob(pattern) if p.is_file()})
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The finished checkpoint (``step-N`` with a ``DONE`` file) of highest step under ``root``, or None."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for p in root.iterdir():
-        m = CHECKPOINT_RE.match(p.name)
-        if m and (p / DONE).is_file() and (best is None or int(m.group(1)) > best[0]):
-            best = (int(m.group(1)), p)
-    return best[1] if best else None

@@ -40,13 +40,16 @@ FSDP2 over a gloo process group of one rank. That is for tests and small checks,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import math
 import os
+import shutil
 import tempfile
 import types
-from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterator
 from functools import cache, partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -154,13 +157,21 @@ from verl import DataProto  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
-from lgt.trainer.rl import IS_MODES, fill_behaviour, importance_weights  # noqa: E402
+from lgt.trainer.backend import VERL_STRATEGIES, BackendError, VerlConfig  # noqa: E402
+from lgt.trainer.checkpoints import (  # noqa: E402
+    CheckpointError,
+    read_state,
+    tokenizer_files,
+    write_checkpoint,
+)
+from lgt.trainer.rl import fill_behaviour, importance_weights  # noqa: E402
+
+STATE_FILE = "lgt_verl.json"  # in a checkpoint's verl/ folder: the step count and world size, written last
 
 # -- errors ------------------------------------------------------------------------------------------
 
 
-class VerlConfigError(ValueError):
-    """A verl backend setting is invalid (one sentence naming it)."""
+VerlConfigError = BackendError  # a verl backend setting is invalid (one sentence naming it)
 
 
 class SampleConversionError(ValueError):
@@ -289,157 +300,6 @@ def samples_to_dataproto(
                                meta_info={"temperature": float(temperature)})
 
 
-# -- config ------------------------------------------------------------------------------------------
-
-VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
-AGG_MODES = ("rollout", *VERL_AGG_MODES)
-STRATEGIES = ("fsdp", "fsdp2")
-PARAM_DTYPES = ("bf16", "fp16", "fp32")
-OLD_LOGPROBS = ("behaviour", "recompute")
-
-
-@dataclass(frozen=True)
-class VerlConfig:
-    """The verl actor's settings (batch sizes in samples, per update call).
-
-    ``loss_agg_mode="rollout"`` is lgt's aggregation (each rollout counts once through ``loss_weight``),
-    run as verl's ``token-sum`` with the weights folded into the advantages (module docstring); the
-    other modes are verl's own. ``old_logprobs``: "behaviour" (the PPO ratio against the recorded
-    logprobs) or "recompute" (against a fresh forward pass, with ``is_mode``/``is_cap`` importance
-    weights for the behaviour mismatch). ``ppo_mini_batch_size=None`` makes the whole ``train_step`` batch one
-    optimizer step; an int splits it into batch/mini optimizer steps (the batch must divide evenly).
-    ``param_dtype`` is FSDP's mixed-precision compute dtype (``fp32``: no autocast).
-    """
-
-    model_path: str
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    ppo_mini_batch_size: int | None = None
-    ppo_micro_batch_size_per_gpu: int = 4
-    ppo_epochs: int = 1
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "rollout"
-    entropy_coeff: float = 0.0
-    kl_loss_coef: float = 0.0
-    temperature: float = 1.0
-    old_logprobs: str = "behaviour"
-    is_mode: str = "truncate"
-    is_cap: float = 2.0
-    max_prompt_len: int | None = None
-    max_response_len: int | None = None
-    strategy: str = "fsdp2"
-    param_dtype: str = "bf16"
-    attn_implementation: str = "sdpa"
-    use_remove_padding: bool = False
-    gradient_checkpointing: bool = False
-    shuffle: bool = False
-    seed: int = 42
-
-    def __post_init__(self) -> None:
-        def bad(msg: str) -> None:
-            raise VerlConfigError(msg)
-
-        if not self.model_path:
-            bad("model_path must name a Hugging Face model directory.")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            bad(f"lr must be a positive number, got {self.lr!r}.")
-        if self.weight_decay < 0 or self.grad_clip <= 0:
-            bad("weight_decay must be >= 0 and grad_clip > 0.")
-        for name in ("ppo_micro_batch_size_per_gpu", "ppo_epochs", "ppo_max_token_len_per_gpu"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                bad(f"{name} must be a positive integer, got {value!r}.")
-        for name in ("ppo_mini_batch_size", "max_prompt_len", "max_response_len"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                bad(f"{name} must be a positive integer or None, got {value!r}.")
-        mini, micro = self.ppo_mini_batch_size, self.ppo_micro_batch_size_per_gpu
-        if mini is not None and mini % micro:
-            bad(f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must be a multiple of "
-                f"ppo_micro_batch_size_per_gpu ({self.ppo_micro_batch_size_per_gpu}).")
-        if not 0 < self.clip_ratio_low < 1 or self.clip_ratio_high <= 0:
-            bad(f"clip ratios must satisfy 0 < clip_ratio_low < 1 and clip_ratio_high > 0, got "
-                f"{self.clip_ratio_low} and {self.clip_ratio_high}.")
-        if self.clip_ratio_c <= 1:
-            bad(f"clip_ratio_c (dual-clip bound) must be > 1, got {self.clip_ratio_c}.")
-        if self.loss_agg_mode not in AGG_MODES:
-            bad(f"unknown loss_agg_mode {self.loss_agg_mode!r}; choose one of {', '.join(AGG_MODES)}.")
-        if self.loss_agg_mode == "rollout" and (self.entropy_coeff or self.kl_loss_coef):
-            bad("entropy_coeff and kl_loss_coef must be 0 with loss_agg_mode 'rollout': verl would sum "
-                "those terms over tokens without the rollout weights.")
-        if self.entropy_coeff < 0 or self.kl_loss_coef < 0:
-            bad("entropy_coeff and kl_loss_coef must be >= 0.")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            bad(f"temperature must be a positive number, got {self.temperature!r}.")
-        if self.old_logprobs not in OLD_LOGPROBS:
-            bad(f"unknown old_logprobs {self.old_logprobs!r}; choose one of {', '.join(OLD_LOGPROBS)}.")
-        if self.is_mode not in IS_MODES:
-            bad(f"unknown is_mode {self.is_mode!r}; choose one of {', '.join(IS_MODES)}.")
-        if not (isinstance(self.is_cap, int | float) and math.isfinite(self.is_cap) and self.is_cap >= 1):
-            bad(f"is_cap must be a finite number >= 1, got {self.is_cap!r}.")
-        if self.strategy not in STRATEGIES:
-            bad(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}.")
-        if self.param_dtype not in PARAM_DTYPES:
-            bad(f"unknown param_dtype {self.param_dtype!r}; choose one of {', '.join(PARAM_DTYPES)}.")
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> VerlConfig:
-        """Build from a plain mapping (a config file's ``verl:`` section); unknown keys are an error."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise VerlConfigError(
-                f"unknown verl setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}.")
-        return cls(**values)
-
-    @property
-    def verl_loss_agg_mode(self) -> str:
-        """The aggregation verl runs: ``token-sum`` for lgt's ``rollout`` (weights in the advantages)."""
-        return "token-sum" if self.loss_agg_mode == "rollout" else self.loss_agg_mode
-
-    def to_verl(self, *, mini_batch_size: int | None = None):
-        """verl's ``FSDPActorConfig`` for these settings (``mini_batch_size`` fills a ``None`` mini batch)."""
-        from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig
-
-        mini = self.ppo_mini_batch_size or mini_batch_size or self.ppo_micro_batch_size_per_gpu
-        engine = FSDPEngineConfig(
-            strategy=self.strategy, use_torch_compile=False, seed=self.seed,
-            mixed_precision={"param_dtype": self.param_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-        )
-        return FSDPActorConfig(
-            strategy=self.strategy, rollout_n=1, ppo_mini_batch_size=mini,
-            ppo_micro_batch_size_per_gpu=self.ppo_micro_batch_size_per_gpu,
-            use_dynamic_bsz=self.use_dynamic_bsz, ppo_max_token_len_per_gpu=self.ppo_max_token_len_per_gpu,
-            clip_ratio=self.clip_ratio_low, clip_ratio_low=self.clip_ratio_low,
-            clip_ratio_high=self.clip_ratio_high, clip_ratio_c=self.clip_ratio_c,
-            loss_agg_mode=self.verl_loss_agg_mode, entropy_coeff=self.entropy_coeff,
-            use_kl_loss=self.kl_loss_coef > 0, kl_loss_coef=self.kl_loss_coef, ppo_epochs=self.ppo_epochs,
-            shuffle=self.shuffle, data_loader_seed=self.seed, grad_clip=self.grad_clip,
-            use_torch_compile=False, use_remove_padding=self.use_remove_padding,
-            optim=FSDPOptimizerConfig(lr=self.lr, weight_decay=self.weight_decay, clip_grad=self.grad_clip),
-            fsdp_config=engine,
-        )
-
-    def to_verl_model(self):
-        """verl's ``HFModelConfig`` for ``model_path`` (reads config and tokenizer; loads no weights)."""
-        from verl.workers.config import HFModelConfig
-
-        return HFModelConfig(
-            path=self.model_path, use_remove_padding=self.use_remove_padding,
-            enable_gradient_checkpointing=self.gradient_checkpointing,
-            override_config={"attn_implementation": self.attn_implementation},
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 # -- the backend -------------------------------------------------------------------------------------
 
 
@@ -449,7 +309,7 @@ def _register_cpu_engine() -> None:
     from verl.workers.engine import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    EngineRegistry.register(model_type="language_model", backend=list(STRATEGIES),
+    EngineRegistry.register(model_type="language_model", backend=list(VERL_STRATEGIES),
                             device=["cpu"])(FSDPEngineWithLMHead)
 
 
@@ -486,6 +346,127 @@ def _mean(value: Any) -> float:
     return float(value)
 
 
+# -- pieces both actors use (in this process, and on Ray's ranks: lgt.trainer.verl_ray) ----------
+
+
+def training_worker_config(config: VerlConfig):
+    """``(TrainingWorkerConfig, actor config, model config)`` for ``config``: what ``VerlBackend`` builds
+    its in-process worker from, built the same way for the ranks."""
+    from verl.workers.config import TrainingWorkerConfig
+
+    model_config = config.to_verl_model()
+    actor_config = config.to_verl()
+    engine = actor_config.engine
+    engine.use_dynamic_bsz = config.use_dynamic_bsz
+    engine.micro_batch_size_per_gpu = config.ppo_micro_batch_size_per_gpu
+    engine.infer_micro_batch_size_per_gpu = config.ppo_micro_batch_size_per_gpu
+    engine.max_token_len_per_gpu = config.ppo_max_token_len_per_gpu
+    engine.infer_max_token_len_per_gpu = config.ppo_max_token_len_per_gpu
+    worker_config = TrainingWorkerConfig(
+        model_type="language_model", model_config=model_config, engine_config=engine,
+        optimizer_config=actor_config.optim, checkpoint_config=actor_config.checkpoint)
+    return worker_config, actor_config, model_config
+
+
+def pad_token_of(model_config, model_path: str) -> int:
+    """The tokenizer's pad token (else its eos token); VerlConfigError when it has neither."""
+    tokenizer = model_config.tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise VerlConfigError(f"the tokenizer of {model_path} has no pad or eos token; pass pad_token_id.")
+    return int(pad)
+
+
+def pad_batch(batch: DataProto, multiple: int) -> tuple[DataProto, int]:
+    """``batch`` grown to a multiple of ``multiple`` rows with copies of its first rows that train on
+    nothing (``response_mask``, ``advantages`` and ``old_log_probs`` 0); returns it and the rows added."""
+    size = len(batch)
+    pad = -size % multiple
+    if pad == 0:
+        return batch, 0
+    filler = batch.select_idxs(np.arange(pad) % size)
+    for key in ("response_mask", "advantages", "old_log_probs"):
+        filler.batch[key] = torch.zeros_like(filler.batch[key])
+    filler.non_tensor_batch["uid"] = np.array([f"{u}#pad" for u in filler.non_tensor_batch["uid"]],
+                                              dtype=object)
+    return DataProto.concat([batch, filler]), pad
+
+
+def rank_major_order(size: int, mini: int, world_size: int) -> np.ndarray:
+    """Row order for dispatch (rank r gets the r-th contiguous 1/N of the rows) such that rank r's k-th
+    mini-batch of ``mini / N`` rows is its share of rows ``[k*mini, (k+1)*mini)``.
+
+    e.g. size 8, mini 4, N 2 -> [0, 1, 4, 5, 2, 3, 6, 7]: rank 0 trains (0, 1) then (4, 5)."""
+    per = mini // world_size
+    return np.array([k * mini + r * per + i for r in range(world_size) for k in range(size // mini)
+                     for i in range(per)], dtype=np.int64)
+
+
+def fill_missing_behaviour(batch: DataProto, logprobs) -> dict[str, float]:
+    """Behaviour logprobs the proxy could not record (NaN) become the current policy's (``logprobs``:
+    a ``DataProto -> (B, R)`` forward pass before the update; IS weight 1 there), in place."""
+    mask = batch.batch["response_mask"]
+    behaviour = batch.batch["old_log_probs"]
+    missing = torch.isnan(behaviour) & mask.bool()
+    if missing.any():
+        filled, _ = fill_behaviour(behaviour, logprobs(batch) * mask)
+        batch.batch["old_log_probs"] = torch.where(mask.bool(), filled, torch.zeros_like(filled))
+    return {"actor/behaviour_recomputed_frac": float(missing.sum() / mask.sum().clamp_min(1))}
+
+
+def recompute_old_logprobs(batch: DataProto, logprobs, config: VerlConfig) -> dict[str, float]:
+    """``old_log_probs`` become the current policy's and verl's ``rollout_is_weights`` correct for the
+    behaviour mismatch (``VerlConfig(old_logprobs="recompute")``), in place."""
+    mask = batch.batch["response_mask"]
+    behaviour = batch.batch["old_log_probs"]
+    old = logprobs(batch) * mask
+    weights = importance_weights(old, behaviour, mask, mode=config.loss.is_mode, cap=config.loss.is_cap)
+    batch.batch["old_log_probs"] = old
+    batch.batch["rollout_is_weights"] = weights
+    on = mask.bool()
+    return {"actor/behaviour_kl": float((old - behaviour)[on].mean()),
+            "actor/is_weight_mean": float(weights[on].mean())}
+
+
+def metrics_of(raw: dict[str, Any], samples: int, tokens: float) -> dict[str, float]:
+    """verl's training metrics under lgt's names (as ``VerlBackend.train_step`` reports them)."""
+    metrics = {f"actor/{k}" if not k.startswith("actor/") else k: _mean(v) for k, v in raw.items()
+               if not k.startswith("perf/") and k != "mfu"}
+    metrics["loss/pg"] = metrics.pop("actor/pg_loss", float("nan"))
+    metrics["batch/samples"] = float(samples)
+    metrics["batch/tokens"] = float(tokens)
+    return metrics
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+# verl's own sharded state (+ lgt_verl.json, written last) in one directory: a checkpoint's ``verl/``
+# part, written inside ``lgt.trainer.checkpoints.write_checkpoint`` (temporary directory, rename, DONE).
+
+
+def _save_state(path: str | Path, save, steps: int, world_size: int) -> Path:
+    path = Path(path)
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(f"{path} is not empty: verl's state is written into a fresh directory.")
+    path.mkdir(parents=True, exist_ok=True)
+    save(str(path.resolve()))
+    (path / STATE_FILE).write_text(json.dumps({"steps": steps, "world_size": world_size}) + "\n")
+    return path
+
+
+def _read_state(path: str | Path, world_size: int) -> int:
+    """The step count saved in ``path``; CheckpointError when it is no finished state of this world."""
+    path = Path(path)
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        steps, saved_world = int(state["steps"]), int(state["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} holds no finished verl state ({e.__class__.__name__}: {e}).") from None
+    if saved_world != world_size:
+        raise CheckpointError(f"{path} holds verl shards of {saved_world} rank(s), not {world_size}: "
+                              f"resume with world_size {saved_world}.")
+    return steps
+
+
 class VerlBackend:
     """One verl FSDP actor in this process: ``train_step(samples)`` runs verl's PPO update on them.
 
@@ -494,7 +475,6 @@ class VerlBackend:
     """
 
     def __init__(self, config: VerlConfig, *, pad_token_id: int | None = None):
-        from verl.workers.config import TrainingWorkerConfig
         from verl.workers.engine_workers import TrainingWorker
         from verl.workers.utils.losses import ppo_loss
 
@@ -502,25 +482,11 @@ class VerlBackend:
             _register_cpu_engine()
         self._owns_process_group = _init_single_process_group()
         self.config = config
-        self.model_config = config.to_verl_model()
-        if pad_token_id is None:
-            pad_token_id = self.model_config.tokenizer.pad_token_id
-            if pad_token_id is None:
-                pad_token_id = self.model_config.tokenizer.eos_token_id
-        if pad_token_id is None:
-            raise VerlConfigError(
-                f"the tokenizer of {config.model_path} has no pad or eos token; pass pad_token_id.")
-        self.pad_token_id = int(pad_token_id)
-        self.actor_config = config.to_verl()
-        engine = self.actor_config.engine
-        engine.use_dynamic_bsz = config.use_dynamic_bsz
-        engine.micro_batch_size_per_gpu = config.ppo_micro_batch_size_per_gpu
-        engine.infer_micro_batch_size_per_gpu = config.ppo_micro_batch_size_per_gpu
-        engine.max_token_len_per_gpu = config.ppo_max_token_len_per_gpu
-        engine.infer_max_token_len_per_gpu = config.ppo_max_token_len_per_gpu
-        worker_config = TrainingWorkerConfig(
-            model_type="language_model", model_config=self.model_config, engine_config=engine,
-            optimizer_config=self.actor_config.optim, checkpoint_config=self.actor_config.checkpoint)
+        worker_config, self.actor_config, self.model_config = training_worker_config(config)
+        self.pad_token_id = int(pad_token_id) if pad_token_id is not None else pad_token_of(
+            self.model_config, config.model_path)
+        # verl splits each batch into whole micro-batches (unless sized by tokens): pad up to that
+        self.rows_multiple = 1 if config.use_dynamic_bsz else config.ppo_micro_batch_size_per_gpu
         self.worker = TrainingWorker(config=worker_config)
         self.worker.reset()  # builds the model, FSDP wrapping, optimizer, scheduler
         self.worker.set_loss_fn(partial(ppo_loss, config=self.actor_config))
@@ -531,7 +497,7 @@ class VerlBackend:
         return samples_to_dataproto(
             samples, max_prompt_len=cfg.max_prompt_len, max_response_len=cfg.max_response_len,
             pad_token_id=self.pad_token_id, temperature=cfg.temperature,
-            fold_loss_weight=cfg.loss_agg_mode == "rollout")
+            fold_loss_weight=cfg.loss.agg == "rollout")
 
     def train_step(self, samples: pa.Table) -> dict[str, float]:
         """One PPO update on ``samples`` (``ppo_epochs`` passes; batch/mini optimizer steps each).
@@ -543,49 +509,25 @@ class VerlBackend:
         """
         batch = self.to_dataproto(samples)
         size = len(batch)
+        tokens = batch.batch["response_mask"].sum()
         mini = self.config.ppo_mini_batch_size or size
         if size % mini:
             raise SampleConversionError(
                 f"the batch of {size} samples is not a multiple of ppo_mini_batch_size ({mini}).")
-        extra = self._fill_missing_behaviour(batch)
+        pad = 0
+        if mini == size:  # a set ppo_mini_batch_size is a multiple of the micro-batch (VerlConfig)
+            batch, pad = pad_batch(batch, self.rows_multiple)
+        extra = fill_missing_behaviour(batch, self._logprobs)
         if self.config.old_logprobs == "recompute":
-            extra |= self._recompute_old_logprobs(batch)
+            extra |= recompute_old_logprobs(batch, self._logprobs, self.config)
         td = left_right_2_no_padding(batch.to_tensordict())
         tu.assign_non_tensor(
             td, calculate_entropy=self.config.entropy_coeff != 0, global_batch_size=mini,
-            mini_batch_size=mini, epochs=self.config.ppo_epochs, seed=self.config.seed + self.steps,
+            mini_batch_size=mini + pad, epochs=self.config.ppo_epochs, seed=self.config.seed + self.steps,
             dataloader_kwargs={"shuffle": self.config.shuffle}, compute_loss=True)
         raw = tu.get(self.worker.train_mini_batch(td), "metrics")
         self.steps += 1
-        metrics = {f"actor/{k}" if not k.startswith("actor/") else k: _mean(v) for k, v in raw.items()
-                   if not k.startswith("perf/") and k != "mfu"}
-        metrics["loss/pg"] = metrics.pop("actor/pg_loss", float("nan"))
-        metrics["batch/samples"] = float(size)
-        metrics["batch/tokens"] = float(batch.batch["response_mask"].sum())
-        return metrics | extra
-
-    def _fill_missing_behaviour(self, batch: DataProto) -> dict[str, float]:
-        """Behaviour logprobs the proxy could not record (NaN) become the current policy's, from one
-        forward pass before the update (``lgt.trainer.rl.fill_behaviour``: IS weight 1 there)."""
-        mask = batch.batch["response_mask"]
-        behaviour = batch.batch["old_log_probs"]
-        missing = torch.isnan(behaviour) & mask.bool()
-        if missing.any():
-            filled, _ = fill_behaviour(behaviour, self._logprobs(batch) * mask)
-            batch.batch["old_log_probs"] = torch.where(mask.bool(), filled, torch.zeros_like(filled))
-        return {"actor/behaviour_recomputed_frac": float(missing.sum() / mask.sum().clamp_min(1))}
-
-    def _recompute_old_logprobs(self, batch: DataProto) -> dict[str, float]:
-        """Replace ``old_log_probs`` by the current policy's and add verl's ``rollout_is_weights``."""
-        mask = batch.batch["response_mask"]
-        behaviour = batch.batch["old_log_probs"]
-        old = self._logprobs(batch) * mask
-        weights = importance_weights(old, behaviour, mask, mode=self.config.is_mode, cap=self.config.is_cap)
-        batch.batch["old_log_probs"] = old
-        batch.batch["rollout_is_weights"] = weights
-        on = mask.bool()
-        return {"actor/behaviour_kl": float((old - behaviour)[on].mean()),
-                "actor/is_weight_mean": float(weights[on].mean())}
+        return metrics_of(raw, size, float(tokens)) | extra
 
     @torch.no_grad()
     def _logprobs(self, batch: DataProto) -> torch.Tensor:
@@ -597,7 +539,9 @@ class VerlBackend:
     def logprobs(self, samples: pa.Table) -> torch.Tensor:
         """The current policy's logprobs of each sample's response tokens: (B, R) float32, aligned with
         ``samples_to_dataproto(...).batch["responses"]`` (0 past each response's end)."""
-        return self._logprobs(self.to_dataproto(samples))
+        batch = self.to_dataproto(samples)
+        padded, _ = pad_batch(batch, self.rows_multiple)
+        return self._logprobs(padded)[:len(batch)]
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(Hugging Face parameter name, full tensor)`` for every weight, as verl hands them to its
@@ -607,6 +551,18 @@ class VerlBackend:
         for name, tensor in params:
             yield name, tensor.detach()
 
+    def save_state(self, path: str | Path) -> Path:
+        """Write verl's checkpoint (model, optimizer, lr scheduler, RNG) and the step count into the fresh
+        directory ``path`` (like ``VerlRayActor.save_state``, world size 1)."""
+        return _save_state(path, lambda d: self.worker.save_checkpoint(d, global_step=self.steps),
+                           self.steps, 1)
+
+    def load_state(self, path: str | Path) -> None:
+        """Continue exactly from ``save_state``'s directory."""
+        steps = _read_state(path, 1)
+        self.worker.load_checkpoint(str(Path(path).resolve()), del_local_after_load=False)
+        self.steps = steps
+
     def close(self) -> None:
         """Free the model, and the process group when this backend made it."""
         import torch.distributed as dist
@@ -615,3 +571,88 @@ class VerlBackend:
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
+
+
+# -- the verl backend as lgt-train runs it -------------------------------------------------------------
+
+VERL_STATE_DIR = "verl"  # a checkpoint's folder for verl's own sharded state (resume)
+HF_WEIGHTS = "model.safetensors"
+MODEL_FILES = ("config.json", "generation_config.json")
+
+
+class VerlTrainer:
+    """The verl backend behind lgt's backend interface (:mod:`lgt.trainer.backend`): one verl actor —
+    :class:`VerlBackend` in this process for ``world_size: 1``, verl's own Ray worker groups
+    (:class:`lgt.trainer.verl_ray.VerlRayActor`) for more or with ``ray_address`` — plus checkpoints in
+    lgt's layout: a Hugging Face model directory (the weights gathered from the ranks, the starting
+    model's config and tokenizer files) that vLLM serves on ``--resume``, and verl's own state under
+    ``verl/`` (model, optimizer, scheduler, RNG; one shard per rank: resume with the same world size).
+    """
+
+    def __init__(self, actor: Any, config: VerlConfig, base_model: Path) -> None:
+        self.actor = actor
+        self.config = config
+        self.base_model = base_model  # config and tokenizer files come from here
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config: VerlConfig) -> VerlTrainer:
+        config = dataclasses.replace(config, model_path=str(model_dir))
+        if config.world_size > 1 or config.ray_address:
+            from lgt.trainer.verl_ray import VerlRayActor
+
+            return cls(VerlRayActor(config), config, Path(model_dir))
+        return cls(VerlBackend(config), config, Path(model_dir))
+
+    @classmethod
+    def resume(cls, ckpt_dir: str | Path, config: VerlConfig) -> tuple[VerlTrainer, dict[str, Any]]:
+        """The actor rebuilt on the checkpoint's weights, verl's state loaded; and the run's ``extra``."""
+        ckpt = Path(ckpt_dir)
+        _, extra, base = read_state(ckpt)
+        if not (ckpt / VERL_STATE_DIR).is_dir():
+            raise CheckpointError(f"{ckpt} holds no verl state ({VERL_STATE_DIR}/): it was not written by "
+                                  "the verl backend")
+        trainer = cls.load(ckpt, config)
+        trainer.base_model = base
+        try:
+            trainer.actor.load_state(ckpt / VERL_STATE_DIR)
+        except BaseException:
+            trainer.close()
+            raise
+        return trainer, extra
+
+    @property
+    def step(self) -> int:
+        return self.actor.steps
+
+    def train_step(self, samples: pa.Table) -> dict[str, float]:
+        return self.actor.train_step(samples)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.actor.named_weights()
+
+    def push_weights(self, engine: Any) -> Any:
+        """Hand the current weights to a running engine (``Engine.update_weights``)."""
+        return engine.update_weights(self.named_weights())
+
+    def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """``root/step-<step:08d>``: the HF weights + config + tokenizer, verl's state, the run's state."""
+        from safetensors.torch import save_file
+
+        def write(tmp: Path) -> None:
+            tensors, seen = {}, set()
+            for name, t in self.named_weights():
+                t = t.detach().to("cpu").contiguous()
+                if t.untyped_storage().data_ptr() in seen:  # tied weights: safetensors wants own storage
+                    t = t.clone()
+                seen.add(t.untyped_storage().data_ptr())
+                tensors[name] = t
+            save_file(tensors, tmp / HF_WEIGHTS, metadata={"format": "pt"})
+            for src in [*(self.base_model / f for f in MODEL_FILES), *tokenizer_files(self.base_model)]:
+                if src.is_file():
+                    shutil.copy2(src, tmp / src.name)
+            self.actor.save_state(tmp / VERL_STATE_DIR)
+
+        return write_checkpoint(root, self.step, extra, self.base_model, write)
+
+    def close(self) -> None:
+        self.actor.close()

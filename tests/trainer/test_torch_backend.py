@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from lgt.store.samples import SAMPLES
 from lgt.trainer import rl
+from lgt.trainer.algorithm import training_schema
 from lgt.trainer.torch_backend import (
     CheckpointError,
     SampleError,
@@ -49,7 +50,7 @@ def make_samples(specs: list[Spec], *, behaviour: list[list[float]] | None = Non
             "policy_versions": [0 if m else -1 for m in mask], "reward": adv, "advantage": adv,
             "loss_weight": weights[i] if weights else 1.0 / (len(specs) * masked),
             "rollout_tokens": masked, "group_size": len(specs), "zero_variance": False, "mode": "exact"})
-    return pa.Table.from_pylist(rows, schema=SAMPLES)
+    return pa.Table.from_pylist(rows, schema=training_schema(SAMPLES))
 
 
 def random_specs(seed: int, n: int, vocab: int, *, lo: int = 6, hi: int = 40) -> list[Spec]:
@@ -92,13 +93,13 @@ def vocab(model_dir: Path) -> int:
 
 
 def test_config_rejects_bad_values() -> None:
-    with pytest.raises(ValueError, match="lr must be a positive"):
+    with pytest.raises(ValueError, match="backend.lr must be a finite number > 0"):
         TorchConfig(lr=0.0)
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         TorchConfig(micro_batch_tokens=0)
     with pytest.raises(ValueError, match="dtype"):
         TorchConfig(dtype="float8")
-    with pytest.raises(ValueError, match="ref_model is False"):
+    with pytest.raises(ValueError, match="ref_model is false"):
         TorchConfig(loss=rl.LossConfig(kl_coef=0.1), ref_model=False)
 
 

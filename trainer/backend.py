@@ -1,0 +1,298 @@
+"""The trainer backend interface, its registry, and each backend's config. No torch, no verl here.
+
+A backend trains the policy on batches of samples. Every backend has the same five verbs::
+
+    backend = Backend.load(model_dir, cfg)            # or: backend, extra = Backend.resume(ckpt, cfg)
+    metrics = backend.train_step(samples)             # one update on a pyarrow table of samples
+    ckpt = backend.save_checkpoint(root, extra)       # an HF model dir + the backend's state + DONE
+    timings = backend.push_weights(engine)            # the new weights into the running engine
+    backend.close()
+
+:data:`BACKENDS` maps a name to its config class (defined here, so a run config is checked in
+milliseconds without importing torch or verl) and to the class that trains, imported only when a run
+starts. ``backend.name`` in a run config picks one; the rest of the section is that backend's
+config. Loss settings are not part of it: they come from the run's ``algorithm`` section
+(:class:`lgt.trainer.algorithm.LossConfig`), the same for every backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from .algorithm import AGG_MODES, LossConfig
+
+
+class BackendError(ValueError):
+    """A backend setting or environment that cannot work; one sentence naming it."""
+
+
+class Backend(Protocol):
+    def train_step(self, samples: Any) -> dict[str, float]: ...
+
+    def save_checkpoint(self, root: Path, extra: dict[str, Any] | None = None) -> Path: ...
+
+    def named_weights(self) -> Iterator[tuple[str, Any]]: ...
+
+    def push_weights(self, engine: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BackendError(f"{name} must be a positive integer{' or null' if allow_none else ''}, "
+                           f"not {value!r}")
+
+
+def _finite(name: str, value: Any, low: float, *, strict: bool) -> None:
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and (value > low if strict else value >= low))
+    if not ok:
+        raise BackendError(f"{name} must be a finite number {'>' if strict else '>='} {low:g}, not {value!r}")
+
+
+@dataclass(frozen=True)
+class TorchConfig:
+    """How the torch backend trains (CPU or one GPU, any Hugging Face causal LM).
+
+    ``micro_batch_tokens``: budget of padded tokens (rows x longest row) per forward/backward.
+    ``max_seq_len``: longest sample accepted (default: the model's ``max_position_embeddings``; a run
+    sets the engine's ``max_model_len``). ``device``: ``auto`` (cuda when available, else cpu), ``cpu``,
+    ``cuda`` or ``cuda:N``. ``dtype``: ``float32``, or ``bfloat16`` (autocast compute; weights and
+    optimizer stay float32). ``ref_model``: load a frozen copy of the starting weights for the KL term;
+    ``None`` means "when ``loss.kl_coef > 0``". ``grad_clip``: max global gradient norm, ``None`` to not
+    clip. ``entropy``: also report the exact mean entropy over trained tokens (``actor/entropy``; one
+    more pass over the logits). ``updates_per_step``: optimizer steps per training step, each on its
+    share of the batch's groups. ``loss`` comes from the run's ``algorithm`` section.
+    """
+
+    name: str = "torch"
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    micro_batch_tokens: int = 4096
+    max_seq_len: int | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    seed: int = 0
+    grad_checkpointing: bool = False
+    ref_model: bool | None = None
+    entropy: bool = False
+    updates_per_step: int = 1
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        _finite("backend.lr", self.lr, 0, strict=True)
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0
+                                           for b in self.betas):
+            raise BackendError(f"backend.betas must be two numbers in [0, 1), not {self.betas!r}")
+        _finite("backend.eps", self.eps, 0, strict=True)
+        _finite("backend.weight_decay", self.weight_decay, 0, strict=False)
+        if self.grad_clip is not None:
+            _finite("backend.grad_clip", self.grad_clip, 0, strict=True)
+        _positive_int("backend.micro_batch_tokens", self.micro_batch_tokens)
+        if self.max_seq_len is not None and not (isinstance(self.max_seq_len, int) and self.max_seq_len > 1):
+            raise BackendError(f"backend.max_seq_len must be an integer > 1 or null (the model's limit), "
+                               f"not {self.max_seq_len!r}")
+        if self.dtype not in TORCH_DTYPES:
+            raise BackendError(f"backend.dtype must be one of {', '.join(TORCH_DTYPES)}, not {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise BackendError(f"backend.device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        _positive_int("backend.updates_per_step", self.updates_per_step)
+        if not isinstance(self.loss, LossConfig):
+            raise BackendError(f"loss must be a LossConfig, not {type(self.loss).__name__}")
+        if self.ref_model is False and self.loss.kl_coef > 0:
+            raise BackendError(f"algorithm.kl_coef is {self.loss.kl_coef} but backend.ref_model is false: "
+                               "the KL term needs the reference model (set ref_model to null or true, or "
+                               "kl_coef to 0)")
+
+    @property
+    def wants_ref_model(self) -> bool:
+        return self.loss.kl_coef > 0 if self.ref_model is None else self.ref_model
+
+
+TORCH_DTYPES = ("float32", "bfloat16")
+VERL_STRATEGIES = ("fsdp", "fsdp2")
+VERL_PARAM_DTYPES = ("auto", "bf16", "fp16", "fp32")
+VERL_OLD_LOGPROBS = ("behaviour", "recompute")
+# lgt's loss aggregation -> verl's loss_agg_mode ("rollout": token-sum, the weights in the advantages)
+VERL_AGG = {"rollout": "token-sum", "token-mean": "token-mean",
+            "seq-mean-token-mean": "seq-mean-token-mean", "seq-mean-token-sum": "seq-mean-token-sum"}
+VERL_KL = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
+NO_DUAL_CLIP = 1e9  # verl always applies its dual clip (clip_ratio_c > 1): this bound never bites
+assert set(VERL_AGG) == set(AGG_MODES), "every lgt loss aggregation has a verl mode"
+
+
+@dataclass(frozen=True)
+class VerlConfig:
+    """The verl backend: verl's FSDP actor (``TrainingWorker`` + ``ppo_loss``), in this process for
+    ``world_size: 1``, on verl's own Ray worker groups for more.
+
+    Batch sizes are in samples per update call. ``ppo_mini_batch_size=None`` makes the whole batch one
+    optimizer step; an int splits it into batch/mini steps (the batch must divide evenly).
+    ``old_logprobs``: "behaviour" (the PPO ratio against the recorded logprobs) or "recompute"
+    (against a forward pass before the update, with the ``loss``'s importance weights for the
+    behaviour mismatch). ``param_dtype``: FSDP's compute dtype (``fp32``: no autocast; ``auto``: bf16
+    on a GPU, fp32 on CPU). ``micro_batch_tokens``: micro-batches packed by a budget of tokens per rank
+    (verl's dynamic batch size), as the torch backend's; unset: ``ppo_micro_batch_size_per_gpu`` rows.
+    ``world_size``: training ranks (FSDP shards); more than 1 runs on Ray: ``ray_address`` joins an
+    existing cluster (``auto``, or ``host:port``), otherwise a local one is started with the run and
+    stopped after it. ``model_path`` is set by the run (the model being trained); ``loss`` by the
+    run's ``algorithm`` section: clip range, dual clip, importance weights, KL and the aggregation
+    (lgt's ``rollout`` runs as verl's ``token-sum`` with the loss weights folded into the advantages).
+    """
+
+    name: str = "verl"
+    model_path: str = ""
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ppo_mini_batch_size: int | None = None
+    ppo_micro_batch_size_per_gpu: int = 4
+    micro_batch_tokens: int | None = None  # micro-batches by a token budget per rank (verl's dynamic bsz)
+    ppo_epochs: int = 1
+    entropy_coeff: float = 0.0
+    temperature: float = 1.0
+    old_logprobs: str = "behaviour"
+    max_prompt_len: int | None = None
+    max_response_len: int | None = None
+    strategy: str = "fsdp2"
+    param_dtype: str = "auto"
+    attn_implementation: str = "sdpa"
+    use_remove_padding: bool = False
+    gradient_checkpointing: bool = False
+    shuffle: bool = False
+    seed: int = 42
+    world_size: int = 1
+    ray_address: str | None = None
+    updates_per_step: int = 1
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        _finite("backend.lr", self.lr, 0, strict=True)
+        _finite("backend.weight_decay", self.weight_decay, 0, strict=False)
+        _finite("backend.grad_clip", self.grad_clip, 0, strict=True)
+        for name in ("ppo_micro_batch_size_per_gpu", "ppo_epochs", "world_size", "updates_per_step"):
+            _positive_int(f"backend.{name}", getattr(self, name))
+        for name in ("ppo_mini_batch_size", "max_prompt_len", "max_response_len", "micro_batch_tokens"):
+            _positive_int(f"backend.{name}", getattr(self, name), allow_none=True)
+        mini, micro = self.ppo_mini_batch_size, self.ppo_micro_batch_size_per_gpu
+        if mini is not None and not self.use_dynamic_bsz and mini % micro:
+            raise BackendError(f"backend.ppo_mini_batch_size ({mini}) must be a multiple of "
+                               f"backend.ppo_micro_batch_size_per_gpu ({micro})")
+        _finite("backend.entropy_coeff", self.entropy_coeff, 0, strict=False)
+        _finite("backend.temperature", self.temperature, 0, strict=True)
+        if not isinstance(self.loss, LossConfig):
+            raise BackendError(f"loss must be a LossConfig, not {type(self.loss).__name__}")
+        if self.loss.agg == "rollout" and (self.entropy_coeff or self.loss.kl_coef):
+            raise BackendError("backend.entropy_coeff and algorithm.kl_coef must be 0 with algorithm.agg "
+                               "rollout on verl: verl sums those terms over tokens without the rollout "
+                               "weights")
+        for name, value, choices in (("old_logprobs", self.old_logprobs, VERL_OLD_LOGPROBS),
+                                     ("strategy", self.strategy, VERL_STRATEGIES),
+                                     ("param_dtype", self.param_dtype, VERL_PARAM_DTYPES)):
+            if value not in choices:
+                raise BackendError(f"backend.{name} must be one of {', '.join(choices)}, not {value!r}")
+        if self.ray_address is not None and not self.ray_address:
+            raise BackendError("backend.ray_address must be auto, host:port, or null (a local Ray)")
+
+    @property
+    def verl_loss_agg_mode(self) -> str:
+        return VERL_AGG[self.loss.agg]
+
+    @property
+    def use_dynamic_bsz(self) -> bool:
+        """verl packs micro-batches by tokens (``micro_batch_tokens``) instead of by rows."""
+        return self.micro_batch_tokens is not None
+
+    @property
+    def ppo_max_token_len_per_gpu(self) -> int:
+        return self.micro_batch_tokens or 16384
+
+    @property
+    def verl_param_dtype(self) -> str:
+        """``param_dtype`` with ``auto`` resolved: bf16 on a GPU, fp32 on CPU."""
+        if self.param_dtype != "auto":
+            return self.param_dtype
+        import torch
+
+        return "bf16" if torch.cuda.is_available() else "fp32"
+
+    def to_verl(self, *, mini_batch_size: int | None = None):
+        """verl's ``FSDPActorConfig`` for these settings (``mini_batch_size`` fills a ``None`` mini batch)."""
+        from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig
+
+        mini = self.ppo_mini_batch_size or mini_batch_size or self.ppo_micro_batch_size_per_gpu
+        loss = self.loss
+        engine = FSDPEngineConfig(
+            strategy=self.strategy, use_torch_compile=False, seed=self.seed,
+            mixed_precision={"param_dtype": self.verl_param_dtype, "reduce_dtype": "fp32",
+                             "buffer_dtype": "fp32"},
+        )
+        return FSDPActorConfig(
+            strategy=self.strategy, rollout_n=1, ppo_mini_batch_size=mini,
+            ppo_micro_batch_size_per_gpu=self.ppo_micro_batch_size_per_gpu,
+            use_dynamic_bsz=self.use_dynamic_bsz, ppo_max_token_len_per_gpu=self.ppo_max_token_len_per_gpu,
+            clip_ratio=loss.clip_low, clip_ratio_low=loss.clip_low, clip_ratio_high=loss.clip_high,
+            clip_ratio_c=loss.dual_clip or NO_DUAL_CLIP,
+            loss_agg_mode=self.verl_loss_agg_mode, entropy_coeff=self.entropy_coeff,
+            use_kl_loss=loss.kl_coef > 0, kl_loss_coef=loss.kl_coef, kl_loss_type=VERL_KL[loss.kl_kind],
+            ppo_epochs=self.ppo_epochs, shuffle=self.shuffle, data_loader_seed=self.seed,
+            grad_clip=self.grad_clip, use_torch_compile=False, use_remove_padding=self.use_remove_padding,
+            optim=FSDPOptimizerConfig(lr=self.lr, weight_decay=self.weight_decay, clip_grad=self.grad_clip),
+            fsdp_config=engine,
+        )
+
+    def to_verl_model(self):
+        """verl's ``HFModelConfig`` for ``model_path`` (reads config and tokenizer; loads no weights)."""
+        from verl.workers.config import HFModelConfig
+
+        if not self.model_path:
+            raise BackendError("the verl backend needs model_path (a Hugging Face model directory)")
+        return HFModelConfig(
+            path=self.model_path, use_remove_padding=self.use_remove_padding,
+            enable_gradient_checkpointing=self.gradient_checkpointing,
+            override_config={"attn_implementation": self.attn_implementation},
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """A registered backend: its config class, where its trainer class lives, what it must import."""
+
+    config: type
+    module: str
+    cls: str
+    needs: str  # a module the trainer class needs in this interpreter
+
+    def available(self) -> bool:
+        return importlib.util.find_spec(self.needs) is not None
+
+    def load_class(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.cls)
+
+
+BACKENDS: dict[str, BackendEntry] = {
+    "torch": BackendEntry(TorchConfig, "lgt.trainer.torch_backend", "TorchBackend", "torch"),
+    "verl": BackendEntry(VerlConfig, "lgt.trainer.verl_backend", "VerlTrainer", "verl"),
+}
+
+
+def entry(name: str) -> BackendEntry:
+    if name not in BACKENDS:
+        raise BackendError(f"backend.name must be one of {', '.join(BACKENDS)}, not {name!r}")
+    return BACKENDS[name]

@@ -1,0 +1,115 @@
+"""Checkpoints every backend writes the same way: a Hugging Face model directory plus the trainer's state.
+
+``<root>/step-<N:08d>/`` holds the weights, ``config.json`` and the tokenizer files (so vLLM can serve it
+and ``--resume`` can start the engine on it), ``trainer_state.json`` (``step``, the run's ``extra``, the
+starting model), and whatever the backend needs to continue exactly (the torch backend's
+``optimizer.pt``, verl's own sharded state under ``verl/``). It is written in a temporary directory,
+renamed into place, and ``DONE`` is written last: a directory without ``DONE`` is unfinished and
+ignored by :func:`latest_checkpoint`. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+DONE = "DONE"
+STATE_FILE = "trainer_state.json"
+CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
+# Files of a model directory that make up its tokenizer (copied into every checkpoint).
+TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                      "chat_template.*", "*.tiktoken", "tiktoken.model", "spiece.model")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be resumed from."""
+
+
+def tokenizer_files(model_dir: Path) -> list[Path]:
+    return sorted({p for pattern in TOKENIZER_PATTERNS for p in Path(model_dir).glob(pattern) if p.is_file()})
+
+
+def write_checkpoint(root: str | Path, step: int, extra: dict[str, Any] | None, base_model: Path,
+                     write: Callable[[Path], None]) -> Path:
+    """``root/step-<step:08d>``: ``write(tmp_dir)`` fills it (weights, config, tokenizer, backend
+    state), then ``trainer_state.json``, the rename, ``DONE``. ``extra`` must be JSON-serialisable
+    (TypeError before anything is written). The same step saved again replaces the old copy only once
+    the new one is complete."""
+    root = Path(root)
+    state = {"step": step, "extra": extra or {}, "base_model": str(Path(base_model).resolve())}
+    try:
+        state_text = json.dumps(state, indent=1)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint extra must be JSON-serialisable ({e})") from None
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        (tmp / STATE_FILE).write_text(state_text)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if final.exists():
+        old = root / f".{final.name}.old-{os.getpid()}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    write_atomic(final / DONE, f"{step}\n")
+    fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_state(ckpt: str | Path) -> tuple[int, dict[str, Any], Path]:
+    """``(step, extra, starting model)`` of a finished checkpoint; CheckpointError otherwise."""
+    ckpt = Path(ckpt)
+    if not (ckpt / DONE).is_file():
+        raise CheckpointError(f"{ckpt} is not a finished checkpoint (no {DONE} file): resume from "
+                              "latest_checkpoint(root) instead")
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        step = int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{ckpt}/{STATE_FILE} is unreadable ({e.__class__.__name__}: {e})") from None
+    base = Path(state.get("base_model") or ckpt)
+    return step, dict(state.get("extra") or {}), base if base.is_dir() else ckpt
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The finished checkpoint (``step-N`` with a ``DONE`` file) of highest step under ``root``, or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for p in root.iterdir():
+        m = CHECKPOINT_RE.match(p.name)
+        if m and (p / DONE).is_file() and (best is None or int(m.group(1)) > best[0]):
+            best = (int(m.group(1)), p)
+    return best[1] if best else None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
