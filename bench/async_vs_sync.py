@@ -46,7 +46,7 @@ def config(args: argparse.Namespace, mode: str) -> dict:
 
 def run_mode(args: argparse.Namespace, mode: str, target_samples: float | None = None) -> dict:
     from lgt.trainer import config as cfgmod
-    from lgt.trainer import loop
+    from lgt.trainer import recipe
 
     out = args.out / mode
     path = args.out / f"{mode}.yaml"
@@ -56,7 +56,7 @@ def run_mode(args: argparse.Namespace, mode: str, target_samples: float | None =
     path.write_text(yaml.safe_dump(raw))
     cfg = cfgmod.load(path)
     t = time.monotonic()
-    loop.run(cfg, run_dir=out, display=loop.default_display())
+    recipe.run(cfg, run_dir=out, display=recipe.default_display())
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     if target_samples is not None:
         total = 0.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import os
 import shutil
 import subprocess
 import sys
@@ -251,20 +252,24 @@ def rollout(store: Path, rollout_id: str, task_id: str, group_id: str, step: int
 @click.option("--mode", type=click.Choice(["exact", "realign"]), default="exact", show_default=True,
               help="realign keeps merging through re-tokenisation drift (needs --tokenizer).")
 @tokenizer_option
-@click.option("--no-std", is_flag=True, help="Advantages r - mean(group), without dividing by the std.")
-def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, no_std: bool) -> None:
+@click.option("--estimator", type=click.Choice(["grpo", "rloo", "reinforce"]), default="grpo",
+              show_default=True, help="How advantages are estimated from the rollouts' rewards.")
+@click.option("--no-std", is_flag=True, help="grpo: advantages r - mean(group), not divided by the std.")
+def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator: str, no_std: bool) -> None:
     """Build the training samples the trainer would train on, and say how they came out."""
     from lgt.store.writer import write_parquet_atomic
+    from lgt.trainer import algorithm
 
-    _, build = build_for(store, out, mode, tokenizer, std_normalize=not no_std)
-    write_parquet_atomic(build.samples, out)
+    _, build = build_for(store, out, mode, tokenizer)
+    cfg = algorithm.AlgorithmConfig(estimator=estimator, std_normalize=not no_std, sample_mode=mode)
+    write_parquet_atomic(algorithm.assign(build.samples, cfg), out)
     for line in show_mod.render_build(build):
         click.echo(line)
     click.echo(f"wrote {show_mod.plural(build.samples.num_rows, 'sample')} to {out}")
 
 
-def build_for(store: Path, out: Path, mode: str, tokenizer: Path | None,
-              std_normalize: bool = True) -> tuple[duckdb.DuckDBPyConnection, Any]:
+def build_for(store: Path, out: Path, mode: str,
+              tokenizer: Path | None) -> tuple[duckdb.DuckDBPyConnection, Any]:
     """Check ``--out`` and ``--mode``, then build the store's samples: (connection, SampleBuild)."""
     if not out.parent.is_dir():
         raise click.UsageError(f"--out {out}: directory {out.parent} does not exist")
@@ -275,7 +280,7 @@ def build_for(store: Path, out: Path, mode: str, tokenizer: Path | None,
     con = open_store(store)
     with user_errors():
         tok = show_mod.load_tokenizer(tokenizer) if tokenizer else None
-        return con, build_samples(con, mode=mode, tokenizer=tok, std_normalize=std_normalize)
+        return con, build_samples(con, mode=mode, tokenizer=tok)
 
 
 @main.command("show")
@@ -333,7 +338,7 @@ def run_cmd(config_file: Path, mode: str | None, steps: int | None, max_minutes:
     import yaml
 
     from lgt.trainer import config as cfgmod
-    from lgt.trainer import loop
+    from lgt.trainer import recipe
 
     overrides: dict[str, Any] = {}
     for item in sets:
@@ -348,16 +353,18 @@ def run_cmd(config_file: Path, mode: str | None, steps: int | None, max_minutes:
         raise click.ClickException("give either --resume DIR or --run-dir DIR, not two different folders")
     try:
         cfg = cfgmod.load(config_file, overrides)
-    except cfgmod.ConfigError as e:
+        recipe.validate(cfg, resume_dir=resume_dir)  # everything, before anything starts
+        python = recipe.backend_python(cfg)
+    except ValueError as e:
         raise click.ClickException(str(e)) from None
-    if resume_dir is not None and not (resume_dir / "config.json").exists():
-        raise click.ClickException(f"{resume_dir} is not a run directory (it has no config.json)")
-    display = loop.default_display()
+    if python != sys.executable:  # the backend lives in its own environment (verl on CPU machines)
+        _reexec(python, cfg)
+    display = recipe.default_display()
     try:
-        out = loop.run(cfg, run_dir=resume_dir or run_dir, resume=resume_dir is not None, display=display)
+        out = recipe.run(cfg, run_dir=resume_dir or run_dir, resume=resume_dir is not None, display=display)
     except KeyboardInterrupt:
         raise click.ClickException("interrupted; continue with --resume") from None
-    except (cfgmod.ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(str(e).splitlines()[0] if "\n" not in str(e)[:300] else str(e)) from None
     finally:
         live = getattr(display, "live", None)
@@ -366,9 +373,20 @@ def run_cmd(config_file: Path, mode: str | None, steps: int | None, max_minutes:
     click.echo(f"run directory: {out}  (metrics.jsonl, metrics.csv, checkpoints/, plots/, report.html)")
 
 
+def _reexec(python: str, cfg: Any) -> None:
+    """Run this same command in ``python`` (the backend's environment); the engine keeps this
+    environment's vLLM (``$LGT_ENGINE_PYTHON``)."""
+    from lgt.trainer.engine import engine_python
+
+    os.environ.setdefault("LGT_ENGINE_PYTHON", engine_python(cfg.engine))
+    click.echo(f"the {cfg.backend.name} backend runs in {python}", err=True)
+    os.execv(python, [python, "-m", "lgt.trainer.cli", *sys.argv[1:]])
+
+
 @main.command("make-model")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--preset", type=click.Choice(["tiny", "demo", "10m"]), default="demo", show_default=True)
+@click.option("--preset", type=click.Choice(["tiny", "demo", "10m", "0.5b"]), default="demo",
+              show_default=True)
 @click.option("--warm-start", type=click.Choice(["none", "arith", "calc", "both"]), default="arith",
               show_default=True, help="A short SFT on synthetic task data, so RL has something to amplify.")
 @click.option("--seconds", type=click.FloatRange(min=0), default=90.0, show_default=True,

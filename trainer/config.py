@@ -1,25 +1,44 @@
 """The run config: one YAML file describes a training run (``lgt-train run FILE``).
 
-Every section is a frozen dataclass; unknown keys, wrong types and bad values are refused with one
-sentence naming the key (``ConfigError``). Relative paths are relative to the YAML file's folder.
+A section of the run config *is* its component's config, not a copy of it: ``agent`` is the rollout
+controller's :class:`~lgt.trainer.rollouts.AgentSpec`, ``engine`` the engine's
+:class:`~lgt.trainer.engine.EngineConfig`, ``backend`` the chosen backend's config
+(:data:`lgt.trainer.backend.BACKENDS`, picked by ``backend.name``), ``algorithm`` the
+:class:`~lgt.trainer.algorithm.AlgorithmConfig` whose loss settings every backend uses. Each class
+checks its own values when built; this module reads YAML into them, checking every key and type, and
+refuses what the run sets itself (``backend.loss`` comes from ``algorithm``, ``engine.model`` is the
+model being trained). ``ConfigError`` names the bad key in one sentence. Relative paths are relative to
+the YAML file's folder. Nothing here imports torch, verl or vLLM: a config is checked in milliseconds.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import datetime as dt
 import json
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .algorithm import AlgorithmConfig, LossConfig
+from .backend import BACKENDS, TorchConfig, VerlConfig
+from .engine import EngineConfig
+from .rollouts import AgentSpec
+
 MODES = ("sync", "async")
-PROXY_MODES = ("https_proxy", "base_url")
-SAMPLE_MODES = ("exact", "realign")
+BackendConfig = TorchConfig | VerlConfig
+# Fields the run sets itself; a run config that names one is refused (what sets it, in the message).
+SET_BY_RUN = {
+    (TorchConfig, "loss"): "the algorithm section", (VerlConfig, "loss"): "the algorithm section",
+    (VerlConfig, "model_path"): "model.path (or the checkpoint resumed)",
+    (EngineConfig, "model"): "model.path (or the checkpoint resumed)",
+    (EngineConfig, "log_path"): "the run (<run_dir>/logs/engine.log)",
+}
 
 
 class ConfigError(ValueError):
@@ -28,7 +47,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MakeModel:
-    """Build the model locally when ``model.path`` does not exist yet (lgt.trainer.tiny)."""
+    """Build the model locally when ``model.path`` does not exist yet (lgt.trainer.tiny.make_model)."""
 
     preset: str = "demo"
     warm_start: str | None = "arith"  # arith | calc | both | null
@@ -40,50 +59,6 @@ class MakeModel:
 class ModelSection:
     path: Path = Path("model")
     make: MakeModel | None = None
-
-
-@dataclass(frozen=True)
-class EngineSection:
-    max_model_len: int = 512
-    port: int = 0
-    ready_timeout: float = 240.0
-    extra_args: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class BackendSection:
-    name: str = "torch"
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 4096
-    updates_per_step: int = 1  # optimizer steps per training step (the batch split evenly)
-
-
-@dataclass(frozen=True)
-class AlgorithmSection:
-    std_normalize: bool = True
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    is_mode: str = "truncate"
-    is_cap: float = 2.0
-    kl_coef: float = 0.0
-    agg: str = "rollout"
-    sample_mode: str = "realign"
-    skip_zero_variance: bool = False  # leave groups whose rewards are all equal out of the batch
-
-
-@dataclass(frozen=True)
-class AgentSection:
-    command: tuple[str, ...] = ()
-    cwd: Path | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    proxy_mode: str = "https_proxy"
-    timeout_s: float = 120.0
-    retries: int = 1
-    evaluator: tuple[str, ...] | None = None
-    # Python agents only: modules imported once by a fork server, so each rollout starts warm
-    python_preload: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,11 +74,11 @@ class ProxySection:
 class RunConfig:
     name: str
     model: ModelSection
-    agent: AgentSection
+    agent: AgentSpec
     tasks: Path
-    engine: EngineSection = EngineSection()
-    backend: BackendSection = BackendSection()
-    algorithm: AlgorithmSection = AlgorithmSection()
+    engine: EngineConfig = EngineConfig(max_model_len=512)
+    backend: BackendConfig = TorchConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
     proxy: ProxySection = ProxySection()
     mode: str = "async"
     group_size: int = 8
@@ -124,11 +99,13 @@ class RunConfig:
         return self.store or run_dir / "store"
 
     def to_json(self) -> dict[str, Any]:
-        return _jsonable(dataclasses.asdict(self))
+        return _jsonable(self)
 
 
 def _jsonable(v: Any) -> Any:
-    if isinstance(v, dict):
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _jsonable(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, collections.abc.Mapping):
         return {k: _jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
@@ -153,16 +130,30 @@ def load(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig
     for key, value in (overrides or {}).items():
         _set_dotted(raw, key, value)
     raw.setdefault("name", path.stem if path.stem != "run" else path.parent.name)
-    cfg = build(RunConfig, raw, "", path.parent.resolve())
-    cfg = dataclasses.replace(cfg, source=path.resolve())
-    validate(cfg)
-    return cfg
+    cfg = from_dict(raw, path.parent.resolve())
+    return dataclasses.replace(cfg, source=path.resolve())
 
 
 def from_dict(raw: dict[str, Any], base: Path) -> RunConfig:
     cfg = build(RunConfig, dict(raw), "", base)
+    cfg = _derive(cfg, base)
     validate(cfg)
     return cfg
+
+
+def _derive(cfg: RunConfig, base: Path) -> RunConfig:
+    """Fill in what one section takes from another: the backend's loss from ``algorithm``, the torch
+    backend's longest sample from the engine's context; the agent runs in the config's folder unless
+    ``agent.cwd`` says otherwise."""
+    loss = LossConfig(**{f.name: getattr(cfg.algorithm, f.name) for f in dataclasses.fields(LossConfig)})
+    changes: dict[str, Any] = {"loss": loss}
+    if isinstance(cfg.backend, TorchConfig) and cfg.backend.max_seq_len is None:
+        changes["max_seq_len"] = cfg.engine.max_model_len
+    agent = cfg.agent if cfg.agent.cwd is not None else dataclasses.replace(cfg.agent, cwd=base)
+    try:
+        return dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, **changes), agent=agent)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -184,20 +175,35 @@ def build(cls: type, raw: Any, prefix: str, base: Path) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown key {prefix}{unknown[0]} (known in {name}: {', '.join(fields)})")
+        raise ConfigError(f"unknown key {prefix}{unknown[0]} (known in {name}: "
+                          f"{', '.join(k for k in fields if (cls, k) not in SET_BY_RUN)})")
     kwargs = {}
     for key, value in raw.items():
+        if (cls, key) in SET_BY_RUN:
+            raise ConfigError(f"{prefix}{key} is set by {SET_BY_RUN[cls, key]}; leave it out")
         kwargs[key] = convert(hints[key], value, prefix + key, base)
     missing = [k for k, f in fields.items() if k not in kwargs
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"{prefix}{missing[0]} is required")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # the component's own check of its values
+        text = str(e)
+        raise ConfigError(text if not prefix or text.startswith(prefix) else f"{name}: {text}") from None
 
 
 def convert(tp: Any, value: Any, key: str, base: Path) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if tp is BackendConfig or (origin in (typing.Union, types.UnionType)
+                               and all(dataclasses.is_dataclass(a) for a in args)):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, not {type(value).__name__}")
+        name = value.get("name", "torch")
+        if name not in BACKENDS:
+            raise ConfigError(f"{key}.name must be one of {', '.join(BACKENDS)}, not {name!r}")
+        return build(BACKENDS[name].config, value, key + ".", base)
     if origin in (typing.Union, types.UnionType):
         if value is None:
             if type(None) in args:
@@ -215,13 +221,17 @@ def convert(tp: Any, value: Any, key: str, base: Path) -> Any:
         p = Path(value).expanduser()
         return p if p.is_absolute() else (base / p)
     if origin is tuple:
+        if args and args[-1] is not Ellipsis:  # a fixed-size tuple, e.g. betas: [0.9, 0.999]
+            if not isinstance(value, list) or len(value) != len(args):
+                raise ConfigError(f"{key} must be a list of {len(args)} values, not {value!r}")
+            return tuple(convert(a, v, f"{key}[{i}]", base) for i, (a, v) in enumerate(zip(args, value)))
         if isinstance(value, str):
             import shlex
             value = shlex.split(value)
         if not isinstance(value, list) or not all(isinstance(x, (str, int, float)) for x in value):
             raise ConfigError(f"{key} must be a list of strings (or one command line)")
         return tuple(str(x) for x in value)
-    if origin is dict:
+    if origin in (dict, collections.abc.Mapping):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping")
         return {str(k): str(v) for k, v in value.items()}
@@ -252,6 +262,7 @@ def _bad(key: str, value: Any) -> Any:
 
 
 def validate(cfg: RunConfig) -> None:
+    """The run's own rules (each section checked its values when built)."""
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ConfigError(msg)
@@ -264,18 +275,8 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.max_inflight >= cfg.group_size,
          f"max_inflight ({cfg.max_inflight}) must hold at least one group ({cfg.group_size} rollouts)")
     need(cfg.checkpoint_every >= 1, f"checkpoint_every must be at least 1, not {cfg.checkpoint_every}")
-    need(bool(cfg.agent.command), "agent.command is required: the program that runs one rollout")
-    need(cfg.agent.proxy_mode in PROXY_MODES,
-         f"agent.proxy_mode must be one of {', '.join(PROXY_MODES)}, not {cfg.agent.proxy_mode!r}")
-    need(cfg.agent.timeout_s > 0, f"agent.timeout_s must be positive, not {cfg.agent.timeout_s}")
-    need(cfg.agent.retries >= 0, f"agent.retries must be 0 or more, not {cfg.agent.retries}")
-    need(cfg.backend.name in ("torch", "verl"),
-         f"backend.name must be torch or verl, not {cfg.backend.name!r}")
-    need(cfg.backend.lr > 0, f"backend.lr must be positive, not {cfg.backend.lr}")
-    need(cfg.backend.updates_per_step >= 1, "backend.updates_per_step must be at least 1")
-    need(cfg.algorithm.sample_mode in SAMPLE_MODES,
-         f"algorithm.sample_mode must be one of {', '.join(SAMPLE_MODES)}, not {cfg.algorithm.sample_mode!r}")
-    need(cfg.engine.max_model_len >= 16, "engine.max_model_len must be at least 16")
+    need(cfg.engine.max_model_len is None or cfg.engine.max_model_len >= 16,
+         "engine.max_model_len must be at least 16")
     need(cfg.tasks.suffix in (".jsonl", ".json", ".parquet"),
          f"tasks must be a .jsonl or .parquet file, not {cfg.tasks.name}")
     need(cfg.max_minutes is None or cfg.max_minutes > 0, "max_minutes must be positive")

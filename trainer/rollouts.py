@@ -29,7 +29,7 @@ with ``batch_records`` when the owner calls :meth:`RolloutController.flush_recor
 table per batch — the training loop does so at each update). Failed and timed-out attempts are retried up to
 ``AgentSpec.retries`` times, each under its own identity, so the store keeps attempts apart.
 
-With ``python_preload`` (a Python agent: ``python agent.py ...``) each attempt is forked from a warm
+With ``AgentSpec.python_preload`` (a Python agent: ``python agent.py ...``) each attempt is forked from a warm
 interpreter that imported those modules once (:mod:`lgt.trainer.forkserver`); it is still its own
 process group with the same environment, files, timeout and exit status.
 """
@@ -47,16 +47,14 @@ import shutil
 import signal
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from lgt.proxy import auth
+from lgt.proxy.client import ControlClient, resolve_token
 from lgt.store.ingest import add_rows, attempt_reward_row, reward_value, rollout_row
 
 from .forkserver import ForkedProcess, ForkServer, ForkServerError, python_script_command
@@ -89,7 +87,8 @@ class RolloutError(ValueError):
 
 
 class ProxyControlError(RuntimeError):
-    """The proxy's control API did not answer as expected (a flush failed)."""
+    """The proxy is not ready for rollouts (its CA is not in the store yet). The control API's own
+    failures are :class:`lgt.proxy.client.ControlError`."""
 
 
 # -- specs ----------------------------------------------------------------------------------------
@@ -113,6 +112,9 @@ class AgentSpec:
     evaluator: tuple[str, ...] | None = None
     task_env_prefix: str = "TASK_"
     reward_sources: tuple[str, ...] = REWARD_SOURCES
+    # Python agents only (``python agent.py ...``): modules a fork server imports once, so each rollout
+    # starts warm; ``auto`` learns them from the first rollouts' imports
+    python_preload: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         command = (self.command,) if isinstance(self.command, str) else tuple(self.command or ())
@@ -152,6 +154,15 @@ class AgentSpec:
                                                                          self.task_env_prefix):
             raise RolloutError(f"task_env_prefix {self.task_env_prefix!r} cannot start an environment "
                                "variable name")
+        if self.python_preload is not None:
+            preload = self.python_preload
+            modules = (preload,) if isinstance(preload, str) else tuple(preload)
+            if not all(isinstance(m, str) and re.fullmatch(r"[A-Za-z_][\w.]*", m) for m in modules):
+                raise RolloutError(f"agent python_preload must list module names, not {list(modules)!r}")
+            if python_script_command(command) is None:
+                raise RolloutError(f"agent python_preload needs an agent command that runs a Python script "
+                                   f"(python agent.py ...), not {' '.join(command)!r}")
+            object.__setattr__(self, "python_preload", modules)
 
 
 def resolve_executable(name: str, cwd: Path | None, path_env: str | None, what: str) -> str:
@@ -194,7 +205,7 @@ class ProxyEndpoint:
 
     The secret comes from ``$LGT_PROXY_SECRET``, ``secret_file`` or ``<store>/_proxy/secret``
     (:func:`lgt.proxy.auth.load_secret`); the control token from ``control_token``,
-    ``$LGT_CONTROL_TOKEN`` or the secret.
+    ``$LGT_CONTROL_TOKEN`` or the secret (:func:`lgt.proxy.client.resolve_token`).
     """
 
     store: Path
@@ -230,40 +241,21 @@ class ProxyEndpoint:
         return env
 
     def token(self) -> str:
-        return self.control_token or auth.control_token(auth.load_secret(self.store, self.secret_file))
+        return resolve_token(self.control_token, self.store, self.secret_file)
 
-    def control(self, method: str, path: str, body: Any = None, timeout: float = 60) -> Any:
-        """One control API call, bypassing any proxy the machine sets; the answer's JSON.
-        ProxyControlError unless it answers 200."""
-        req = urllib.request.Request(
-            self.control_url + path, method=method,
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.token()}"})
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        try:
-            with opener.open(req, timeout=timeout) as r:
-                raw = r.read()
-        except urllib.error.HTTPError as e:
-            raise ProxyControlError(f"lgt-proxy {method} {path} answered {e.code}: "
-                                    f"{e.read()[:300].decode(errors='replace')}") from None
-        except OSError as e:
-            raise ProxyControlError(f"no lgt-proxy control API answers at {self.control_url} ({e})") from None
-        try:
-            return json.loads(raw) if raw else {}
-        except ValueError:
-            return raw.decode(errors="replace")
+    @property
+    def client(self) -> ControlClient:
+        """The proxy's control API (:class:`lgt.proxy.client.ControlClient`)."""
+        return ControlClient(self.control_url, self.token())
 
     async def flush(self) -> Any:
         """``POST /flush``: every recorded call and reward becomes Parquet (in a thread)."""
-        return await asyncio.to_thread(self.control, "POST", "/flush", {})
+        return await asyncio.to_thread(self.client.flush)
 
     async def reward(self, rollout_id: str, attempt: int) -> float | None:
         """The latest whole-rollout reward the agent reported through the proxy (``GET /rewards``:
         answered from the proxy's memory, no flush and no store query per rollout)."""
-        q = urllib.parse.urlencode({"rollout_id": rollout_id, "attempt": attempt})
-        out = await asyncio.to_thread(self.control, "GET", f"/rewards?{q}")
-        value = out.get("value") if isinstance(out, dict) else None
-        return None if value is None else float(value)
+        return await asyncio.to_thread(self.client.reward, rollout_id, attempt)
 
 
 @dataclass(frozen=True)
@@ -424,20 +416,13 @@ class RolloutController:
 
     def __init__(self, agent: AgentSpec, proxy: ProxyEndpoint, store: str | os.PathLike,
                  run_dir: str | os.PathLike, concurrency: int = 4, *, kill_grace_s: float = 5.0,
-                 python_preload: Sequence[str] | None = None, batch_records: bool = False) -> None:
+                 batch_records: bool = False) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise RolloutError(f"rollout concurrency must be a whole number ≥ 1, not {concurrency!r}")
         check_agent(agent)
         self._preload: tuple[str, tuple[str, ...]] | None = None
-        if python_preload is not None:
-            script = python_script_command(agent.command)
-            if script is None:
-                raise RolloutError(f"python_preload needs an agent command that runs a Python script "
-                                   f"(python agent.py ...), not {' '.join(agent.command)!r}")
-            modules = tuple(python_preload)
-            if not all(isinstance(m, str) and re.fullmatch(r"[A-Za-z_][\w.]*", m) for m in modules):
-                raise RolloutError(f"python_preload must list module names, not {list(python_preload)!r}")
-            self._preload = (script[0], modules)
+        if agent.python_preload is not None:
+            self._preload = (python_script_command(agent.command)[0], agent.python_preload)
         self.store = Path(store).resolve()
         # batch_records: rows wait in memory for flush_records() (one file per table per batch,
         # instead of two files per attempt); a crash loses only unflushed rollouts' rows
@@ -462,7 +447,8 @@ class RolloutController:
                   step: int | None = None, *, task_id: str | None = None) -> RolloutResult:
         """Run attempt 0, then 1, 2, ... while they fail or time out, up to ``agent.retries`` extra;
         returns the last attempt's result. RolloutError for a bad task or rollout id (nothing runs);
-        ProxyControlError when the proxy cannot be flushed (its rewards would be missed)."""
+        ProxyControlError when the proxy's CA is not in the store yet; ControlError when the proxy
+        does not answer a reward lookup (its rewards would be missed)."""
         if self._closed:
             raise RolloutError("the rollout controller is closed; make a new one to run more rollouts")
         if not isinstance(task, Mapping):

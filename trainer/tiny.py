@@ -100,6 +100,9 @@ PRESETS: dict[str, dict[str, int]] = {
     # ~10M parameters: benchmarks
     "10m": dict(hidden_size=384, intermediate_size=1152, num_hidden_layers=6, num_attention_heads=6,
                 num_key_value_heads=2),
+    # Qwen2-0.5B's shape (with lgt's small vocabulary: ~0.36B parameters): the GPU check
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),
 }
 # RoPE needs no weights per position, so a wide range costs nothing; and it must cover every position
 # an agent can reach. vLLM's CPU build reads past its RoPE cache beyond max_position_embeddings: from

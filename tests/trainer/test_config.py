@@ -49,11 +49,25 @@ def test_overrides(tmp_path: Path) -> None:
     ("grup_size: 4\n", "unknown key grup_size"),
     ("backend: {lrr: 1}\n", "unknown key backend.lrr"),
     ("group_size: four\n", "group_size must be an integer, not 'four'"),
-    ("backend: {lr: -1}\n", "backend.lr must be positive"),
+    ("backend: {lr: -1}\n", "backend.lr must be a finite number > 0, not -1"),
+    ("algorithm: {is_mode: trunc}\n", "algorithm: unknown importance-sampling mode 'trunc'; choose one of: "
+                                       "none, truncate, mask"),
+    ("algorithm: {estimator: ppo}\n", "algorithm: unknown advantage estimator 'ppo'"),
+    ("backend: {name: jax}\n", "backend.name must be one of torch, verl, not 'jax'"),
+    ("backend: {world_size: 2}\n", "unknown key backend.world_size"),
+    ("backend: {name: verl, world_size: 0}\n", "backend.world_size must be a positive integer, not 0"),
+    ("backend: {loss: {agg: rollout}}\n", "backend.loss is set by the algorithm section; leave it out"),
+    ("engine: {model: /x}\n", "engine.model is set by model.path"),
+    ("backend: {name: verl, entropy_coeff: 0.1}\n", "backend.entropy_coeff and algorithm.kl_coef must be 0"),
+    ("backend: {betas: [0.9]}\n", "backend.betas must be a list of 2 values"),
     ("max_inflight: 2\n", "max_inflight (2) must hold at least one group (8 rollouts)"),
-    ("agent: {command: []}\n", "agent.command is required"),
-    ("agent: {command: x, proxy_mode: socks}\n", "agent.proxy_mode must be one of https_proxy, base_url"),
-    ("algorithm: {sample_mode: fuzzy}\n", "algorithm.sample_mode must be one of exact, realign"),
+    ("agent: {command: []}\n", "agent: the agent command must be a non-empty list of strings"),
+    ("agent: {command: x, proxy_mode: socks}\n",
+     "agent: agent proxy_mode must be one of https_proxy, base_url"),
+    ("agent: {command: x, python_preload: [openai]}\n", "python_preload needs an agent command that runs a "
+                                                         "Python script"),
+    ("algorithm: {sample_mode: fuzzy}\n",
+     "algorithm: unknown sample mode 'fuzzy'; choose one of: exact, realign"),
     ("engine: 3\n", "engine must be a mapping"),
     ("proxy: {url: 'localhost:1'}\n", "proxy.url must be the control API's http(s) URL"),
     ("algorithm: {std_normalize: 'yes'}\n", "algorithm.std_normalize must be true or false"),
@@ -83,3 +97,59 @@ def test_missing_required_and_bad_files(tmp_path: Path) -> None:
     bad.write_text("")
     with pytest.raises(config.ConfigError, match="holds no tasks"):
         config.load_tasks(bad)
+
+
+def test_sections_are_the_components_configs(tmp_path: Path) -> None:
+    from lgt.trainer.algorithm import AlgorithmConfig, LossConfig
+    from lgt.trainer.backend import TorchConfig, VerlConfig
+    from lgt.trainer.engine import EngineConfig
+
+    cfg = config.load(write(tmp_path, BASE
+                            + "algorithm: {kl_coef: 0.1, kl_kind: k2, dual_clip: 3, agg: token-mean}\n"
+                              "engine: {max_model_len: 300, dtype: bfloat16}\n"
+                              "backend: {betas: [0.8, 0.9]}\n"))
+    assert isinstance(cfg.engine, EngineConfig) and isinstance(cfg.algorithm, AlgorithmConfig)
+    assert isinstance(cfg.backend, TorchConfig) and cfg.backend.betas == (0.8, 0.9)
+    # the backend's loss is the algorithm's, every loss setting reachable from YAML
+    assert cfg.backend.loss == LossConfig(kl_coef=0.1, kl_kind="k2", dual_clip=3.0, agg="token-mean")
+    assert cfg.backend.max_seq_len == 300  # the torch backend takes the engine's context
+    verl = config.load(write(tmp_path, BASE
+                             + "backend: {name: verl, world_size: 2, ray_address: auto, lr: 1e-5}\n"
+                               "algorithm: {clip_high: 0.3}\n"))
+    assert isinstance(verl.backend, VerlConfig)
+    assert (verl.backend.world_size, verl.backend.ray_address) == (2, "auto")
+    assert verl.backend.loss.clip_high == 0.3
+    assert json.loads(json.dumps(verl.to_json()))["backend"]["name"] == "verl"
+
+
+def test_validate_checks_everything_before_anything_starts(tmp_path: Path) -> None:
+    from lgt.trainer import recipe
+
+    cfg = config.load(write(tmp_path, BASE.replace("[python, agent.py]", "[no-such-agent-cmd]")))
+    with pytest.raises(ValueError, match="the agent command 'no-such-agent-cmd' was not found on PATH"):
+        recipe.validate(cfg)
+    cfg = config.load(write(tmp_path, BASE))
+    (tmp_path / "tasks.jsonl").unlink()
+    with pytest.raises(config.ConfigError, match="tasks file .*tasks.jsonl does not exist"):
+        recipe.validate(cfg)
+    (tmp_path / "tasks.jsonl").write_text('{"task_id": "a"}\n')
+    with pytest.raises(ValueError, match=r"m does not exist: give a directory holding a Hugging Face model"):
+        recipe.validate(cfg)  # no model and no model.make
+    made = config.load(write(tmp_path, BASE.replace("model: {path: m}",
+                                                    "model: {path: m, make: {preset: huge}}")))
+    with pytest.raises(config.ConfigError, match="model.make.preset must be one of .*, not 'huge'"):
+        recipe.validate(made)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml", "tasks.jsonl"]  # nothing written
+
+
+def test_run_refuses_a_typo_before_building_or_starting_anything(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from lgt.trainer.cli import main
+
+    path = write(tmp_path, BASE.replace("model: {path: m}", "model: {path: m, make: {preset: demo}}")
+                 + "algorithm: {is_mode: trunc}\n")
+    result = CliRunner().invoke(main, ["run", str(path), "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 1
+    assert "unknown importance-sampling mode 'trunc'" in result.output
+    assert not (tmp_path / "m").exists() and not (tmp_path / "run").exists()  # no model built, no run dir

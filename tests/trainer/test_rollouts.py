@@ -8,6 +8,7 @@ result, the files and what the store holds afterwards.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from lgt.proxy import auth
+from lgt.proxy.client import ControlError
 from lgt.store.query import connect
 from lgt.trainer.rollouts import (
     AgentSpec,
@@ -43,7 +44,7 @@ def agent(script: str = "chat_agent.py", **kw: Any) -> AgentSpec:
 
 def endpoint(proxy: Any) -> ProxyEndpoint:
     return ProxyEndpoint(store=proxy.store, port=proxy.port, control_port=proxy.control_port,
-                         control_token=auth.control_token(proxy.secret))
+                         control_token=proxy.client.token)
 
 
 def controller(proxy: Any, run_dir: Path, spec: AgentSpec, concurrency: int = 4,
@@ -141,7 +142,7 @@ def test_proxy_endpoint_errors_name_the_problem(tmp_path):
     ep = ProxyEndpoint(store=tmp_path, port=port, control_port=port, control_token="x")
     with pytest.raises(ProxyControlError, match="CA certificate .* does not exist: start lgt-proxy"):
         ep.rollout_env("r1")
-    with pytest.raises(ProxyControlError, match="no lgt-proxy control API answers at http://127.0.0.1:"):
+    with pytest.raises(ControlError, match="no lgt-proxy control API answers at http://127.0.0.1:"):
         asyncio.run(ep.flush())
 
 
@@ -377,8 +378,8 @@ def test_base_url_mode_without_https_proxy(tmp_path, proxy, monkeypatch):
 
 
 def test_python_preload_forks_warm_agents(tmp_path, proxy, pid_dir):
-    spec = agent(retries=1, cwd=tmp_path)
-    ctl = controller(proxy, tmp_path / "run", spec, python_preload=("openai",))
+    spec = dataclasses.replace(agent(retries=1, cwd=tmp_path), python_preload=("openai",))
+    ctl = controller(proxy, tmp_path / "run", spec)
     jobs = [({"id": "warm", "report_dir": str(tmp_path), "rewards": {"proxy": 0.5}}, "warm-proxy"),
             ({"fail_attempts": 1, "report_dir": str(tmp_path), "rewards": {"stdout": 2}}, "warm-retry")]
     first, retried = asyncio.run(run_all(ctl, jobs))
@@ -394,8 +395,8 @@ def test_python_preload_forks_warm_agents(tmp_path, proxy, pid_dir):
     assert "failing on purpose" in (tmp_path / "run" / "rollouts" / "warm-retry~0.err").read_text()
 
     # a forked agent that outlives its timeout is killed with its children
-    ctl = controller(proxy, tmp_path / "run2", agent("sleeper_agent.py", timeout_s=1.5), kill_grace_s=0.3,
-                     python_preload=("json",))
+    ctl = controller(proxy, tmp_path / "run2", dataclasses.replace(
+        agent("sleeper_agent.py", timeout_s=1.5), python_preload=("json",)), kill_grace_s=0.3)
     task = {"pid_dir": str(tmp_path), "ignore_term": True}
 
     async def main():
@@ -406,5 +407,6 @@ def test_python_preload_forks_warm_agents(tmp_path, proxy, pid_dir):
     assert (r.status, r.exit_code) == ("timeout", -9) and child_gone
 
     with pytest.raises(RolloutError, match="python_preload needs an agent command that runs a Python script"):
-        RolloutController(AgentSpec(command=("true",)), endpoint(proxy), proxy.store, tmp_path,
-                          python_preload=("openai",))
+        AgentSpec(command=("true",), python_preload=("openai",))
+    with pytest.raises(RolloutError, match="python_preload must list module names"):
+        AgentSpec(command=("python", "a.py"), python_preload=("not a module",))

@@ -132,3 +132,36 @@ def test_an_agent_that_never_runs_ends_the_run_with_its_error(tmp_path: Path, ar
     assert "the agent failed in every rollout of the first 2 groups" in err, out.stderr[-2000:]
     assert "cannot reach my sandbox" in err
     assert not (run_dir / "metrics.jsonl").exists()  # nothing was trained
+
+
+VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"
+
+
+@pytest.mark.skipif(not VERL_PYTHON.exists() or os.environ.get("LGT_SKIP_VERL") == "1",
+                    reason="no verl environment (.venv-verl; scripts/setup.sh builds it)")
+def test_verl_on_two_ray_ranks_trains_checkpoints_and_resumes(tmp_path: Path, arith_model_dir: Path) -> None:
+    # lgt-train runs in this (vLLM's) environment; the verl backend moves the trainer into .venv-verl,
+    # where verl's own Ray worker groups train on 2 CPU ranks; the engine stays on this vLLM
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path, arith_model_dir, steps=2)
+    sets = ["--set", "backend.name=verl", "--set", "backend.world_size=2", "--set", "backend.lr=1e-3"]
+    out = lgt_train(str(cfg), "--run-dir", str(run_dir), *sets)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"the verl backend runs in {VERL_PYTHON}" in out.stderr
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and {r["backend"] for r in rows} == {"verl"}
+    assert all(r["perf/sync_s"] > 0 and "actor/grad_norm" in r and "batch/tokens" in r for r in rows)
+    ckpt = run_dir / "checkpoints" / "step-00000002"
+    assert (ckpt / "DONE").exists() and (ckpt / "model.safetensors").exists()
+    assert sorted(p.name for p in (ckpt / "verl").glob("model_world_size_2_rank_*.pt")) == [
+        "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
+    out = lgt_train(str(cfg), "--resume", str(run_dir), "--steps", "3", *sets)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from step-00000002" in out.stderr
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    ids = trained_ids(rows)
+    assert len(ids) == len(set(ids)), "a sample was trained twice"
+    con = connect(run_dir / "store")
+    versions = [v for (v,) in con.execute("SELECT DISTINCT policy_version FROM calls ORDER BY 1").fetchall()]
+    assert versions[-1] >= 2  # calls served on weights synced from the verl ranks

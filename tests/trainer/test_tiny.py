@@ -74,7 +74,8 @@ def test_max_model_len_past_the_models_positions_is_refused(tmp_path: Path) -> N
     info.check_context(1024)
     info.check_context(None)
     with pytest.raises(ModelError, match=r"^max_model_len 4096 exceeds .*'s max_position_embeddings 1024: "
-                                         r"positions past it are not computed correctly; lower max_model_len$"):
+                                         r"positions past it are not computed correctly; "
+                                         r"lower max_model_len$"):
         info.check_context(4096)
     scaled = {**QWEN_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     check_model_dir(write_model_dir(tmp_path / "y", config=scaled)).check_context(4096)  # scaled: allowed
@@ -306,7 +307,7 @@ def test_build_model_presets(tmp_path: Path, tokenizer_dir: Path, preset: str, l
 
 
 def test_build_model_unknown_preset(tmp_path: Path) -> None:
-    with pytest.raises(TinyModelError, match="preset 'huge' is not one of tiny, demo, 10m"):
+    with pytest.raises(TinyModelError, match="preset 'huge' is not one of tiny, demo, 10m, 0.5b"):
         build_model(tmp_path, preset="huge")
 
 

@@ -1,0 +1,619 @@
+"""``lgt-train run``: the training recipe, read top to bottom — validate, setup, train, cleanup.
+
+**validate** checks everything a run needs before anything starts, in well under two seconds: the
+config (each section checked itself when loaded), the tasks file, the agent command on PATH, the model
+directory (or that it can be made), the backend's environment, the engine's interpreter, the proxy.
+One sentence names what is wrong; nothing has been built, started or written.
+
+**setup** builds each component once, from its own config section: the model (made locally when asked),
+the backend (:data:`lgt.trainer.backend.BACKENDS`: load, or resume from the run's last checkpoint), the
+vLLM engine serving it, ``lgt-proxy`` in front of the engine (or a running one), and the rollout
+controller that launches the unmodified agent once per rollout.
+
+**train**, each step:
+  1. enough complete groups are ready (sync: the whole batch launched for this step; async: the
+     ``batch_groups`` oldest finished groups, while other rollouts keep running) — admission control
+     and the batch are :mod:`lgt.trainer.batch`'s pure functions;
+  2. ``POST /pause`` to the proxy: new model calls are held, in-flight ones drain (seconds recorded);
+  3. the batch's samples from the store (merged per rollout); stale groups dropped; advantages and loss
+     weights (:mod:`lgt.trainer.algorithm`);
+  4. on a GPU the engine sleeps (its memory freed for the update); the backend trains; the engine
+     wakes and gets the new weights without a restart (``backend.push_weights``);
+  5. a checkpoint (weights, optimizer, the trained groups) before ``POST /resume`` with the new policy
+     version; held calls continue on the new weights.
+
+**cleanup** stops the proxy and the engine it started, cancels unfinished rollouts, closes the backend.
+
+Departures from the published method, on purpose:
+- Admission control (async) bounds staleness: a group is launched only while every group launched so
+  far could be trained within ``max_staleness`` versions; a group whose calls are staler than that when
+  its turn comes is dropped (``rollout/stale_dropped``), so no trained call is staler.
+- Failed and timed-out rollouts are retried by the controller; exhausted ones leave their group (they
+  are not trained as reward 0).
+- The loss corrects the engine/trainer mismatch with truncated importance weights against the recorded
+  behaviour logprobs (``algorithm.is_mode``); logprobs the proxy could not record are recomputed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import csv
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from lgt.store.query import connect
+from lgt.store.samples import build_group_samples
+
+from . import batch as batchmod
+from . import config as cfgmod
+from .backend import BackendError, entry
+from .config import ConfigError, RunConfig
+from .proxy_client import ProxyClient
+
+FAIL_FAST_GROUPS = 2  # groups that all failed, with no rollout ever ok, end the run
+TARGET_WINDOW = 10  # target_reward is reached when the mean reward of this many last steps reaches it
+
+
+@dataclass
+class Group:
+    """``group_size`` rollouts of one task launched together; advantages are taken within it."""
+
+    index: int
+    task: dict[str, Any]
+    version: int  # policy version when launched
+    results: list[Any] = field(default_factory=list)
+    pending: int = 0
+
+    @property
+    def group_id(self) -> str:
+        return f"g{self.index:06d}"
+
+    def rollout_id(self, k: int) -> str:
+        return f"{self.group_id}-{k}"
+
+    @property
+    def done(self) -> bool:
+        return self.pending == 0
+
+
+@dataclass
+class StepStats:
+    """What the progress display shows."""
+
+    step: int = 0
+    version: int = 0
+    running: int = 0
+    done: int = 0
+    failed: int = 0
+    reward_mean: float = float("nan")
+    staleness: float = 0.0
+    drain_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+def validate(cfg: RunConfig, *, resume_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Everything the run needs, checked before anything is built or started; returns the tasks.
+
+    ConfigError (or another ValueError: one sentence) names what is wrong. Fast: reads the tasks file and
+    a few small JSON files, looks commands up on PATH; imports no torch, verl or vLLM.
+    """
+    from . import models, rollouts, tiny
+    from .engine import EngineError, engine_python
+    from .proxy_client import ProxyError, find_proxy_command
+
+    tasks = cfgmod.load_tasks(cfg.tasks)
+    try:
+        rollouts.check_agent(cfg.agent)
+    except rollouts.RolloutError as e:
+        raise ConfigError(str(e)) from None
+    m = cfg.model
+    if m.make is not None:
+        if m.make.preset not in tiny.PRESETS:
+            raise ConfigError(f"model.make.preset must be one of {', '.join(tiny.PRESETS)}, not "
+                              f"{m.make.preset!r}")
+        if m.make.warm_start is not None and m.make.warm_start not in tiny.TASKS:
+            raise ConfigError(f"model.make.warm_start must be one of {', '.join(tiny.TASKS)} or null, not "
+                              f"{m.make.warm_start!r}")
+        if m.path.exists() and tiny.read_marker(m.path) is None and any(m.path.iterdir()):
+            raise ConfigError(f"model.path {m.path} holds something that is not a model made by lgt: "
+                              "choose another path for model.make")
+    else:
+        models.check_model_dir(m.path, need_chat_template=True).check_context(cfg.engine.max_model_len)
+    if resume_dir is not None and not (resume_dir / "config.json").exists():
+        raise ConfigError(f"{resume_dir} is not a run directory (it has no config.json)")
+    try:
+        backend_python(cfg)
+        engine_python(cfg.engine)
+        if cfg.proxy.url is None and not cfg.proxy.command:
+            find_proxy_command()
+    except (BackendError, EngineError, ProxyError) as e:
+        raise ConfigError(str(e)) from None
+    return tasks
+
+
+def backend_python(cfg: RunConfig) -> str:
+    """The interpreter that can run ``cfg``'s backend: this one, or (verl) the one named by
+    ``backend.python``, ``$LGT_VERL_PYTHON`` or this checkout's ``.venv-verl``. BackendError (one
+    sentence) when there is none. verl 0.9.1 and vLLM's CPU build need different transformers, so on
+    CPU machines they live in two environments: the trainer runs in verl's, the engine in vLLM's."""
+    backend = entry(cfg.backend.name)
+    if backend.available():
+        return sys.executable
+    repo = Path(__file__).resolve().parent.parent
+    for candidate in (getattr(cfg.backend, "python", None), os.environ.get("LGT_VERL_PYTHON"),
+                      str(repo / ".venv-verl" / "bin" / "python")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    raise BackendError(f"the {cfg.backend.name} backend needs the {backend.needs} package, which is not "
+                       f"installed for {sys.executable}: run scripts/setup.sh (it builds .venv-verl) or set "
+                       "backend.python to an interpreter that has it")
+
+
+class Recipe:
+    """One training run (see the module docstring). ``run_dir`` holds everything it writes."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, *, resume: bool = False,
+                 display: Callable[[StepStats, str], None] | None = None,
+                 crash_at_step: int | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.resume = resume
+        self.display = display or (lambda stats, line: None)
+        self.crash_at_step = crash_at_step  # fault injection for tests: die inside that step's update
+        self.store = cfg.store_path(run_dir)
+        self.limits = batchmod.Limits(cfg.mode, cfg.group_size, cfg.batch_groups, cfg.max_inflight,
+                                      cfg.max_staleness)
+        self.stats = StepStats()
+        self.tasks: list[dict[str, Any]] = []
+        self.groups: dict[str, Group] = {}
+        self.ready: list[Group] = []
+        self.recent_rewards: list[float] = []  # mean reward of the last steps (target_reward)
+        self.ok_rollouts = 0  # rollouts that ended ok in this process
+        self.failed_groups = 0  # groups whose every rollout failed, before any rollout was ok
+        self.fatal: str | None = None  # set when the run cannot go on; train() raises it
+        self.trained_groups: set[str] = set()
+        self.trained_samples = 0
+        self.next_group = self.first_group_this_run = 0
+        self.version = self.version_at_start = 0
+        self.step = 0
+        self.t0 = time.monotonic()
+        self.proxy: ProxyClient | None = None
+        self.engine: Any = None
+        self.backend: Any = None
+        self.controller: Any = None
+        self.tokenizer: Any = None
+        self._wake = asyncio.Event()
+        self._rollout_tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        from . import checkpoints, rollouts
+        from . import engine as enginemod
+
+        cfg = self.cfg
+        self.tasks = validate(cfg)
+        _quiet_transformers()
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.store.mkdir(parents=True, exist_ok=True)
+        _write_json(self.run_dir / "config.json", cfg.to_json())
+
+        model_dir = self.ensure_model()
+        ckpt = checkpoints.latest_checkpoint(self.run_dir / "checkpoints") if self.resume else None
+        backend_cls = entry(cfg.backend.name).load_class()
+        if ckpt is not None:
+            self.backend, extra = backend_cls.resume(ckpt, cfg.backend)
+            self.version = int(extra.get("version", 0))
+            self.step = int(extra.get("step", 0))
+            self.trained_groups = set(extra.get("trained_groups", []))
+            self.trained_samples = int(extra.get("trained_samples", 0))
+            rewards = [r.get("rollout/reward_mean") for r in metric_rows(self.run_dir)
+                       if r.get("step", 0) <= self.step]
+            self.recent_rewards = [x for x in rewards if isinstance(x, (int, float)) and math.isfinite(x)
+                                   ][-TARGET_WINDOW:]
+            serve_dir = ckpt
+            self.log(f"resuming from {ckpt.name}: step {self.step}, policy version {self.version}")
+        else:
+            self.backend = backend_cls.load(model_dir, cfg.backend)
+            serve_dir = model_dir
+        self.tokenizer = _decoder(model_dir)
+
+        self.log(f"starting the vLLM engine on {serve_dir.name} ...")
+        self.engine = enginemod.Engine.start(dataclasses.replace(
+            cfg.engine, model=serve_dir, log_path=self.run_dir / "logs" / "engine.log"))
+        if cfg.proxy.url:
+            self.proxy = ProxyClient.connect(self.store, cfg.proxy.url, cfg.proxy.port, cfg.proxy.token)
+            self.proxy.resume(self.version)
+        else:
+            self.proxy = ProxyClient.start(
+                self.store, self.engine.url, log_path=self.run_dir / "logs" / "proxy.log",
+                policy_version=self.version, port=cfg.proxy.port, control_port=cfg.proxy.control_port,
+                command=list(cfg.proxy.command) if cfg.proxy.command else None)
+        self.warm_up()
+        self.next_group = self.first_free_group()
+        if self.resume:
+            self.recover_ready_groups()
+
+        host, _, control_port = self.proxy.control_url.removeprefix("http://").rpartition(":")
+        endpoint = rollouts.ProxyEndpoint(store=self.store, port=self.proxy.port, host=host,
+                                          control_port=int(control_port), control_token=self.proxy.token)
+        self.controller = rollouts.RolloutController(cfg.agent, endpoint, self.store, self.run_dir,
+                                                     cfg.max_inflight, batch_records=True)
+
+    def ensure_model(self) -> Path:
+        from . import models, tiny
+
+        m = self.cfg.model
+        if m.make is not None:  # reuses the model when it was made with the same settings
+            made = tiny.is_made(m.path, preset=m.make.preset, warm_start_task=m.make.warm_start,
+                                seconds=m.make.seconds, seed=m.make.seed)
+            if not made:
+                self.log(f"building the model {m.path} (preset {m.make.preset}, warm start "
+                         f"{m.make.warm_start or 'none'}, ~{m.make.seconds:.0f} s) ...")
+            tiny.make_model(m.path, preset=m.make.preset, warm_start_task=m.make.warm_start,
+                            seconds=m.make.seconds, seed=m.make.seed, progress=not made)
+            info = models.check_model_dir(m.path, need_chat_template=True)
+            info.check_context(self.cfg.engine.max_model_len)
+        return m.path
+
+    def warm_up(self) -> None:
+        """One request straight to the engine, so the first rollouts do not pay its first-call cost."""
+        import httpx
+
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{self.engine.url}/completions", trust_env=False, timeout=120,
+                       json={"model": "policy", "prompt": "hello", "max_tokens": 4})
+
+    def first_free_group(self) -> int:
+        con = connect(self.store)
+        try:
+            row = con.execute("SELECT max(TRY_CAST(substr(group_id, 2) AS BIGINT)) FROM rollouts "
+                              "WHERE group_id LIKE 'g%'").fetchall()
+        finally:
+            con.close()
+        return int(row[0][0]) + 1 if row and row[0][0] is not None else 0
+
+    def recover_ready_groups(self) -> None:
+        """After a crash: groups whose rollouts all finished but that were not trained are trained now."""
+        con = connect(self.store)
+        try:
+            rows = con.execute(
+                "SELECT group_id, any_value(task_id), count(DISTINCT rollout_id), min(step) FROM rollouts "
+                "WHERE group_id LIKE 'g%' GROUP BY group_id ORDER BY group_id").fetchall()
+        finally:
+            con.close()
+        by_id = {t["task_id"]: t for t in self.tasks}
+        for gid, task_id, n, step in rows:
+            if gid in self.trained_groups or n < self.cfg.group_size or task_id not in by_id:
+                continue
+            g = Group(index=int(gid[1:]), task=by_id[task_id], version=int(step or 0))
+            self.groups[gid] = g
+            self.ready.append(g)
+        if self.ready:
+            self.log(f"{len(self.ready)} finished group(s) from before the restart will be trained")
+
+    # ------------------------------------------------------------------------------------ train
+    async def train(self) -> None:
+        cfg = self.cfg
+        deadline = self.t0 + cfg.max_minutes * 60 if cfg.max_minutes else math.inf
+        while self.step < cfg.steps and time.monotonic() < deadline and \
+                (cfg.max_samples is None or self.trained_samples < cfg.max_samples):
+            self.launch()
+            while len(self.ready) < cfg.batch_groups or (cfg.mode == "sync" and self.unfinished_groups()):
+                if self.fatal:
+                    raise RuntimeError(self.fatal)
+                self.engine.check_alive()
+                self.proxy.check_alive()
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                self.launch()
+                self.refresh()
+            batch, self.ready = batchmod.take_batch(self.ready, cfg.batch_groups)
+            await self.update(batch)
+            mean = sum(self.recent_rewards) / TARGET_WINDOW  # recent_rewards holds at most that many
+            if cfg.target_reward is not None and len(self.recent_rewards) == TARGET_WINDOW and \
+                    mean >= cfg.target_reward:
+                self.log(f"mean reward of the last {TARGET_WINDOW} steps {mean:.3f} "
+                         f"reached the target {cfg.target_reward}")
+                break
+
+    def unfinished_groups(self) -> int:
+        return sum(1 for g in self.groups.values() if not g.done)
+
+    def launch(self) -> None:
+        """Start groups while admission control allows (:func:`lgt.trainer.batch.may_launch`)."""
+        while batchmod.may_launch(
+                self.limits, running_rollouts=sum(g.pending for g in self.groups.values()),
+                unfinished_groups=self.unfinished_groups(), ready_groups=len(self.ready),
+                launched_this_run=self.next_group - self.first_group_this_run,
+                updates_this_run=self.version - self.version_at_start):
+            self.start_group()
+
+    def start_group(self) -> None:
+        task = self.tasks[batchmod.task_index(self.cfg.seed, len(self.tasks), self.next_group)]
+        g = Group(index=self.next_group, task=task, version=self.version, pending=self.cfg.group_size)
+        self.next_group += 1
+        self.groups[g.group_id] = g
+        for k in range(self.cfg.group_size):
+            t = asyncio.get_running_loop().create_task(self.one_rollout(g, k))
+            self._rollout_tasks.add(t)
+            t.add_done_callback(self._rollout_tasks.discard)
+
+    async def one_rollout(self, g: Group, k: int) -> None:
+        try:
+            res = await self.controller.run(g.task, g.rollout_id(k), g.group_id, g.version)
+        except Exception as e:  # noqa: BLE001 - one rollout's crash must not end the run
+            self.log(f"rollout {g.rollout_id(k)} could not run: {e}")
+            res = None
+        g.results.append(res)
+        g.pending -= 1
+        if res is not None:
+            self.ok_rollouts += res.ok
+            with open(self.run_dir / "rollouts.jsonl", "a") as f:
+                f.write(json.dumps(_result_row(res), default=str) + "\n")
+        if g.done:
+            if any(r is not None and r.status == "ok" for r in g.results):
+                self.ready.append(g)
+            else:
+                self.log(f"group {g.group_id}: every rollout failed; see {self.run_dir / 'rollouts'}")
+                self.failed_groups += 1
+                if self.fatal is None and self.ok_rollouts == 0 and self.failed_groups >= FAIL_FAST_GROUPS:
+                    self.fatal = agent_broken(self.failed_groups, [r for r in g.results if r is not None])
+        self.refresh()
+        self._wake.set()
+
+    async def update(self, batch: list[Group]) -> None:
+        """One training step on ``batch`` (the module docstring's steps 2-5)."""
+        cfg = self.cfg
+        t_update = time.monotonic()
+        perf: dict[str, float] = {}
+
+        async def timed(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+            t = time.monotonic()
+            out = await asyncio.to_thread(fn, *args)
+            perf[f"perf/{name}_s"] = round(time.monotonic() - t, 4)
+            return out
+
+        pause = await timed("pause", self.proxy.pause)
+        await timed("record", self.controller.flush_records)
+        await timed("flush", self.proxy.flush)
+        prepared = await timed("samples", self.samples_for, batch)
+        if self.crash_at_step is not None and self.step + 1 == self.crash_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die mid-step
+        metrics: dict[str, float] = {}
+        for name in ("train", "sync", "sleep", "wake"):
+            perf[f"perf/{name}_s"] = 0.0
+        if prepared.samples.num_rows:
+            asleep = self.engine.sleeps_on_update
+            if asleep:
+                await timed("sleep", self.engine.sleep)
+            metrics = await timed("train", self.train_on, prepared.samples)
+            if asleep:
+                await timed("wake", self.engine.wake_up)
+            await timed("sync", self.backend.push_weights, self.engine)
+        self.version += 1
+        self.step += 1
+        for g in batch:
+            self.trained_groups.add(g.group_id)
+            self.groups.pop(g.group_id, None)
+        self.trained_samples += prepared.samples.num_rows
+        if self.step % cfg.checkpoint_every == 0 or self.step >= cfg.steps:
+            await timed("checkpoint", self.save_checkpoint)
+        await timed("resume", self.proxy.resume, self.version)
+        results = [r for g in batch for r in g.results if r is not None]
+        info = {"groups": len(batch), **prepared.metrics(),
+                "rollout/failed": sum(1 for r in results if r.status == "failed"),
+                "rollout/timeout": sum(1 for r in results if r.status == "timeout"),
+                "rollout/retried": sum(1 for r in results if r.attempt > 0),
+                "rollout/duration_mean": round(sum(r.seconds for r in results) / max(len(results), 1), 3),
+                "sample_ids": prepared.samples["sample_id"].to_pylist()}
+        row = {
+            "step": self.step, "version": self.version, "time_s": round(time.monotonic() - self.t0, 3),
+            "mode": cfg.mode, "backend": cfg.backend.name, **info,
+            "rollout/running": sum(g.pending for g in self.groups.values()),
+            "perf/drain_s": pause.get("drain_seconds", 0.0),
+            "perf/in_flight_at_pause": pause.get("in_flight_at_pause", 0),
+            **perf, "perf/update_s": round(time.monotonic() - t_update, 4),
+            **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+        }
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        s = self.stats
+        s.step, s.version = self.step, self.version
+        s.reward_mean = info.get("rollout/reward_mean", float("nan"))
+        if not math.isnan(s.reward_mean):
+            self.recent_rewards = [*self.recent_rewards[-TARGET_WINDOW + 1:], s.reward_mean]
+        s.staleness = info.get("rollout/staleness_max", 0)
+        s.drain_s = row["perf/drain_s"]
+        s.tokens_per_s = metrics.get("perf/tokens_per_s", metrics.get("tokens_per_s", 0.0))
+        self.refresh(f"step {self.step}/{cfg.steps}  reward {s.reward_mean:.3f}  "
+                     f"samples {info['samples']}  staleness≤{s.staleness}  drain {s.drain_s:.2f}s  "
+                     f"train {perf['perf/train_s']:.2f}s  sync {perf['perf/sync_s']:.2f}s")
+
+    def samples_for(self, batch: list[Group]) -> batchmod.Prepared:
+        """The batch's samples from the store, ready for the loss (:func:`lgt.trainer.batch.prepare`)."""
+        cfg = self.cfg
+        samples = build_group_samples(self.store, [g.group_id for g in batch], mode=cfg.algorithm.sample_mode,
+                                      tokenizer=self.tokenizer).samples
+        return batchmod.prepare(samples, self.version, cfg.algorithm, cfg.max_staleness)
+
+    def train_on(self, samples: pa.Table) -> dict[str, float]:
+        """``backend.updates_per_step`` optimizer steps on disjoint shares of the batch's groups (each
+        share weighted so its rollouts count once); metrics averaged over them."""
+        runs = [self.backend.train_step(share)
+                for share in batchmod.shares(samples, self.cfg.backend.updates_per_step, self.cfg.algorithm)]
+        if len(runs) == 1:
+            return runs[0]
+        keys = {key for m in runs for key in m if isinstance(m[key], (int, float))}
+        return {key: sum(m.get(key, 0.0) for m in runs) / len(runs) for key in keys}
+
+    def save_checkpoint(self) -> None:
+        extra = {"version": self.version, "step": self.step, "trained_groups": sorted(self.trained_groups),
+                 "trained_samples": self.trained_samples}
+        self.backend.save_checkpoint(self.run_dir / "checkpoints", extra)
+
+    def refresh(self, line: str = "") -> None:
+        s = self.stats
+        s.running = sum(g.pending for g in self.groups.values())
+        if self.controller is not None:
+            s.done = getattr(self.controller, "done", 0)
+            s.failed = getattr(self.controller, "failed", 0)
+        self.display(s, line)
+
+    def log(self, line: str) -> None:
+        self.display(self.stats, line)
+
+    # ---------------------------------------------------------------------------------- cleanup
+    async def aclose(self) -> None:
+        for t in list(self._rollout_tasks):
+            t.cancel()
+        if self.controller is not None:
+            with contextlib.suppress(Exception):
+                await self.controller.aclose()
+
+    def cleanup(self) -> None:
+        for thing in (self.proxy, self.engine):
+            if thing is not None:
+                with contextlib.suppress(Exception):
+                    thing.stop()
+        if self.backend is not None:
+            with contextlib.suppress(Exception):
+                self.backend.close()
+
+    # ------------------------------------------------------------------------------ entry point
+    async def main(self) -> None:
+        self.t0 = time.monotonic()  # metrics' time_s counts from here: set-up (engine start) excluded
+        self.first_group_this_run = self.next_group
+        self.version_at_start = self.version
+        try:
+            await self.train()
+        finally:
+            await self.aclose()
+
+
+def run(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False,
+        display: Callable[[StepStats, str], None] | None = None,
+        crash_at_step: int | None = None) -> Path:
+    """Run ``cfg`` to the end; returns the run directory (metrics, checkpoints, plots, report)."""
+    run_dir = (run_dir or cfg.run_dir or cfgmod.default_run_dir(cfg)).resolve()
+    if crash_at_step is None and os.environ.get("LGT_FAULT_CRASH_AT_STEP"):  # fault injection (tests)
+        crash_at_step = int(os.environ["LGT_FAULT_CRASH_AT_STEP"])
+    r = Recipe(cfg, run_dir, resume=resume, display=display, crash_at_step=crash_at_step)
+    try:
+        r.setup()
+        asyncio.run(r.main())
+    finally:
+        r.cleanup()
+        with contextlib.suppress(Exception):
+            finish(run_dir, r.store)
+    return run_dir
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl rows (a last line cut off by a crash is left out)."""
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    return rows
+
+
+def agent_broken(n_groups: int, results: list[Any]) -> str:
+    """The sentence that ends a run whose agent has not once finished: its last attempt's error (the
+    controller's, which names the last line the agent wrote to stderr)."""
+    last = results[-1] if results else None
+    said = "" if last is None else \
+        f"; its last attempt: {last.error or f'status {last.status}'} ({last.stderr_path})"
+    return f"the agent failed in every rollout of the first {n_groups} groups, so it does not run here{said}"
+
+
+def finish(run_dir: Path, store: Path | None = None) -> None:
+    """metrics.csv, plots and the report page from what the run wrote."""
+    from lgt.store.report import write_report
+
+    from . import plots
+
+    if store is not None and store.exists():
+        con = connect(store)
+        try:
+            write_report(con, run_dir / "store-report.html", title=f"{run_dir.name}: store")
+        finally:
+            con.close()
+
+    rows = metric_rows(run_dir)
+    if rows:
+        cols = sorted({k for r in rows for k in r if k != "sample_ids"},
+                      key=lambda k: (k not in ("step", "version", "time_s"), k))
+        with open(run_dir / "metrics.csv.tmp", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+        os.replace(run_dir / "metrics.csv.tmp", run_dir / "metrics.csv")
+    plots.write_run_report(run_dir, rows)
+
+
+def _result_row(res: Any) -> dict[str, Any]:
+    return dataclasses.asdict(res) if dataclasses.is_dataclass(res) else dict(vars(res))
+
+
+def _quiet_transformers() -> None:
+    """No per-call progress bars from transformers (loading / writing shards at every checkpoint)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _decoder(model_dir: Path) -> Any:
+    """A tokenizer with ``decode`` for realigned samples (the tokenizers library, no transformers)."""
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.exists() else None
+
+
+def default_display(stream: Any = None) -> Callable[[StepStats, str], None]:
+    """One line per event on a non-terminal; a live status line on a terminal (rich)."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        def show(stats: StepStats, line: str) -> None:
+            if line:
+                print(line, file=stream, flush=True)
+        return show
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
+    console = Console(file=stream)
+    live = Live(console=console, refresh_per_second=4, transient=True)
+    live.start()
+
+    def show(stats: StepStats, line: str) -> None:
+        if line:
+            live.console.print(line)
+        live.update(Text(
+            f"step {stats.step}  v{stats.version}  rollouts running {stats.running}  done {stats.done}  "
+            f"failed {stats.failed}  reward {stats.reward_mean:.3f}  staleness {stats.staleness}  "
+            f"drain {stats.drain_s:.2f}s  {stats.tokens_per_s:.0f} tok/s"))
+    show.live = live  # type: ignore[attr-defined]
+    return show
