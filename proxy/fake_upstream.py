@@ -343,7 +343,8 @@ def _begin(request: web.Request, required: str, prefix: str,
     if faults.reject_token_ids and body.get("return_token_ids"):
         return _invalid({"type": "extra_forbidden", "loc": "body.return_token_ids",
                          "msg": "Extra inputs are not permitted", "input": True}, "return_token_ids")
-    wants_logprobs = bool(body.get("logprobs")) if required == "messages" else body.get("logprobs") is not None
+    wants_logprobs = (bool(body.get("logprobs")) if required == "messages"
+                      else body.get("logprobs") is not None)
     if faults.nan_logprob and wants_logprobs and not body.get("stream"):
         return _json(error_body("Out of range float values are not JSON compliant", "BadRequestError",
                                 400), 400)

@@ -3,8 +3,8 @@
 No plotting library (the page is made where only the proxy's light dependencies are installed):
 reward per step, samples per rollout, merge breaks by reason, policy staleness of calls, the
 calls' status counts, how completely their tokens were captured, and what agents reached besides
-their LLM calls (egress, blocked or allowed). Every chart is built from one SQL query over the store's views or from the
-sample build, so what the page shows is what ``lgt-train sql`` shows.
+their LLM calls (egress, blocked or allowed). Every chart is built from one SQL query over the store's
+views or from the sample build, so what the page shows is what ``lgt-train sql`` shows.
 """
 
 from __future__ import annotations

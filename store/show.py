@@ -246,7 +246,8 @@ def egress_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The attempt's non-LLM traffic: a header, then one line per request or connection."""
     blocked = sum(not r["allowed"] and r["kind"] != "tls_failed" for r in rows)
     head = f"── egress · {plural(len(rows), 'request')} besides LLM calls"
-    lines = [click.style(head, dim=True) + (click.style(f" · {blocked} blocked", fg="red") if blocked else "")]
+    lines = [click.style(head, dim=True)
+             + (click.style(f" · {blocked} blocked", fg="red") if blocked else "")]
     for r in rows:
         where = (f"{r['method']} {r['scheme']}://{r['host']}{r['path'] or ''}" if r["kind"] == "http"
                  else f"{r['kind']} {r['host']}:{r['port']}")
