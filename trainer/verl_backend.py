@@ -467,7 +467,80 @@ def _read_state(path: str | Path, world_size: int) -> int:
     return steps
 
 
-class VerlBackend:
+class VerlActor:
+    """What both verl actors share: lgt's samples as verl's batch, one PPO update, logprobs. A subclass
+    sets ``config``, ``pad_token_id``, ``world_size``, ``rows_multiple`` (world size x micro-batch
+    rows: verl splits each rank's rows into whole micro-batches) and ``steps``, and runs verl's worker
+    calls: :meth:`_train` and :meth:`_infer` on a no-padding TensorDict."""
+
+    config: VerlConfig
+    pad_token_id: int
+    world_size: int
+    rows_multiple: int
+    steps: int
+
+    def _train(self, td: Any) -> Any:
+        raise NotImplementedError
+
+    def _infer(self, td: Any) -> Any:
+        raise NotImplementedError
+
+    def to_dataproto(self, samples: pa.Table) -> DataProto:
+        cfg = self.config
+        return samples_to_dataproto(
+            samples, max_prompt_len=cfg.max_prompt_len, max_response_len=cfg.max_response_len,
+            pad_token_id=self.pad_token_id, temperature=cfg.temperature,
+            fold_loss_weight=cfg.loss.agg == "rollout")
+
+    def train_step(self, samples: pa.Table) -> dict[str, float]:
+        """One PPO update on ``samples`` (``ppo_epochs`` passes; batch/mini optimizer steps each).
+
+        Returns metrics as floats (means over micro/mini batches): ``loss/pg``, ``actor/pg_clipfrac``,
+        ``actor/ppo_kl`` (mean old - current logprob), ``actor/grad_norm``, ``actor/lr``,
+        ``batch/samples``, ``batch/tokens`` (trained tokens), ``actor/behaviour_recomputed_frac``; with
+        ``old_logprobs="recompute"`` also ``actor/behaviour_kl`` (mean old - behaviour logprob) and
+        ``actor/is_weight_mean``. The batch is padded to whole micro-batches on every rank with rows that
+        train on nothing (none with a ``ppo_mini_batch_size``, a multiple of them); with several
+        mini-batches the rows are ordered so each rank's k-th mini-batch is its share of the k-th.
+        """
+        batch = self.to_dataproto(samples)
+        size = len(batch)
+        tokens = batch.batch["response_mask"].sum()
+        mini = self.config.ppo_mini_batch_size or size
+        if size % mini:
+            raise SampleConversionError(
+                f"the batch of {size} samples is not a multiple of ppo_mini_batch_size ({mini}).")
+        batch, pad = pad_batch(batch, self.rows_multiple)
+        extra = fill_missing_behaviour(batch, self._logprobs)
+        if self.config.old_logprobs == "recompute":
+            extra |= recompute_old_logprobs(batch, self._logprobs, self.config)
+        if mini < size and self.world_size > 1:
+            batch.reorder(torch.from_numpy(rank_major_order(size, mini, self.world_size)))
+        td = left_right_2_no_padding(batch.to_tensordict())
+        tu.assign_non_tensor(
+            td, calculate_entropy=self.config.entropy_coeff != 0, global_batch_size=mini,
+            mini_batch_size=mini + pad, epochs=self.config.ppo_epochs, seed=self.config.seed + self.steps,
+            dataloader_kwargs={"shuffle": self.config.shuffle}, compute_loss=True)
+        raw = tu.get(self._train(td), "metrics")
+        self.steps += 1
+        return metrics_of(raw, size, float(tokens)) | extra
+
+    @torch.no_grad()
+    def _logprobs(self, batch: DataProto) -> torch.Tensor:
+        """(B, R) logprobs of ``batch`` (rows a multiple of ``rows_multiple``)."""
+        td = left_right_2_no_padding(batch.to_tensordict())
+        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+        return no_padding_2_padding(tu.get(self._infer(td), "log_probs"), td).float().cpu()
+
+    def logprobs(self, samples: pa.Table) -> torch.Tensor:
+        """The current policy's logprobs of each sample's response tokens: (B, R) float32, aligned with
+        ``samples_to_dataproto(...).batch["responses"]`` (0 past each response's end)."""
+        batch = self.to_dataproto(samples)
+        padded, _ = pad_batch(batch, self.rows_multiple)
+        return self._logprobs(padded)[:len(batch)]
+
+
+class VerlBackend(VerlActor):
     """One verl FSDP actor in this process: ``train_step(samples)`` runs verl's PPO update on them.
 
     Built once (``setup`` in the constructor): the process group (one rank), verl's ``TrainingWorker``
@@ -485,63 +558,18 @@ class VerlBackend:
         worker_config, self.actor_config, self.model_config = training_worker_config(config)
         self.pad_token_id = int(pad_token_id) if pad_token_id is not None else pad_token_of(
             self.model_config, config.model_path)
-        # verl splits each batch into whole micro-batches (unless sized by tokens): pad up to that
+        self.world_size = 1
         self.rows_multiple = 1 if config.use_dynamic_bsz else config.ppo_micro_batch_size_per_gpu
         self.worker = TrainingWorker(config=worker_config)
         self.worker.reset()  # builds the model, FSDP wrapping, optimizer, scheduler
         self.worker.set_loss_fn(partial(ppo_loss, config=self.actor_config))
         self.steps = 0
 
-    def to_dataproto(self, samples: pa.Table) -> DataProto:
-        cfg = self.config
-        return samples_to_dataproto(
-            samples, max_prompt_len=cfg.max_prompt_len, max_response_len=cfg.max_response_len,
-            pad_token_id=self.pad_token_id, temperature=cfg.temperature,
-            fold_loss_weight=cfg.loss.agg == "rollout")
+    def _train(self, td: Any) -> Any:
+        return self.worker.train_mini_batch(td)
 
-    def train_step(self, samples: pa.Table) -> dict[str, float]:
-        """One PPO update on ``samples`` (``ppo_epochs`` passes; batch/mini optimizer steps each).
-
-        Returns metrics as floats (means over micro/mini batches): ``loss/pg``, ``actor/pg_clipfrac``,
-        ``actor/ppo_kl`` (mean old - current logprob), ``actor/grad_norm``, ``actor/lr``,
-        ``batch/samples``, ``batch/tokens`` (trained tokens); with ``old_logprobs="recompute"`` also
-        ``actor/behaviour_kl`` (mean old - behaviour logprob) and ``actor/is_weight_mean``.
-        """
-        batch = self.to_dataproto(samples)
-        size = len(batch)
-        tokens = batch.batch["response_mask"].sum()
-        mini = self.config.ppo_mini_batch_size or size
-        if size % mini:
-            raise SampleConversionError(
-                f"the batch of {size} samples is not a multiple of ppo_mini_batch_size ({mini}).")
-        pad = 0
-        if mini == size:  # a set ppo_mini_batch_size is a multiple of the micro-batch (VerlConfig)
-            batch, pad = pad_batch(batch, self.rows_multiple)
-        extra = fill_missing_behaviour(batch, self._logprobs)
-        if self.config.old_logprobs == "recompute":
-            extra |= recompute_old_logprobs(batch, self._logprobs, self.config)
-        td = left_right_2_no_padding(batch.to_tensordict())
-        tu.assign_non_tensor(
-            td, calculate_entropy=self.config.entropy_coeff != 0, global_batch_size=mini,
-            mini_batch_size=mini + pad, epochs=self.config.ppo_epochs, seed=self.config.seed + self.steps,
-            dataloader_kwargs={"shuffle": self.config.shuffle}, compute_loss=True)
-        raw = tu.get(self.worker.train_mini_batch(td), "metrics")
-        self.steps += 1
-        return metrics_of(raw, size, float(tokens)) | extra
-
-    @torch.no_grad()
-    def _logprobs(self, batch: DataProto) -> torch.Tensor:
-        td = left_right_2_no_padding(batch.to_tensordict())
-        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
-        out = self.worker.infer_batch(td)
-        return no_padding_2_padding(tu.get(out, "log_probs"), td).float().cpu()
-
-    def logprobs(self, samples: pa.Table) -> torch.Tensor:
-        """The current policy's logprobs of each sample's response tokens: (B, R) float32, aligned with
-        ``samples_to_dataproto(...).batch["responses"]`` (0 past each response's end)."""
-        batch = self.to_dataproto(samples)
-        padded, _ = pad_batch(batch, self.rows_multiple)
-        return self._logprobs(padded)[:len(batch)]
+    def _infer(self, td: Any) -> Any:
+        return self.worker.infer_batch(td)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(Hugging Face parameter name, full tensor)`` for every weight, as verl hands them to its

@@ -51,24 +51,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import torch
 
 from lgt.trainer.verl_backend import (
-    SampleConversionError,
+    VerlActor,
     VerlConfig,
     VerlConfigError,
     _install_cpu_platform,
     _read_state,
     _register_cpu_engine,
     _save_state,
-    fill_missing_behaviour,
-    metrics_of,
-    pad_batch,
     pad_token_of,
-    rank_major_order,
-    recompute_old_logprobs,
-    samples_to_dataproto,
     training_worker_config,
 )
 
@@ -76,11 +69,8 @@ if not torch.cuda.is_available():
     _install_cpu_platform()  # before verl's engines are imported, here and in every actor
 
 import ray  # noqa: E402
-from verl import DataProto  # noqa: E402
 from verl.single_controller.base.decorator import Dispatch, register  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine_workers import TrainingWorker  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
 OBJECT_STORE_BYTES = 100 * 2**20  # a local Ray's shared memory; bigger objects spill to disk
 
@@ -158,7 +148,7 @@ class LgtTrainingWorker(TrainingWorker):
 # -- the driver -------------------------------------------------------------------------------------
 
 
-class VerlRayActor:
+class VerlRayActor(VerlActor):
     """verl's FSDP actor on ``world_size`` ranks of a Ray cluster; the calls of ``VerlBackend``.
 
     ``world_size`` and ``ray_address`` default to the config's. No ``ray_address``: a local Ray starts
@@ -248,50 +238,11 @@ class VerlRayActor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def to_dataproto(self, samples: pa.Table) -> DataProto:
-        cfg = self.config
-        return samples_to_dataproto(
-            samples, max_prompt_len=cfg.max_prompt_len, max_response_len=cfg.max_response_len,
-            pad_token_id=self.pad_token_id, temperature=cfg.temperature,
-            fold_loss_weight=cfg.loss.agg == "rollout")
+    def _train(self, td):
+        return self.group.train_mini_batch(td).get()
 
-    def train_step(self, samples: pa.Table) -> dict[str, float]:
-        """One PPO update on ``samples`` over the ranks; the metrics of ``VerlBackend.train_step``."""
-        batch = self.to_dataproto(samples)
-        size = len(batch)
-        tokens = batch.batch["response_mask"].sum()
-        mini = self.config.ppo_mini_batch_size or size
-        if size % mini:
-            raise SampleConversionError(
-                f"the batch of {size} samples is not a multiple of ppo_mini_batch_size ({mini}).")
-        batch, pad = pad_batch(batch, self.rows_multiple)  # none with ppo_mini_batch_size (see __init__)
-        extra = fill_missing_behaviour(batch, self._logprobs)
-        if self.config.old_logprobs == "recompute":
-            extra |= recompute_old_logprobs(batch, self._logprobs, self.config)
-        if mini < size:
-            batch.reorder(torch.from_numpy(rank_major_order(size, mini, self.world_size)))
-        td = left_right_2_no_padding(batch.to_tensordict())
-        tu.assign_non_tensor(
-            td, calculate_entropy=self.config.entropy_coeff != 0, global_batch_size=mini,
-            mini_batch_size=mini + pad, epochs=self.config.ppo_epochs, seed=self.config.seed + self.steps,
-            dataloader_kwargs={"shuffle": self.config.shuffle}, compute_loss=True)
-        raw = tu.get(self.group.train_mini_batch(td).get(), "metrics")
-        self.steps += 1
-        return metrics_of(raw, size, float(tokens)) | extra
-
-    @torch.no_grad()
-    def _logprobs(self, batch: DataProto) -> torch.Tensor:
-        """(B, R) logprobs of ``batch`` (rows a multiple of ``rows_multiple``) from the ranks."""
-        td = left_right_2_no_padding(batch.to_tensordict())
-        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
-        out = self.group.infer_batch(td).get()
-        return no_padding_2_padding(tu.get(out, "log_probs"), td).float().cpu()
-
-    def logprobs(self, samples: pa.Table) -> torch.Tensor:
-        """The current policy's logprobs of each sample's response tokens, as ``VerlBackend.logprobs``."""
-        batch = self.to_dataproto(samples)
-        padded, _ = pad_batch(batch, self.rows_multiple)
-        return self._logprobs(padded)[:len(batch)]
+    def _infer(self, td):
+        return self.group.infer_batch(td).get()
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(Hugging Face parameter name, full CPU tensor)`` for every weight, gathered from the ranks
