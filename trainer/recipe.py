@@ -14,9 +14,10 @@ controller that launches the unmodified agent once per rollout.
   1. enough complete groups are ready (sync: the whole batch launched for this step; async: the
      ``batch_groups`` oldest finished groups, while other rollouts keep running) — admission control
      and the batch are :mod:`lgt.trainer.batch`'s pure functions;
-  2. ``POST /pause`` to the proxy: new model calls are held, in-flight ones drain (seconds recorded);
-  3. the batch's samples from the store (merged per rollout); stale groups dropped; advantages and loss
-     weights (:mod:`lgt.trainer.algorithm`);
+  2. the batch's samples from the store (merged per rollout), while the other rollouts still run
+     (the batch's groups are finished: nothing of theirs changes); stale groups dropped; advantages
+     and loss weights (:mod:`lgt.trainer.algorithm`);
+  3. ``POST /pause`` to the proxy: new model calls are held, in-flight ones drain (seconds recorded);
   4. on a GPU the engine sleeps (its memory freed for the update); the backend trains; the engine
      wakes and gets the new weights without a restart (``backend.push_weights``);
   5. a checkpoint (weights, optimizer, the trained groups) before ``POST /resume`` with the new policy
@@ -386,10 +387,12 @@ class Recipe:
             perf[f"perf/{name}_s"] = round(time.monotonic() - t, 4)
             return out
 
-        pause = await timed("pause", self.proxy.pause)
+        # the batch's groups are finished: their samples are built while the other rollouts still run
         await timed("record", self.controller.flush_records)
         await timed("flush", self.proxy.flush)
         prepared = await timed("samples", self.samples_for, batch)
+        t_paused = time.monotonic()
+        pause = await timed("pause", self.proxy.pause)
         if self.crash_at_step is not None and self.step + 1 == self.crash_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die mid-step
         metrics: dict[str, float] = {}
@@ -426,6 +429,7 @@ class Recipe:
             "perf/drain_s": pause.get("drain_seconds", 0.0),
             "perf/in_flight_at_pause": pause.get("in_flight_at_pause", 0),
             **perf, "perf/update_s": round(time.monotonic() - t_update, 4),
+            "perf/paused_s": round(time.monotonic() - t_paused, 4),
             **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
         }
         with open(self.run_dir / "metrics.jsonl", "a") as f:
