@@ -118,6 +118,13 @@ def test_sections_are_the_components_configs(tmp_path: Path) -> None:
                                "algorithm: {clip_high: 0.3}\n"))
     assert isinstance(verl.backend, VerlConfig)
     assert (verl.backend.world_size, verl.backend.ray_address) == (2, "auto")
+    from lgt.trainer import recipe
+
+    verl_python = tmp_path / "verl-env" / "python"  # where backend.python says verl is installed
+    verl_python.parent.mkdir()
+    verl_python.touch()
+    moved = config.load(write(tmp_path, BASE + f"backend: {{name: verl, python: {verl_python}}}\n"))
+    assert recipe.backend_python(moved) == str(verl_python)
     assert verl.backend.loss.clip_high == 0.3
     assert json.loads(json.dumps(verl.to_json()))["backend"]["name"] == "verl"
 
