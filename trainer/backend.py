@@ -281,7 +281,10 @@ class BackendEntry:
     needs: str  # a module the trainer class needs in this interpreter
 
     def available(self) -> bool:
-        return importlib.util.find_spec(self.needs) is not None
+        """The package is installed for this interpreter (a bare folder of that name, a namespace
+        package such as a checkout's ``tests/verl`` on ``sys.path``, does not count)."""
+        spec = importlib.util.find_spec(self.needs)
+        return spec is not None and spec.origin not in (None, "namespace")
 
     def load_class(self) -> Any:
         return getattr(importlib.import_module(self.module), self.cls)
