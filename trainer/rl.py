@@ -270,13 +270,6 @@ IS_MODES: dict[str, Callable[[Tensor, float], Tensor]] = {
 }
 
 
-def _check_is(mode: str, cap: float) -> None:
-    if mode not in IS_MODES:
-        raise _unknown("importance-sampling mode", mode, IS_MODES)
-    if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap >= 1.0):
-        raise ValueError(f"the importance-weight cap must be a finite number >= 1, not {cap!r}")
-
-
 def fill_behaviour(behaviour_logp: Tensor, logp_old: Tensor) -> tuple[Tensor, Tensor]:
     """``(behaviour, recomputed)``: the behaviour logprobs with each NaN (not recorded) replaced by the
     old policy's, and the (B, T) bool mask of the replaced positions. Detached."""
@@ -294,7 +287,7 @@ def importance_weights(logp_old: Tensor, behaviour_logp: Tensor, mask: Tensor, *
     cap)``), "mask" (1 where ``exp(old - behaviour)`` is within ``[1/cap, cap]``, else 0). Where the
     mask is 0 the weight is 1 (nothing to correct; the loss masks those positions anyway).
     """
-    _check_is(mode, cap)
+    LossConfig(is_mode=mode, is_cap=cap)  # the same checks
     _check_same_shape(logp_old=logp_old, behaviour_logp=behaviour_logp, mask=mask)
     ratio = _is_ratio(logp_old, behaviour_logp)
     w = IS_MODES[mode](ratio, float(cap))

@@ -666,15 +666,11 @@ class VerlTrainer:
         """``root/step-<step:08d>``: the HF weights + config + tokenizer, verl's state, the run's state."""
         from safetensors.torch import save_file
 
+        from lgt.trainer.engine import collect_tensors
+
         def write(tmp: Path) -> None:
-            tensors, seen = {}, set()
-            for name, t in self.named_weights():
-                t = t.detach().to("cpu").contiguous()
-                if t.untyped_storage().data_ptr() in seen:  # tied weights: safetensors wants own storage
-                    t = t.clone()
-                seen.add(t.untyped_storage().data_ptr())
-                tensors[name] = t
-            save_file(tensors, tmp / HF_WEIGHTS, metadata={"format": "pt"})
+            # CPU copies, each with its own storage (tied weights: safetensors wants that)
+            save_file(collect_tensors(self.named_weights()), tmp / HF_WEIGHTS, metadata={"format": "pt"})
             for src in [*(self.base_model / f for f in MODEL_FILES), *tokenizer_files(self.base_model)]:
                 if src.is_file():
                     shutil.copy2(src, tmp / src.name)
