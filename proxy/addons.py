@@ -419,7 +419,7 @@ class Record:
         prepared, injected = wire.prepare_request(
             endpoint, req,
             served_model=rt.served_model if self.upstream else None,
-            capture_tokens=rt.capture_tokens,
+            capture_tokens=rt.capture_tokens, greedy=identity.greedy,
         )
         call = Call(
             call_id=uuid.uuid4().hex,
@@ -498,7 +498,8 @@ class Record:
             first_error = _error_text(flow.response.raw_content, 300)
             body, injected = wire.prepare_request(
                 call.endpoint, call.request, served_model=call.served_model,
-                capture_tokens=call.injected.token_ids and drop != "token_ids", capture_logprobs=False)
+                capture_tokens=call.injected.token_ids and drop != "token_ids", capture_logprobs=False,
+                greedy=call.identity.greedy)
             try:
                 answer = await rt.resender.send(flow.request, wire.dumps(body))
             except Exception as e:  # the upstream went away: the agent keeps the first answer
@@ -614,6 +615,7 @@ class Record:
             "response_logprobs": logprobs,
             "capture": level,
             "capture_reason": reason,
+            "sampling": call.injected.sampling,
             "extra_choices": extra,
             "finish_reason": first.finish_reason if first else None,
             "status": status,

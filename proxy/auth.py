@@ -1,8 +1,11 @@
 """Rollout identity, the proxy's secret, and the environment a rollout needs to go through the proxy.
 
 A rollout authenticates with proxy credentials ``<identity>:<token>`` where ``identity`` is the rollout
-id, optionally followed by ``~<attempt>``, and ``token = HMAC-SHA256(secret, identity)`` (hex, 32
-chars). The proxy needs no registry of rollouts: whoever holds the secret can mint credentials.
+id, optionally followed by ``~<attempt>`` and then ``~greedy``, and ``token = HMAC-SHA256(secret,
+identity)`` (hex, 32 chars). The proxy needs no registry of rollouts: whoever holds the secret can mint
+credentials. ``~greedy`` (held-out evaluation) makes the proxy decode that rollout's calls greedily
+whatever temperature the agent asks for; being part of the signed identity, an agent cannot set or drop
+it.
 
 The secret lives with the store (``<store>/_proxy/secret``, mode 0600) unless ``LGT_PROXY_SECRET`` or an
 explicit file is given, so ``lgt-proxy creds`` and a running ``lgt-proxy`` agree without flags. This
@@ -32,13 +35,19 @@ class AuthError(ValueError):
     """Credentials that are missing or wrong; the message is safe to show (it names no secret)."""
 
 
+GREEDY = "greedy"  # the identity suffix that makes the proxy decode a rollout's calls greedily
+
+
 @dataclass(frozen=True)
 class Identity:
     rollout_id: str
     attempt: int = 0
+    greedy: bool = False  # the proxy forces greedy decoding (temperature 0) on this rollout's calls
 
     @property
     def name(self) -> str:
+        if self.greedy:
+            return f"{self.rollout_id}~{self.attempt}~{GREEDY}"
         return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}~{self.attempt}"
 
 
@@ -52,12 +61,14 @@ def check_rollout_id(rollout_id: str) -> str:
 
 
 def parse_identity(name: str) -> Identity:
-    rollout_id, sep, attempt = name.rpartition("~")
+    head, sep, mode = name.rpartition("~")
+    greedy = bool(sep) and mode == GREEDY
+    rollout_id, sep, attempt = (head if greedy else name).rpartition("~")
     if not sep:
-        rollout_id, attempt = name, "0"
+        rollout_id, attempt = (head if greedy else name), "0"
     if not attempt.isdigit() or not ROLLOUT_ID_RE.match(rollout_id):
-        raise AuthError(f"proxy user {name!r} is not a rollout id (optionally ~attempt)")
-    return Identity(rollout_id, int(attempt))
+        raise AuthError(f"proxy user {name!r} is not a rollout id (optionally ~attempt, then ~{GREEDY})")
+    return Identity(rollout_id, int(attempt), greedy)
 
 
 # -- the secret ---------------------------------------------------------------------------------
@@ -184,6 +195,7 @@ def rollout_env(
     secret_file: str | os.PathLike | None = None,
     confdir: str | os.PathLike | None = None,
     ca: str = "system+proxy",
+    greedy: bool = False,
 ) -> dict[str, str]:
     """Environment variables that send one rollout's traffic through the proxy.
 
@@ -192,11 +204,11 @@ def rollout_env(
     ``ca``: the CA file the variables name — ``system+proxy`` (the system CAs and the proxy's) or
     ``proxy`` (the proxy's alone: enough when every HTTPS connection goes through the proxy, which
     presents its own certificates, and ~50× cheaper for each client to load — it matters for agents
-    that live a second).
+    that live a second). ``greedy``: the proxy decodes this rollout's calls greedily (evaluation).
     """
     if ca not in ("system+proxy", "proxy"):
         raise ValueError(f"ca must be 'system+proxy' or 'proxy', not {ca!r}")
-    identity = Identity(check_rollout_id(rollout_id), attempt)
+    identity = Identity(check_rollout_id(rollout_id), attempt, greedy)
     secret = load_secret(store, secret_file)
     token = rollout_token(secret, identity)
     url = f"http://{identity.name}:{token}@{host}:{port}"

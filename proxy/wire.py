@@ -87,6 +87,7 @@ class Injected:
     token_ids: bool = False
     logprobs: bool = False
     model: str | None = None  # the agent's model name, when the proxy rewrote it
+    sampling: str | None = None  # "greedy": the proxy overrode the agent's sampling (evaluation)
 
     @property
     def captures(self) -> bool:
@@ -94,14 +95,19 @@ class Injected:
         return self.token_ids or self.logprobs
 
 
+GREEDY_DROPS = ("top_p", "top_k", "min_p", "seed")  # sampling knobs a greedy override removes
+
+
 def prepare_request(
     endpoint: str, req: dict[str, Any], *, served_model: str | None, capture_tokens: bool,
-    capture_logprobs: bool | None = None,
+    capture_logprobs: bool | None = None, greedy: bool = False,
 ) -> tuple[dict[str, Any], Injected]:
     """The request to send upstream and what was injected into it (``req`` is not modified).
 
     ``capture_tokens`` asks for token ids, ``capture_logprobs`` (default: the same) for the sampled
     tokens' logprobs; a retry without one of them prepares the agent's request again with it off.
+    ``greedy`` decodes greedily whatever the agent asked: temperature 0, and the sampling knobs that
+    would otherwise still apply (top_p, top_k, min_p, seed) removed.
     """
     out = dict(req)
     model = None
@@ -122,7 +128,13 @@ def prepare_request(
         elif req.get("logprobs") is None:
             out["logprobs"] = 0
             logprobs = True
-    return out, Injected(token_ids=token_ids, logprobs=logprobs, model=model)
+    sampling = None
+    if greedy:
+        for knob in GREEDY_DROPS:
+            out.pop(knob, None)
+        out["temperature"] = 0.0
+        sampling = "greedy"
+    return out, Injected(token_ids=token_ids, logprobs=logprobs, model=model, sampling=sampling)
 
 
 def strip_response(endpoint: str, obj: Any, inj: Injected) -> Any:

@@ -23,7 +23,7 @@ import orjson
 
 from .migrations import migrate
 from .query import connect
-from .schema import ROLLOUT_STATUSES
+from .schema import ROLLOUT_SPLITS, ROLLOUT_STATUSES
 from .writer import WAL_DIR, rows_from_wal, to_arrow, write_parquet_atomic
 
 
@@ -69,7 +69,7 @@ def add_rollout(store: str | os.PathLike, rollout_id: str, *, attempt: int = 0,
                 task_id: str | None = None, group_id: str | None = None, step: int | None = None,
                 status: str = "ok", exit_code: int | None = None,
                 started_at: dt.datetime | None = None, ended_at: dt.datetime | None = None,
-                resource_version: str | None = None,
+                resource_version: str | None = None, split: str | None = None,
                 metadata: dict[str, Any] | None = None) -> dict[str, Any]:
     """Record (or re-record: the latest row per rollout attempt wins) one rollout attempt.
 
@@ -78,7 +78,7 @@ def add_rollout(store: str | os.PathLike, rollout_id: str, *, attempt: int = 0,
     root = _store_root(store)
     row = rollout_row(rollout_id, attempt=attempt, task_id=task_id, group_id=group_id, step=step,
                       status=status, exit_code=exit_code, started_at=started_at, ended_at=ended_at,
-                      resource_version=resource_version, metadata=metadata)
+                      resource_version=resource_version, split=split, metadata=metadata)
     migrate(root)
     _write_rows(root, "rollouts", [row])
     return row
@@ -103,7 +103,7 @@ def rollout_row(rollout_id: str, *, attempt: int = 0, task_id: str | None = None
                 group_id: str | None = None, step: int | None = None, status: str = "ok",
                 exit_code: int | None = None, started_at: dt.datetime | None = None,
                 ended_at: dt.datetime | None = None, resource_version: str | None = None,
-                metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+                split: str | None = None, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
     """A validated ``rollouts`` row (ValueError, one sentence, for bad input)."""
     _check_id("rollout id", rollout_id)
     _check_int("attempt", attempt)
@@ -115,6 +115,8 @@ def rollout_row(rollout_id: str, *, attempt: int = 0, task_id: str | None = None
             _check_id(what, v)
     if step is not None:
         _check_int("step", step)
+    if split is not None and split not in ROLLOUT_SPLITS:
+        raise ValueError(f"rollout split {split!r} is not one of {', '.join(ROLLOUT_SPLITS)}")
     if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):
         raise ValueError(f"exit code must be an integer, not {exit_code!r}")
     for what, t in (("started_at", started_at), ("ended_at", ended_at)):
@@ -131,7 +133,7 @@ def rollout_row(rollout_id: str, *, attempt: int = 0, task_id: str | None = None
         metadata_json = None
     return {"rollout_id": rollout_id, "attempt": attempt, "task_id": task_id, "group_id": group_id,
             "step": step, "status": status, "exit_code": exit_code, "started_at": started_at,
-            "ended_at": ended_at, "resource_version": resource_version,
+            "ended_at": ended_at, "resource_version": resource_version, "split": split,
             "metadata_json": metadata_json, "recorded_at": _now()}
 
 

@@ -59,9 +59,16 @@ def _add_capture_and_egress(root: Path) -> None:
     (root / "egress").mkdir(exist_ok=True)
 
 
+def _add_sampling_and_split(root: Path) -> None:
+    # Schema 4 adds calls.sampling and rollouts.split, both nullable: older files read them as null
+    # (the views use union_by_name; the rollouts view reads a null split as 'train'). Nothing to move.
+    pass
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "add the rollouts and rewards tables", _add_rollouts_and_rewards),
     Migration(3, "add calls.capture, calls.capture_reason and the egress table", _add_capture_and_egress),
+    Migration(4, "add calls.sampling and rollouts.split", _add_sampling_and_split),
 )
 assert [m.version for m in MIGRATIONS] == list(range(2, SCHEMA_VERSION + 1)), "one migration a version"
 

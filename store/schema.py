@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3  # 1: calls; 2: + rollouts, rewards; 3: + calls.capture(_reason), egress
+SCHEMA_VERSION = 4  # 1: calls; 2: + rollouts, rewards; 3: + calls.capture(_reason), egress;
+# 4: + calls.sampling, rollouts.split
 SCHEMA_VERSION_KEY = b"lgt.schema_version"
 TABLE_KEY = b"lgt.table"
 
@@ -66,6 +67,7 @@ CALLS = pa.schema(
         # how complete the token capture is: full | no_logprobs | no_tokens (null: before schema 3)
         ("capture", pa.string()),
         ("capture_reason", pa.string()),  # why an ok call's capture is not full (see proxy/addons.py)
+        ("sampling", pa.string()),  # "greedy": the proxy decoded greedily (evaluation); null: as asked
         ("extra_choices", pa.list_(EXTRA_CHOICE)),  # choices 1.. when n > 1
         ("finish_reason", pa.string()),
         ("status", pa.string(), False),
@@ -84,6 +86,7 @@ ROLLOUT_OK = "ok"  # the agent finished; its reward counts
 ROLLOUT_FAILED = "failed"  # the agent crashed / exited non-zero: retried, never trained as reward 0
 ROLLOUT_TIMEOUT = "timeout"
 ROLLOUT_STATUSES = (ROLLOUT_OK, ROLLOUT_FAILED, ROLLOUT_TIMEOUT)
+ROLLOUT_SPLITS = ("train", "eval")  # eval: held-out evaluation, recorded and never trained
 
 ROLLOUTS = pa.schema(
     [
@@ -97,6 +100,7 @@ ROLLOUTS = pa.schema(
         ("started_at", _TS),
         ("ended_at", _TS),
         ("resource_version", pa.string()),  # e.g. the prompt template's version (APO)
+        ("split", pa.string()),  # train | eval (held-out evaluation: never trained); null: train
         ("metadata_json", pa.string()),
         ("recorded_at", _TS, False),  # the latest row per (rollout_id, attempt) wins
     ],

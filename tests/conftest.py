@@ -122,14 +122,14 @@ class ProxyProc:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def env(self, rollout: str, attempt: int = 0) -> dict[str, str]:
-        return auth.rollout_env(self.store, rollout, attempt=attempt, port=self.port)
+    def env(self, rollout: str, attempt: int = 0, greedy: bool = False) -> dict[str, str]:
+        return auth.rollout_env(self.store, rollout, attempt=attempt, port=self.port, greedy=greedy)
 
-    def proxy_url(self, rollout: str, attempt: int = 0) -> str:
-        return self.env(rollout, attempt)["HTTPS_PROXY"]
+    def proxy_url(self, rollout: str, attempt: int = 0, greedy: bool = False) -> str:
+        return self.env(rollout, attempt, greedy)["HTTPS_PROXY"]
 
-    def base_url(self, rollout: str, attempt: int = 0) -> str:
-        return self.env(rollout, attempt)["LGT_PROXY_BASE_URL"]
+    def base_url(self, rollout: str, attempt: int = 0, greedy: bool = False) -> str:
+        return self.env(rollout, attempt, greedy)["LGT_PROXY_BASE_URL"]
 
     @property
     def ca_bundle(self) -> str:

@@ -142,3 +142,17 @@ def test_egress_policies(rt: Runtime) -> None:
             up.request.host = "127.0.0.1"  # the upstream is always reachable
             addon.request(up)
             assert up.response is None
+
+
+@pytest.mark.parametrize("name,identity", [
+    ("r1", auth.Identity("r1")), ("r1~2", auth.Identity("r1", 2)),
+    ("r1~0~greedy", auth.Identity("r1", 0, greedy=True)), ("r.x~3~greedy", auth.Identity("r.x", 3, True)),
+])
+def test_identity_names_round_trip_and_greedy_is_signed(name: str, identity: auth.Identity) -> None:
+    assert auth.parse_identity(name) == identity and identity.name == name
+    plain = auth.Identity(identity.rollout_id, identity.attempt)
+    if identity.greedy:  # a token minted without ~greedy does not let an agent add it, nor drop it
+        with pytest.raises(auth.AuthError):
+            auth.verify(SECRET, identity.name, auth.rollout_token(SECRET, plain))
+        with pytest.raises(auth.AuthError):
+            auth.verify(SECRET, plain.name, auth.rollout_token(SECRET, identity))

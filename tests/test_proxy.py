@@ -124,6 +124,31 @@ def test_attempts_are_kept_apart(proxy: ProxyProc, rollout: str) -> None:
     assert [(r["attempt"], r["seq"]) for r in rows] == [(0, 0), (1, 0)]
 
 
+@pytest.mark.parametrize("mode", ["https_proxy", "base_url"])
+def test_a_greedy_identity_decodes_greedily_whatever_the_agent_asks(
+    proxy: ProxyProc, upstream: FakeUpstream, rollout: str, mode: str
+) -> None:
+    body = {**CHAT, "temperature": 1.3, "top_p": 0.5, "seed": 7}
+    ctx = ssl.create_default_context(cafile=proxy.ca_bundle)
+    if mode == "https_proxy":
+        with httpx.Client(proxy=proxy.proxy_url(rollout, 1, greedy=True), verify=ctx, trust_env=False) as c:
+            r = c.post(f"{HOSTED}/chat/completions", json=body)
+    else:
+        with httpx.Client(trust_env=False) as c:
+            r = c.post(f"{proxy.base_url(rollout, 1, greedy=True)}/chat/completions", json=body)
+    assert r.status_code == 200 and no_token_ids(r.json())
+    sent = upstream.requests[-1].body
+    assert sent["temperature"] == 0.0 and not {"top_p", "seed"} & set(sent)
+    [row] = proxy.calls("rollout_id = ?", [rollout])
+    assert (row["attempt"], row["sampling"]) == (1, "greedy")
+    assert json.loads(row["request_json"]) == body  # the record keeps what the agent asked
+    # an ordinary identity of the same rollout is left as the agent asked
+    with httpx.Client(proxy=proxy.proxy_url(rollout, 2), verify=ctx, trust_env=False) as c:
+        assert c.post(f"{HOSTED}/chat/completions", json=body).status_code == 200
+    assert upstream.requests[-1].body["temperature"] == 1.3
+    assert proxy.calls("rollout_id = ? AND attempt = 2", [rollout])[0]["sampling"] is None
+
+
 def test_streamed_chunks_reach_the_agent_as_they_arrive(
     tmp_path: Path, rollout: str, clean_env: pytest.MonkeyPatch
 ) -> None:

@@ -256,6 +256,25 @@ def test_a_bad_rollout_is_refused_whole(fresh: Path, kw: dict, message: str) -> 
     assert files(fresh) == before
 
 
+def test_eval_rollouts_are_marked_and_never_become_samples(fresh: Path) -> None:
+    from lgt.store.samples import build_samples
+
+    with TableWriter(fresh, "calls") as w:
+        for row in tool_rollout("r-eval", "6*7", "42"):
+            w.append(row)
+    add_rollout(fresh, "r-eval", task_id="mult", group_id="e000000-00000", step=0, split="eval")
+    add_reward(fresh, "r-eval", 1.0)
+    con = connect(fresh)
+    # files written before schema 4 hold no split column: their rollouts read as 'train'
+    assert con.execute("SELECT rollout_id, split FROM rollouts ORDER BY 1").fetchall() == [
+        ("r-err", "train"), ("r-eval", "eval"), ("r-fail", "train"), ("r-ok", "train")]
+    built = build_samples(con)
+    assert "r-eval" not in built.samples["rollout_id"].to_pylist()
+    assert "r-ok" in built.samples["rollout_id"].to_pylist()
+    with pytest.raises(ValueError, match="rollout split 'test' is not one of train, eval"):
+        add_rollout(fresh, "r-x", split="test")
+
+
 def test_a_missing_store_is_one_sentence(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="store directory .*nope does not exist"):
         add_reward(tmp_path / "nope", "r", 1)
@@ -269,7 +288,7 @@ def write_v1_store(root: Path) -> None:
     """A store as the proxy wrote it at schema version 1: calls only, no migration record."""
     (root / "calls").mkdir(parents=True)
     rows = tool_rollout("old", "1+2", "3")
-    v1 = pa.schema([f for f in schema.CALLS if f.name not in ("capture", "capture_reason")],
+    v1 = pa.schema([f for f in schema.CALLS if f.name not in ("capture", "capture_reason", "sampling")],
                    metadata={schema.SCHEMA_VERSION_KEY: b"1", schema.TABLE_KEY: b"calls"})
     table = pa.Table.from_pylist(rows, schema=v1)
     pq.write_table(table, root / "calls" / "part-1.parquet")
@@ -278,14 +297,15 @@ def write_v1_store(root: Path) -> None:
 def test_a_version_1_store_is_brought_to_the_current_version(tmp_path: Path) -> None:
     write_v1_store(tmp_path)
     assert store_version(tmp_path) == 1
-    assert migrate(tmp_path) == 3 == schema.SCHEMA_VERSION
+    assert migrate(tmp_path) == 4 == schema.SCHEMA_VERSION
     record = orjson.loads((tmp_path / META_DIR / RECORD).read_bytes())
-    assert record["schema_version"] == 3
+    assert record["schema_version"] == 4
     assert [(a["version"], a["name"]) for a in record["applied"]] == [
         (2, "add the rollouts and rewards tables"),
-        (3, "add calls.capture, calls.capture_reason and the egress table")]
+        (3, "add calls.capture, calls.capture_reason and the egress table"),
+        (4, "add calls.sampling and rollouts.split")]
     assert all((tmp_path / t).is_dir() for t in ("rollouts", "rewards", "egress"))
-    assert migrate(tmp_path) == 3  # nothing left to do; the record is kept as it was
+    assert migrate(tmp_path) == 4  # nothing left to do; the record is kept as it was
     assert orjson.loads((tmp_path / META_DIR / RECORD).read_bytes()) == record
     add_reward(tmp_path, "old", 1)  # and the old rows are readable next to new tables
     con = connect(tmp_path)

@@ -325,3 +325,14 @@ def test_silent_chunks_are_recognised() -> None:
     assert not wire.is_silent_chunk({"choices": [{**silent["choices"][0], "finish_reason": "stop"}]})
     assert not wire.is_silent_chunk({"choices": [{**silent["choices"][0], "delta": {"content": ""}}]})
     assert not wire.is_silent_chunk({"choices": [], "usage": {"total_tokens": 1}})
+
+
+def test_prepare_request_greedy_overrides_the_agents_sampling() -> None:
+    req = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 1.0,
+           "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 3, "max_tokens": 8}
+    out, inj = wire.prepare_request(wire.CHAT, req, served_model=None, capture_tokens=True, greedy=True)
+    assert out["temperature"] == 0.0 and out["max_tokens"] == 8
+    assert not {"top_p", "top_k", "min_p", "seed"} & set(out)
+    assert inj.sampling == "greedy" and req["temperature"] == 1.0  # the agent's request is untouched
+    _, plain = wire.prepare_request(wire.CHAT, req, served_model=None, capture_tokens=True)
+    assert plain.sampling is None

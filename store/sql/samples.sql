@@ -21,12 +21,13 @@ SELECT rollout_id, attempt, seq, policy_version, finish_reason,
        END AS excluded
 FROM calls;
 
--- Rollout attempts that can be trained: finished 'ok' and given a rollout-level reward.
+-- Rollout attempts that can be trained: finished 'ok' and given a rollout-level reward, and not
+-- held-out evaluation (split 'eval' rollouts are recorded, never trained).
 CREATE OR REPLACE VIEW sample_candidates AS
 SELECT r.rollout_id, r.attempt
 FROM rollouts r
 JOIN rewards w ON w.rollout_id = r.rollout_id AND w.attempt = r.attempt AND w.call_id IS NULL
-WHERE r.status = 'ok';
+WHERE r.status = 'ok' AND r.split = 'train';
 
 -- The calls of candidate attempts in seq order: the seq of the call before and after each one.
 -- Scalar columns only, so cheap on any store; build_samples reads the token lists in one pass
@@ -88,6 +89,7 @@ SELECT r.rollout_id, r.attempt, r.task_id, r.step,
        coalesce(r.group_id, r.rollout_id || '~' || r.attempt) AS group_id,
        w.value AS reward, coalesce(t.rollout_tokens, 0) AS rollout_tokens,
        CASE WHEN r.status <> 'ok' THEN r.status
+            WHEN r.split = 'eval' THEN 'eval'
             WHEN w.value IS NULL THEN 'no_reward'
             WHEN coalesce(t.rollout_tokens, 0) = 0 THEN 'no_trainable_calls' END AS excluded
 FROM rollouts r

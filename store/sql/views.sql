@@ -19,7 +19,9 @@ SELECT * FROM read_parquet('egress/*.parquet', union_by_name = true);
 
 -- One row per rollout attempt: the latest rollouts row, or, for attempts seen only in calls,
 -- a row derived from them (status 'ok', no task or group: the attempt is its own group).
+-- split: 'train', or 'eval' for held-out evaluation rollouts (recorded, never trained).
 CREATE OR REPLACE VIEW rollouts AS
+SELECT * REPLACE (coalesce(split, 'train') AS split) FROM (
 WITH latest AS (
     SELECT * EXCLUDE (rn) FROM (
         SELECT *, row_number() OVER (PARTITION BY rollout_id, attempt
@@ -35,8 +37,8 @@ UNION ALL BY NAME
 SELECT s.rollout_id, s.attempt, NULL::VARCHAR AS task_id,
        s.rollout_id || '~' || s.attempt AS group_id, NULL::BIGINT AS step, 'ok' AS status,
        NULL::INTEGER AS exit_code, s.started_at, s.ended_at, NULL::VARCHAR AS resource_version,
-       NULL::VARCHAR AS metadata_json, s.ended_at AS recorded_at
-FROM seen s ANTI JOIN latest l USING (rollout_id, attempt);
+       NULL::VARCHAR AS metadata_json, NULL::VARCHAR AS split, s.ended_at AS recorded_at
+FROM seen s ANTI JOIN latest l USING (rollout_id, attempt));
 
 -- One reward per rollout attempt (call_id IS NULL) or per call: the latest recorded. A reward
 -- given without an attempt applies to the rollout's latest attempt.
