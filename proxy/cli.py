@@ -98,12 +98,13 @@ def run(log_level: str, allow_host: tuple[str, ...], retry_after: int, **kw) -> 
 @click.option("--listen-port", "port", default=8080, show_default=True, type=int)
 @secret_option
 @click.option("--format", "fmt", type=click.Choice(["sh", "json"]), default="sh", show_default=True)
+@click.option("--greedy", is_flag=True, help="The proxy decodes this rollout's calls greedily (evaluation).")
 def creds(rollout_id: str, store: Path, attempt: int, host: str, port: int,
-          secret_file: Path | None, fmt: str) -> None:
+          secret_file: Path | None, fmt: str, greedy: bool) -> None:
     """Print the environment that sends one rollout through the proxy (eval it in a shell)."""
     try:
         env = auth.rollout_env(store, rollout_id, attempt=attempt, host=host, port=port,
-                               secret_file=secret_file)
+                               secret_file=secret_file, greedy=greedy)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if fmt == "json":

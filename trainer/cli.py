@@ -335,17 +335,10 @@ def report(store: Path, out: Path, title: str | None, mode: str, tokenizer: Path
 def run_cmd(config_file: Path, mode: str | None, steps: int | None, max_minutes: float | None,
             run_dir: Path | None, resume_dir: Path | None, sets: tuple[str, ...]) -> None:
     """Train the agent of CONFIG_FILE (a run YAML) with RL; see examples/arith/run.yaml."""
-    import yaml
-
     from lgt.trainer import config as cfgmod
     from lgt.trainer import recipe
 
-    overrides: dict[str, Any] = {}
-    for item in sets:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise click.ClickException(f"--set {item!r} must look like key=value")
-        overrides[key] = yaml.safe_load(value)
+    overrides = _overrides(sets)
     for key, value in (("mode", mode), ("steps", steps), ("max_minutes", max_minutes)):
         if value is not None:
             overrides[key] = value
@@ -370,7 +363,51 @@ def run_cmd(config_file: Path, mode: str | None, steps: int | None, max_minutes:
         live = getattr(display, "live", None)
         if live is not None:
             live.stop()
-    click.echo(f"run directory: {out}  (metrics.jsonl, metrics.csv, checkpoints/, plots/, report.html)")
+    from lgt.trainer import summary
+
+    click.echo(summary.render(summary.write(out)))
+
+
+@main.command("eval")
+@click.argument("config_file", type=click.Path(path_type=Path))
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A run's checkpoints/step-N folder (default: the config's model, untrained).")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the evaluation writes (default runs/<name>-eval-<time>).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override any config key (dotted, YAML value), e.g. --set eval.samples=8.")
+def eval_cmd(config_file: Path, checkpoint: Path | None, run_dir: Path | None, sets: tuple[str, ...]) -> None:
+    """Evaluate a checkpoint (or the base model) on CONFIG_FILE's held-out tasks (its eval section),
+    through the same agent, proxy and engine as training: greedy and sampled reward."""
+    from lgt.trainer import config as cfgmod
+    from lgt.trainer import recipe
+
+    try:
+        cfg = cfgmod.load(config_file, _overrides(sets))
+        display = recipe.default_display()
+        out, res = recipe.evaluate(cfg, checkpoint=checkpoint, run_dir=run_dir, display=display)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise click.ClickException(str(e).splitlines()[0] if "\n" not in str(e)[:300] else str(e)) from None
+    finally:
+        live = getattr(locals().get("display"), "live", None)
+        if live is not None:
+            live.stop()
+    click.echo(f"{cfg.name}: {res.line()}")
+    click.echo(f"  {len(res.greedy) + len(res.sampled)} rewards in {out / 'eval.jsonl'}; the rollouts in "
+               f"{out / 'store'} (split 'eval')")
+
+
+def _overrides(sets: tuple[str, ...]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items as dotted overrides (values read as YAML)."""
+    import yaml
+
+    overrides: dict[str, Any] = {}
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise click.ClickException(f"--set {item!r} must look like key=value")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
 
 
 def _reexec(python: str, cfg: Any) -> None:

@@ -28,6 +28,7 @@ import yaml
 from .algorithm import AlgorithmConfig, LossConfig
 from .backend import BACKENDS, TorchConfig, VerlConfig
 from .engine import EngineConfig
+from .evaluation import EvalConfig
 from .rollouts import AgentSpec
 
 MODES = ("sync", "async")
@@ -38,6 +39,7 @@ SET_BY_RUN = {
     (VerlConfig, "model_path"): "model.path (or the checkpoint resumed)",
     (EngineConfig, "model"): "model.path (or the checkpoint resumed)",
     (EngineConfig, "log_path"): "the run (<run_dir>/logs/engine.log)",
+    (EngineConfig, "seed"): "the run's seed",
 }
 
 
@@ -80,6 +82,7 @@ class RunConfig:
     backend: BackendConfig = TorchConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     proxy: ProxySection = ProxySection()
+    eval: EvalConfig | None = None  # held-out evaluation (lgt.trainer.evaluation); null: none
     mode: str = "async"
     group_size: int = 8
     batch_groups: int = 4

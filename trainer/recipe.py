@@ -59,6 +59,7 @@ from lgt.store.samples import build_group_samples
 
 from . import batch as batchmod
 from . import config as cfgmod
+from . import evaluation
 from .backend import BackendError, entry
 from .config import ConfigError, RunConfig
 from .proxy_client import ProxyClient
@@ -104,8 +105,10 @@ class StepStats:
     tokens_per_s: float = 0.0
 
 
-def validate(cfg: RunConfig, *, resume_dir: Path | None = None) -> list[dict[str, Any]]:
-    """Everything the run needs, checked before anything is built or started; returns the tasks.
+def validate(cfg: RunConfig, *, resume_dir: Path | None = None
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Everything the run needs, checked before anything is built or started; returns the training
+    tasks and the held-out ones (``eval``: a file, or a share split off the tasks; none without eval).
 
     ConfigError (or another ValueError: one sentence) names what is wrong. Fast: reads the tasks file and
     a few small JSON files, looks commands up on PATH; imports no torch, verl or vLLM.
@@ -115,6 +118,11 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None) -> list[dict[str
     from .proxy_client import ProxyError, find_proxy_command
 
     tasks = cfgmod.load_tasks(cfg.tasks)
+    held = cfgmod.load_tasks(cfg.eval.tasks) if cfg.eval is not None and cfg.eval.tasks else None
+    try:
+        tasks, held = evaluation.split_tasks(tasks, cfg.eval, held)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         rollouts.check_agent(cfg.agent)
     except rollouts.RolloutError as e:
@@ -141,7 +149,7 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None) -> list[dict[str
             find_proxy_command()
     except (BackendError, EngineError, ProxyError) as e:
         raise ConfigError(str(e)) from None
-    return tasks
+    return tasks, held
 
 
 def backend_python(cfg: RunConfig) -> str:
@@ -178,6 +186,10 @@ class Recipe:
                                       cfg.max_staleness)
         self.stats = StepStats()
         self.tasks: list[dict[str, Any]] = []
+        self.eval_tasks: list[dict[str, Any]] = []  # held out: evaluated, never trained
+        self.eval_task: asyncio.Task | None = None  # the evaluation running now
+        self.last_eval_step: int | None = None
+        self.stopped: str | None = None  # why training ended (the final summary says it)
         self.groups: dict[str, Group] = {}
         self.ready: list[Group] = []
         self.recent_rewards: list[float] = []  # mean reward of the last steps (target_reward)
@@ -200,16 +212,10 @@ class Recipe:
 
     # ------------------------------------------------------------------------------------ setup
     def setup(self) -> None:
-        from . import checkpoints, rollouts
-        from . import engine as enginemod
+        from . import checkpoints
 
         cfg = self.cfg
-        self.tasks = validate(cfg)
-        _quiet_transformers()
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.store.mkdir(parents=True, exist_ok=True)
-        _write_json(self.run_dir / "config.json", cfg.to_json())
-
+        self.prepare()
         model_dir = self.ensure_model()
         ckpt = checkpoints.latest_checkpoint(self.run_dir / "checkpoints") if self.resume else None
         backend_cls = entry(cfg.backend.name).load_class()
@@ -229,10 +235,26 @@ class Recipe:
             self.backend = backend_cls.load(model_dir, cfg.backend)
             serve_dir = model_dir
         self.tokenizer = _decoder(model_dir)
+        self.serve(serve_dir)
 
+    def prepare(self) -> None:
+        """The tasks (training and held-out), the run directory, its store and config.json."""
+        self.tasks, self.eval_tasks = validate(self.cfg)
+        _quiet_transformers()
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.store.mkdir(parents=True, exist_ok=True)
+        _write_json(self.run_dir / "config.json", self.cfg.to_json())
+
+    def serve(self, serve_dir: Path) -> None:
+        """The vLLM engine on ``serve_dir``, lgt-proxy in front of it (or a running one), the rollout
+        controller."""
+        from . import engine as enginemod
+        from . import rollouts
+
+        cfg = self.cfg
         self.log(f"starting the vLLM engine on {serve_dir.name} ...")
         self.engine = enginemod.Engine.start(dataclasses.replace(
-            cfg.engine, model=serve_dir, log_path=self.run_dir / "logs" / "engine.log"))
+            cfg.engine, model=serve_dir, log_path=self.run_dir / "logs" / "engine.log", seed=cfg.seed))
         if cfg.proxy.url:
             self.proxy = ProxyClient.connect(self.store, cfg.proxy.url, cfg.proxy.port, cfg.proxy.token)
             self.proxy.resume(self.version)
@@ -252,18 +274,44 @@ class Recipe:
         self.controller = rollouts.RolloutController(cfg.agent, endpoint, self.store, self.run_dir,
                                                      cfg.max_inflight, batch_records=True)
 
+    def setup_eval(self, checkpoint: Path | None) -> None:
+        """``lgt-train eval``: the engine serves ``checkpoint`` (or the config's model), no backend."""
+        from . import checkpoints
+
+        self.prepare()
+        if checkpoint is not None:
+            self.step, extra, _ = checkpoints.read_state(checkpoint)
+            self.version = int(extra.get("version", self.step))
+            serve_dir = checkpoint
+        else:
+            serve_dir = self.ensure_model()
+        self.serve(serve_dir)
+
+    async def eval_once(self) -> evaluation.EvalResult:
+        assert self.cfg.eval is not None
+        self.t0 = time.monotonic()
+        try:
+            res = await evaluation.evaluate(self.cfg.eval, self.eval_tasks, self.controller.run,
+                                            step=self.step, version=self.version)
+            evaluation.append_row(self.run_dir, res.row(max(0.0, time.monotonic() - self.t0)))
+            return res
+        finally:
+            await self.aclose()
+
     def ensure_model(self) -> Path:
         from . import models, tiny
 
         m = self.cfg.model
         if m.make is not None:  # reuses the model when it was made with the same settings
+            # the held-out tasks are never shown in the warm start either: eval measures the unseen
+            exclude = sorted({str(t["question"]) for t in self.eval_tasks if "question" in t})
             made = tiny.is_made(m.path, preset=m.make.preset, warm_start_task=m.make.warm_start,
-                                seconds=m.make.seconds, seed=m.make.seed)
+                                seconds=m.make.seconds, seed=m.make.seed, exclude=exclude)
             if not made:
                 self.log(f"building the model {m.path} (preset {m.make.preset}, warm start "
                          f"{m.make.warm_start or 'none'}, ~{m.make.seconds:.0f} s) ...")
             tiny.make_model(m.path, preset=m.make.preset, warm_start_task=m.make.warm_start,
-                            seconds=m.make.seconds, seed=m.make.seed, progress=not made)
+                            seconds=m.make.seconds, seed=m.make.seed, progress=not made, exclude=exclude)
             info = models.check_model_dir(m.path, need_chat_template=True)
             info.check_context(self.cfg.engine.max_model_len)
         return m.path
@@ -308,10 +356,19 @@ class Recipe:
     async def train(self) -> None:
         cfg = self.cfg
         deadline = self.t0 + cfg.max_minutes * 60 if cfg.max_minutes else math.inf
-        while self.step < cfg.steps and time.monotonic() < deadline and \
-                (cfg.max_samples is None or self.trained_samples < cfg.max_samples):
+        while True:
+            if self.step >= cfg.steps:
+                self.stopped = f"step limit ({cfg.steps} steps)"
+                break
+            if time.monotonic() >= deadline:
+                self.stopped = f"time limit ({cfg.max_minutes:g} min)"
+                break
+            if cfg.max_samples is not None and self.trained_samples >= cfg.max_samples:
+                self.stopped = f"sample limit ({cfg.max_samples} samples)"
+                break
             self.launch()
-            while len(self.ready) < cfg.batch_groups or (cfg.mode == "sync" and self.unfinished_groups()):
+            while len(self.ready) < cfg.batch_groups or (cfg.mode == "sync" and self.unfinished_groups()) \
+                    or self.evaluating:  # no update while an evaluation runs: one policy version
                 if self.fatal:
                     raise RuntimeError(self.fatal)
                 self.engine.check_alive()
@@ -323,12 +380,55 @@ class Recipe:
                 self.refresh()
             batch, self.ready = batchmod.take_batch(self.ready, cfg.batch_groups)
             await self.update(batch)
+            if cfg.eval is not None and cfg.eval.due(self.step):
+                self.start_eval()
             mean = sum(self.recent_rewards) / TARGET_WINDOW  # recent_rewards holds at most that many
             if cfg.target_reward is not None and len(self.recent_rewards) == TARGET_WINDOW and \
                     mean >= cfg.target_reward:
                 self.log(f"mean reward of the last {TARGET_WINDOW} steps {mean:.3f} "
                          f"reached the target {cfg.target_reward}")
+                self.stopped = "reached the target"
                 break
+
+    # ------------------------------------------------------------------------------------- eval
+    @property
+    def evaluating(self) -> bool:
+        return self.eval_task is not None and not self.eval_task.done()
+
+    def start_eval(self) -> None:
+        """Evaluate the current policy on the held-out tasks, beside the training rollouts (the next
+        update waits for it)."""
+        if self.evaluating or self.last_eval_step == self.step:
+            return
+        self.last_eval_step = self.step
+        self.eval_task = asyncio.get_running_loop().create_task(self.run_eval(self.step, self.version))
+
+    async def run_eval(self, step: int, version: int) -> None:
+        assert self.cfg.eval is not None
+        try:
+            res = await evaluation.evaluate(self.cfg.eval, self.eval_tasks, self.controller.run,
+                                            step=step, version=version)
+            evaluation.append_row(self.run_dir, res.row(max(0.0, time.monotonic() - self.t0)))
+            self.log(res.line())
+        except Exception as e:  # noqa: BLE001 - an evaluation that cannot run must not end training
+            self.log(f"the evaluation at step {step} could not run: {e}")
+        finally:
+            self._wake.set()
+
+    async def final_eval(self) -> None:
+        """Training is over: its unfinished rollouts are stopped and the final policy evaluated (unless
+        it just was)."""
+        if self.cfg.eval is None:
+            return
+        running = list(self._rollout_tasks)
+        for t in running:
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        if self.eval_task is not None:
+            await self.eval_task
+        self.start_eval()
+        if self.eval_task is not None:
+            await self.eval_task
 
     def unfinished_groups(self) -> int:
         return sum(1 for g in self.groups.values() if not g.done)
@@ -392,12 +492,14 @@ class Recipe:
         await timed("flush", self.proxy.flush)
         prepared = await timed("samples", self.samples_for, batch)
         t_paused = time.monotonic()
-        pause = await timed("pause", self.proxy.pause)
-        if self.crash_at_step is not None and self.step + 1 == self.crash_at_step:
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die mid-step
         metrics: dict[str, float] = {}
         for name in ("train", "sync", "sleep", "wake"):
             perf[f"perf/{name}_s"] = 0.0
+        # new calls are held from here; the calls in flight finish on the current weights (training
+        # beside the drain was measured slower on CPU: the backend's threads and the engine's contend)
+        pause = await timed("pause", self.proxy.pause)
+        if self.crash_at_step is not None and self.step + 1 == self.crash_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die mid-step
         if prepared.samples.num_rows:
             asleep = self.engine.sleeps_on_update
             if asleep:
@@ -498,11 +600,19 @@ class Recipe:
 
     # ------------------------------------------------------------------------------ entry point
     async def main(self) -> None:
-        self.t0 = time.monotonic()  # metrics' time_s counts from here: set-up (engine start) excluded
+        self.t0 = time.monotonic()
         self.first_group_this_run = self.next_group
         self.version_at_start = self.version
         try:
+            if self.cfg.eval is not None:
+                done = {r.get("step") for r in evaluation.read_rows(self.run_dir)}
+                self.last_eval_step = self.step if self.step in done else None
+                self.start_eval()  # before the first update (or the first since a resume), on its own
+                if self.eval_task is not None:
+                    await self.eval_task
+            self.t0 = time.monotonic()  # time_s counts training: the engine's start and that eval excluded
             await self.train()
+            await self.final_eval()
         finally:
             await self.aclose()
 
@@ -518,11 +628,34 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False,
     try:
         r.setup()
         asyncio.run(r.main())
+    except BaseException:
+        r.stopped = r.stopped or "interrupted"
+        raise
     finally:
         r.cleanup()
         with contextlib.suppress(Exception):
-            finish(run_dir, r.store)
+            finish(run_dir, r.store, stopped=r.stopped)
     return run_dir
+
+
+def evaluate(cfg: RunConfig, *, checkpoint: Path | None = None, run_dir: Path | None = None,
+             display: Callable[[StepStats, str], None] | None = None) -> tuple[Path, evaluation.EvalResult]:
+    """``lgt-train eval``: one held-out evaluation of ``checkpoint`` (a run's ``checkpoints/step-N``)
+    or, without one, of the config's model; eval.jsonl and the store's eval rollouts in ``run_dir``."""
+    if cfg.eval is None:
+        raise ConfigError("the run config has no eval section to say which tasks are held out: add e.g. "
+                          "eval: {split: 0.2} or eval: {tasks: heldout.jsonl}")
+    if checkpoint is not None:
+        from .checkpoints import read_state
+        read_state(checkpoint)  # CheckpointError (one sentence) before anything starts
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = (run_dir or Path.cwd() / "runs" / f"{cfg.name}-eval-{stamp}").resolve()
+    r = Recipe(cfg, run_dir, display=display)
+    try:
+        r.setup_eval(checkpoint)
+        return run_dir, asyncio.run(r.eval_once())
+    finally:
+        r.cleanup()
 
 
 def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -544,12 +677,13 @@ def agent_broken(n_groups: int, results: list[Any]) -> str:
     return f"the agent failed in every rollout of the first {n_groups} groups, so it does not run here{said}"
 
 
-def finish(run_dir: Path, store: Path | None = None) -> None:
-    """metrics.csv, plots and the report page from what the run wrote."""
+def finish(run_dir: Path, store: Path | None = None, stopped: str | None = None) -> None:
+    """summary.json, metrics.csv, plots and the report page from what the run wrote."""
     from lgt.store.report import write_report
 
-    from . import plots
+    from . import plots, summary
 
+    summary.write(run_dir, stopped=stopped)
     if store is not None and store.exists():
         con = connect(store)
         try:

@@ -56,6 +56,7 @@ from typing import Any
 from lgt.proxy import auth
 from lgt.proxy.client import ControlClient, resolve_token
 from lgt.store.ingest import add_rows, attempt_reward_row, reward_value, rollout_row
+from lgt.store.schema import ROLLOUT_SPLITS
 
 from .forkserver import ForkedProcess, ForkServer, ForkServerError, python_script_command
 
@@ -220,7 +221,7 @@ class ProxyEndpoint:
         return f"http://{self.host}:{self.control_port}"
 
     def rollout_env(self, rollout_id: str, attempt: int = 0,
-                    proxy_mode: str = "https_proxy") -> dict[str, str]:
+                    proxy_mode: str = "https_proxy", *, greedy: bool = False) -> dict[str, str]:
         """The proxy variables of one rollout attempt (``base_url`` mode: no ``HTTP(S)_PROXY``, and
         ``LGT_REWARD_URL`` is the reverse-mode reward path). With ``HTTPS_PROXY`` every HTTPS
         connection goes through the proxy, so the CA variables name the proxy's CA alone (loading
@@ -233,7 +234,7 @@ class ProxyEndpoint:
                                     f"--store {self.store} before running rollouts")
         env = auth.rollout_env(self.store, rollout_id, attempt=attempt, host=self.host, port=self.port,
                                secret_file=self.secret_file,
-                               ca="proxy" if proxy_mode == "https_proxy" else "system+proxy")
+                               ca="proxy" if proxy_mode == "https_proxy" else "system+proxy", greedy=greedy)
         if proxy_mode == "base_url":
             for var in PROXY_VARS:
                 env.pop(var)
@@ -278,6 +279,7 @@ class RolloutResult:
     stdout_path: Path
     stderr_path: Path
     error: str | None = None
+    split: str = "train"  # eval: a held-out evaluation rollout (recorded, never trained)
 
     @property
     def ok(self) -> bool:
@@ -444,11 +446,14 @@ class RolloutController:
 
     # -- public ---------------------------------------------------------------------------------------
     async def run(self, task: Mapping[str, Any], rollout_id: str, group_id: str | None = None,
-                  step: int | None = None, *, task_id: str | None = None) -> RolloutResult:
+                  step: int | None = None, *, task_id: str | None = None, split: str = "train",
+                  greedy: bool = False) -> RolloutResult:
         """Run attempt 0, then 1, 2, ... while they fail or time out, up to ``agent.retries`` extra;
-        returns the last attempt's result. RolloutError for a bad task or rollout id (nothing runs);
-        ProxyControlError when the proxy's CA is not in the store yet; ControlError when the proxy
-        does not answer a reward lookup (its rewards would be missed)."""
+        returns the last attempt's result. ``split="eval"`` records a held-out evaluation rollout
+        (never trained); ``greedy`` has the proxy decode its calls greedily. RolloutError for a bad
+        task or rollout id (nothing runs); ProxyControlError when the proxy's CA is not in the store
+        yet; ControlError when the proxy does not answer a reward lookup (its rewards would be
+        missed)."""
         if self._closed:
             raise RolloutError("the rollout controller is closed; make a new one to run more rollouts")
         if not isinstance(task, Mapping):
@@ -457,6 +462,8 @@ class RolloutController:
             auth.check_rollout_id(rollout_id)
         except ValueError as e:
             raise RolloutError(str(e)) from None
+        if split not in ROLLOUT_SPLITS:
+            raise RolloutError(f"rollout split {split!r} is not one of {', '.join(ROLLOUT_SPLITS)}")
         task_id = task_id or task_id_of(task)
         try:
             task_json = json.dumps(dict(task), ensure_ascii=False).encode()
@@ -466,7 +473,8 @@ class RolloutController:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         result = None
         for attempt in range(self.agent.retries + 1):
-            result = await self._attempt(task_json, fields, rollout_id, attempt, task_id, group_id, step)
+            result = await self._attempt(task_json, fields, rollout_id, attempt, task_id, group_id, step,
+                                         split=split, greedy=greedy)
             if result.ok or self._closed:
                 break
             if attempt < self.agent.retries:
@@ -504,10 +512,10 @@ class RolloutController:
                         for ext in ("out", "err", "task.json", "reward", "eval.out", "eval.err")))
 
     def environment(self, fields: Mapping[str, str], rollout_id: str, attempt: int, task_id: str,
-                    paths: _Paths) -> dict[str, str]:
+                    paths: _Paths, *, greedy: bool = False) -> dict[str, str]:
         """The attempt's whole environment (see the module docstring for the layers)."""
         env = {k: v for k, v in os.environ.items() if k not in STRIPPED_VARS}
-        env.update(self.proxy.rollout_env(rollout_id, attempt, self.agent.proxy_mode))
+        env.update(self.proxy.rollout_env(rollout_id, attempt, self.agent.proxy_mode, greedy=greedy))
         env.update(fields)
         env.update(TASK_JSON=str(paths.task_json), TASK_ID=task_id, REWARD_FILE=str(paths.reward_file))
         expanded = {k: expand(v, env, k) for k, v in self.agent.env.items()}
@@ -515,9 +523,10 @@ class RolloutController:
         return env
 
     async def _attempt(self, task_json: bytes, fields: Mapping[str, str], rollout_id: str, attempt: int,
-                       task_id: str, group_id: str | None, step: int | None) -> RolloutResult:
+                       task_id: str, group_id: str | None, step: int | None, *, split: str = "train",
+                       greedy: bool = False) -> RolloutResult:
         paths = self.paths(rollout_id, attempt)
-        env = self.environment(fields, rollout_id, attempt, task_id, paths)
+        env = self.environment(fields, rollout_id, attempt, task_id, paths, greedy=greedy)
         _write_atomic(paths.task_json, task_json)
         for stale in (paths.reward_file, paths.eval_out, paths.eval_err):
             stale.unlink(missing_ok=True)
@@ -548,18 +557,18 @@ class RolloutController:
             finally:
                 self.running -= 1
         result = self._result(rollout_id, attempt, task_id, group_id, step, status, code, reward, source,
-                              started, seconds, paths, error, ended)
+                              started, seconds, paths, error, ended, split)
         await asyncio.to_thread(self._record, result)
         return result
 
     def _result(self, rollout_id: str, attempt: int, task_id: str, group_id: str | None, step: int | None,
                 status: str, code: int | None, reward: float | None, source: str | None,
                 started: dt.datetime, seconds: float, paths: _Paths, error: str | None,
-                ended: dt.datetime | None = None) -> RolloutResult:
+                ended: dt.datetime | None = None, split: str = "train") -> RolloutResult:
         return RolloutResult(rollout_id=rollout_id, attempt=attempt, task_id=task_id, group_id=group_id,
                              step=step, status=status, exit_code=code, reward=reward, reward_source=source,
                              started_at=started, ended_at=ended or started, seconds=seconds,
-                             stdout_path=paths.stdout, stderr_path=paths.stderr, error=error)
+                             stdout_path=paths.stdout, stderr_path=paths.stderr, error=error, split=split)
 
     async def _execute(self, argv: tuple[str, ...], env: Mapping[str, str], stdout: Path,
                        stderr: Path, *, forked: bool = False) -> tuple[int | None, bool, str | None]:
@@ -675,7 +684,7 @@ class RolloutController:
             metadata["error"] = r.error
         row = rollout_row(r.rollout_id, attempt=r.attempt, task_id=r.task_id, group_id=r.group_id,
                           step=r.step, status=r.status, exit_code=r.exit_code, started_at=r.started_at,
-                          ended_at=r.ended_at, metadata=metadata)
+                          ended_at=r.ended_at, split=r.split, metadata=metadata)
         reward = None
         if r.reward is not None and r.reward_source != "proxy":
             reward = attempt_reward_row(r.rollout_id, r.reward, attempt=r.attempt, source=r.reward_source)

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from lgt.store.query import connect
+from lgt.trainer.evaluation import held_out
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -38,8 +39,12 @@ def write_config(tmp_path: Path, model: Path, **over) -> Path:
 
 
 def lgt_train(*args: str, env: dict | None = None, timeout: float = 420) -> subprocess.CompletedProcess:
+    return lgt_train_cmd("run", *args, env=env, timeout=timeout)
+
+
+def lgt_train_cmd(*args: str, env: dict | None = None, timeout: float = 420) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "lgt.trainer.cli", "run", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "lgt.trainer.cli", *args], capture_output=True,
                           text=True, env=full_env, timeout=timeout)
 
 
@@ -53,7 +58,8 @@ def trained_ids(rows: list[dict]) -> list[str]:
 
 def test_async_run_trains_syncs_and_records_everything(tmp_path: Path, arith_model_dir: Path) -> None:
     run_dir = tmp_path / "run"
-    out = lgt_train(str(write_config(tmp_path, arith_model_dir)), "--run-dir", str(run_dir))
+    cfg = write_config(tmp_path, arith_model_dir, eval={"split": 0.05, "every": 2, "samples": 1})
+    out = lgt_train(str(cfg), "--run-dir", str(run_dir))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["version"] for r in rows] == [1, 2, 3]
@@ -78,7 +84,48 @@ def test_async_run_trains_syncs_and_records_everything(tmp_path: Path, arith_mod
     # the agent's output is in the run directory, one file per attempt
     outs = sorted((run_dir / "rollouts").glob("g000000-0~0.out"))
     assert outs and json.loads(outs[0].read_text().splitlines()[-1])["reward"] in (0.0, 1.0)
-    assert "run directory:" in out.stdout
+
+    # held-out evaluation: before the first update, every 2 steps, and at the end
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["version"]) for e in evals] == [(0, 0), (2, 2), (3, 3)]
+    tasks = map(json.loads, (ROOT / "examples/arith/tasks.jsonl").read_text().splitlines())
+    held = {t["task_id"] for t in tasks if held_out(t["task_id"], 0.05)}
+    assert held and all(e["eval/rollouts"] == 2 * len(held) and e["eval/failed"] == 0 for e in evals)
+    assert all(0 <= e["eval/reward_greedy"] <= 1 and 0 <= e["eval/reward_sampled"] <= 1 for e in evals)
+    by_split = dict(con.execute("SELECT split, count(DISTINCT rollout_id) FROM rollouts GROUP BY 1"
+                                ).fetchall())
+    assert by_split["eval"] == 3 * 2 * len(held)
+    eval_tasks, = con.execute("SELECT list(DISTINCT task_id) FROM rollouts WHERE split = 'eval'").fetchone()
+    trained_tasks, = con.execute("SELECT list(DISTINCT task_id) FROM rollouts WHERE split = 'train' "
+                                 "AND task_id IS NOT NULL").fetchone()
+    assert set(eval_tasks) == held and not held & set(trained_tasks)  # never trained on
+    assert not any(sid.startswith("e") for sid in ids)
+    # each evaluation ran at one policy version; its greedy calls were decoded greedily
+    per_step = con.execute(
+        "SELECT o.step, list(DISTINCT c.policy_version), count(*) FILTER (WHERE c.sampling = 'greedy'), "
+        "count(*) FILTER (WHERE o.rollout_id LIKE '%-g') "
+        "FROM calls c JOIN rollouts o USING (rollout_id, attempt) "
+        "WHERE o.split = 'eval' GROUP BY 1 ORDER BY 1").fetchall()
+    assert [(st, v) for st, v, _, _ in per_step] == [(0, [0]), (2, [2]), (3, [3])]
+    assert all(g == n == len(held) for _, _, g, n in per_step)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["stopped"] == "step limit (3 steps)"
+    assert summary["eval_before"]["step"] == 0 and summary["eval_after"]["step"] == 3
+    assert "held-out eval" in out.stdout and str(run_dir) in out.stdout
+
+    # lgt-train eval on the last checkpoint: the same held-out tasks at that policy
+    eval_dir = tmp_path / "eval"
+    out = lgt_train_cmd("eval", str(cfg), "--checkpoint", str(run_dir / "checkpoints" / "step-00000003"),
+                        "--run-dir", str(eval_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    [row] = [json.loads(line) for line in (eval_dir / "eval.jsonl").read_text().splitlines()]
+    assert (row["step"], row["version"], row["eval/rollouts"]) == (3, 3, 2 * len(held))
+    assert "eval at step 3" in out.stdout
+    # greedy decoding of the same weights gives the same answers as in the run's last evaluation
+    answers = ("SELECT o.task_id, c.response_token_ids "
+               "FROM calls c JOIN rollouts o USING (rollout_id, attempt) "
+               "WHERE c.sampling = 'greedy' AND o.step = 3 ORDER BY 1")
+    assert connect(eval_dir / "store").execute(answers).fetchall() == con.execute(answers).fetchall()
 
 
 def test_killed_mid_step_resumes_without_training_a_sample_twice(tmp_path: Path,
