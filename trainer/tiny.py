@@ -21,6 +21,7 @@ Saved models load with ``transformers`` and serve with vLLM's CPU build (``--dty
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import math
 import os
@@ -465,14 +466,17 @@ class DialogueEncoder:
 
 
 def _draw_example(enc: DialogueEncoder, task: str, rng: random.Random, correct_fraction: float,
-                  arith_pool: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]:
-    """One training dialogue: right with probability correct_fraction, else the prompt's fixed error."""
+                  arith_pool: Sequence[dict[str, Any]],
+                  exclude: frozenset[str] = frozenset()) -> tuple[list[int], list[int]]:
+    """One training dialogue: right with probability correct_fraction, else the prompt's fixed error;
+    never one of the ``exclude`` questions (held-out tasks)."""
     kind = rng.choice(["arith", "calc"]) if task == "both" else task
     right = rng.random() < correct_fraction
     if kind == "arith":
         t = rng.choice(arith_pool)
         return enc.arith(t["question"], t["answer"] if right else arith_error(t["question"], t["answer"]))
-    t = calc_tasks(1, seed=rng.getrandbits(32))[0]
+    while (t := calc_tasks(1, seed=rng.getrandbits(32))[0])["question"] in exclude:
+        pass
     return enc.calc(t["question"], t["expression"] if right else calc_error(t["expression"]))
 
 
@@ -572,7 +576,7 @@ def _save_weights(model, model_dir: Path) -> None:
 def warm_start(model_dir: str | Path, *, task: str = "arith", seconds: float | None = 90.0,
                steps: int | None = None, correct_fraction: float = 0.4, lr: float = 1e-3,
                batch: int | None = None, seed: int = 0, eval_n: int = 200, threads: int | None = 1,
-               progress: bool = True) -> dict[str, float]:
+               progress: bool = True, exclude: Sequence[str] = ()) -> dict[str, float]:
     """Supervised warm start of the model in ``model_dir`` on synthetic dialogues of ``task``; saves the
     weights back (atomically) and returns metrics.
 
@@ -592,6 +596,9 @@ def warm_start(model_dir: str | Path, *, task: str = "arith", seconds: float | N
     ``threads``: torch CPU threads while it runs (restored after). One is the default: these models are
     too small to gain from more, and on a shared machine extra threads spin-wait (measured: a batch of 64
     took 0.18 s of CPU on one thread, 0.5-2.4 s on two, under load).
+
+    ``exclude``: questions never shown (the run's held-out tasks, so that evaluating on them measures
+    what the model never saw, in the warm start or in RL).
     """
     import torch
 
@@ -609,14 +616,14 @@ def warm_start(model_dir: str | Path, *, task: str = "arith", seconds: float | N
         return _warm_start(model_dir, task=task, seconds=seconds, steps=steps,
                            correct_fraction=correct_fraction, lr=lr, seed=seed, eval_n=eval_n,
                            batch=batch if batch is not None else 64 if task == "arith" else 16,
-                           progress=progress)
+                           progress=progress, exclude=frozenset(exclude))
     finally:
         torch.set_num_threads(saved_threads)
 
 
 def _warm_start(model_dir: Path, *, task: str, seconds: float | None, steps: int | None,
                 correct_fraction: float, lr: float, batch: int, seed: int, eval_n: int,
-                progress: bool) -> dict[str, float]:
+                progress: bool, exclude: frozenset[str] = frozenset()) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -624,7 +631,9 @@ def _warm_start(model_dir: Path, *, task: str, seconds: float | None, steps: int
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    arith_pool = arith_tasks(200)
+    arith_pool = [t for t in arith_tasks(200) if t["question"] not in exclude]
+    if not arith_pool and task in ("arith", "both"):
+        raise TinyModelError("the warm start excludes every arith problem: nothing is left to train on")
     enc = DialogueEncoder(tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     bar = _progress(total=steps, seconds=seconds, enabled=progress, desc=f"warm start ({task})")
@@ -634,7 +643,7 @@ def _warm_start(model_dir: Path, *, task: str, seconds: float | None, steps: int
     while (done := _progress_fraction(len(losses), steps, time.process_time() - start, seconds)) < 1.0:
         for group in opt.param_groups:  # cosine decay to lr/10 over the budget (steps or seconds)
             group["lr"] = lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * done)))
-        ids, attn, labels = _batch([_draw_example(enc, task, rng, correct_fraction, arith_pool)
+        ids, attn, labels = _batch([_draw_example(enc, task, rng, correct_fraction, arith_pool, exclude)
                                     for _ in range(batch)], tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
@@ -692,9 +701,13 @@ class _progress:
 
 # --- one call: make (or reuse) a model directory -----------------------------------------------------------
 
-def _spec(preset: str, warm_start_task: str | None, seconds: float, seed: int) -> dict[str, Any]:
+def _spec(preset: str, warm_start_task: str | None, seconds: float, seed: int,
+          exclude: Sequence[str] = ()) -> dict[str, Any]:
+    excluded = None
+    if warm_start_task and exclude:  # which questions, as a digest (the marker stays small)
+        excluded = hashlib.sha256("\n".join(sorted(set(exclude))).encode()).hexdigest()[:16]
     return {"version": MARKER_VERSION, "preset": preset, "seed": seed, "warm_start_task": warm_start_task,
-            "warm_start_seconds": seconds if warm_start_task else None}
+            "warm_start_seconds": seconds if warm_start_task else None, "warm_start_excluded": excluded}
 
 
 def read_marker(model_dir: str | Path) -> dict[str, Any] | None:
@@ -707,30 +720,34 @@ def read_marker(model_dir: str | Path) -> dict[str, Any] | None:
 
 
 def is_made(out_dir: str | Path, *, preset: str, warm_start_task: str | None, seconds: float,
-            seed: int) -> bool:
+            seed: int, exclude: Sequence[str] = ()) -> bool:
     """``out_dir`` holds a finished model made by this lgt with these settings."""
-    spec = _spec(preset, warm_start_task, seconds, seed)
+    spec = _spec(preset, warm_start_task, seconds, seed, exclude)
     marker = read_marker(out_dir)
     return marker is not None and {k: marker.get(k) for k in spec} == spec
 
 
 def make_model(out_dir: str | Path, *, preset: str = "demo", warm_start_task: str | None = None,
-               seconds: float = 90.0, seed: int = 0, progress: bool = True) -> Path:
-    """Tokenizer + model (+ warm start) in ``out_dir``; returns it.
+               seconds: float = 90.0, seed: int = 0, progress: bool = True,
+               exclude: Sequence[str] = ()) -> Path:
+    """Tokenizer + model (+ warm start) in ``out_dir``; returns it. ``exclude``: questions the warm start
+    never shows (held-out tasks).
 
-    Reuses ``out_dir`` when its ``lgt-model.json`` names the same preset, seed, warm-start task and
-    seconds. Otherwise everything is built in a temporary sibling directory, ``lgt-model.json`` (spec and
-    warm-start metrics) is written last, and the directory is renamed into place -- a crash leaves no
-    half-made model at ``out_dir``. An ``out_dir`` holding anything else than an lgt-made model is refused.
+    Reuses ``out_dir`` when its ``lgt-model.json`` names the same preset, seed, warm-start task,
+    seconds and excluded questions. Otherwise everything is built in a temporary sibling directory,
+    ``lgt-model.json`` (spec and warm-start metrics) is written last, and the directory is renamed into
+    place -- a crash leaves no half-made model at ``out_dir``. An ``out_dir`` holding anything else than
+    an lgt-made model is refused.
     """
     if preset not in PRESETS:
         raise TinyModelError(f"preset {preset!r} is not one of {', '.join(PRESETS)}")
     if warm_start_task is not None and warm_start_task not in TASKS:
         raise TinyModelError(f"warm_start_task {warm_start_task!r} is not one of {', '.join(TASKS)} or None")
     out = Path(out_dir)
-    if is_made(out, preset=preset, warm_start_task=warm_start_task, seconds=seconds, seed=seed):
+    if is_made(out, preset=preset, warm_start_task=warm_start_task, seconds=seconds, seed=seed,
+               exclude=exclude):
         return out
-    spec = _spec(preset, warm_start_task, seconds, seed)
+    spec = _spec(preset, warm_start_task, seconds, seed, exclude)
     marker = read_marker(out)
     if out.exists() and (not out.is_dir() or (marker is None and any(out.iterdir()))):
         raise TinyModelError(f"{out} already exists and is not a model made by lgt: choose another directory")
@@ -740,7 +757,8 @@ def make_model(out_dir: str | Path, *, preset: str = "demo", warm_start_task: st
         build_model(tmp, preset=preset, seed=seed)
         metrics = None
         if warm_start_task is not None:
-            metrics = warm_start(tmp, task=warm_start_task, seconds=seconds, seed=seed, progress=progress)
+            metrics = warm_start(tmp, task=warm_start_task, seconds=seconds, seed=seed, progress=progress,
+                                 exclude=exclude)
         record = {**spec, "parameters": count_parameters(tmp), "warm_start": metrics}
         (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")
         if out.exists():

@@ -451,3 +451,26 @@ def test_vllm_parses_the_calc_models_tool_calls(calc_vllm: tuple[str, Path]) -> 
         assert second_prompt == calc_example(tok, t["question"], expr)[0][: len(second_prompt)]
         assert second_prompt[: len(first_prompt)] == first_prompt
     assert calls >= 1  # sampled at temperature 1: some replies are parsed into tool_calls
+
+
+def test_the_warm_start_never_shows_excluded_questions(tok) -> None:
+    import random
+
+    from lgt.trainer.tiny import DialogueEncoder, _draw_example, _spec
+
+    held = {t["question"] for t in arith_tasks(200)[:40]}
+    pool = [t for t in arith_tasks(200) if t["question"] not in held]
+    enc, rng = DialogueEncoder(tok), random.Random(0)
+    seen = set()
+    for _ in range(2000):
+        ids, _ = _draw_example(enc, "arith", rng, 0.4, pool, frozenset(held))
+        seen.add(tok.decode(ids, skip_special_tokens=False).split("user\n")[1].split("<|im_end|>")[0])
+    assert seen == {t["question"] for t in pool}  # every other question, never a held-out one
+    calc_held = frozenset(t["question"] for t in calc_tasks(50, seed=1))
+    for _ in range(300):
+        ids, _ = _draw_example(enc, "calc", rng, 0.4, pool, calc_held)
+        assert not any(q in tok.decode(ids, skip_special_tokens=False) for q in calc_held)
+    # a model made without the exclusion (or with another) is not the one asked for with it
+    spec = {e: _spec("demo", "arith", 180, 0, e)["warm_start_excluded"] for e in ((), sorted(held), ["x"])}
+    assert spec[()] is None and len(set(spec.values())) == 3
+    assert _spec("demo", "arith", 180, 0, sorted(held, reverse=True)) == _spec("demo", "arith", 180, 0, held)
