@@ -89,12 +89,16 @@ class EngineConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     python: str | None = None  # the interpreter with vLLM; None: see engine_python()
     sleep_on_update: bool | None = None  # free the engine's GPU memory while training; None: on GPU
+    seed: int | None = None  # vLLM's sampling seed; a run sets its own seed
+    max_num_seqs: int | None = None  # sequences decoded together; a run sets its max_inflight
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"engine port {self.port} is not a TCP port (0 picks a free one)")
         if self.ready_timeout <= 0:
             raise ValueError(f"engine ready_timeout must be positive, got {self.ready_timeout}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"engine max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"engine max_model_len must be positive, got {self.max_model_len}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
@@ -166,6 +170,10 @@ def build_command(cfg: EngineConfig, port: int, *, cpu: bool, python: str = sys.
            "--worker-extension-cls", WORKER_EXTENSION]
     if cfg.max_model_len is not None:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.seed is not None:
+        cmd += ["--seed", str(cfg.seed)]
+    if cfg.max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(cfg.max_num_seqs)]
     if cpu:
         cmd += ["--enforce-eager", "--dtype", cfg.dtype or "float32"]
     else:
