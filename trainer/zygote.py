@@ -7,7 +7,8 @@ Run by the agent's own interpreter as a plain script (it imports nothing of lgt)
            {"id": 1, "pid": 123} when the child started, {"id": 1, "exit": 0} when it ended
            (a negative exit is the signal that killed it, as in subprocess).
 Each child is its own session and process group (killable as a group), its environment and working
-directory are exactly the request's, stdin is /dev/null, and it runs ``argv[0]`` as ``__main__``.
+directory are exactly the request's, stdin is /dev/null, and it runs ``argv[0]`` as ``__main__``; its
+atexit handlers run when it ends, then it leaves without the interpreter's teardown (``os._exit``).
 
 The module name ``auto`` learns the rest: the first children, as they exit, list the library modules
 they imported (files under the interpreter's prefixes, never the agent's own code), and the zygote
@@ -15,6 +16,8 @@ imports those before the next fork — so later rollouts start with everything t
 Forks wait (at most 60 s) for the first child to finish, so a burst of rollouts does not start cold.
 """
 
+import atexit
+import gc
 import glob
 import importlib
 import json
@@ -71,6 +74,10 @@ def child(req: dict) -> None:
         if req.get("learn"):
             _list_library_modules()
         try:
+            atexit._run_exitfuncs()  # as a process that exits normally does (the agent's log flushes …)
+        except BaseException:  # noqa: BLE001 - like the interpreter, an atexit error is printed, not fatal
+            pass
+        try:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
@@ -93,7 +100,9 @@ def _list_library_modules() -> None:
         pass
 
 
-def _import_learned() -> None:
+def _import_learned() -> bool:
+    """Import what the learning children listed; whether anything new was imported."""
+    before = len(sys.modules)
     for path in glob.glob(os.path.join(learn_dir, "*.json")):
         try:
             with open(path) as f:
@@ -107,6 +116,29 @@ def _import_learned() -> None:
                     importlib.import_module(name)
                 except Exception:  # noqa: BLE001 - a module that cannot be imported ahead stays lazy
                     pass
+    return len(sys.modules) > before
+
+
+def _complete_lazy_models() -> None:
+    """Build, once, the validators pydantic defers to a model's first use (the OpenAI and Anthropic
+    SDKs define hundreds of models): every fork would otherwise build the ones it touches again,
+    ~20 ms of each short rollout. Nothing else runs; a model that cannot be built stays lazy."""
+    pydantic = sys.modules.get("pydantic")
+    base = getattr(pydantic, "BaseModel", None)
+    if base is None:
+        return
+    seen, stack = set(), [base]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                stack.append(sub)
+    for model in seen:
+        if getattr(model, "__pydantic_complete__", True) is False:
+            try:
+                model.model_rebuild()
+            except Exception:  # noqa: BLE001 - e.g. an unresolved forward reference: built on first use
+                pass
 
 
 def reaper() -> None:
@@ -136,6 +168,7 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         send({"error": f"could not import {name}: {e}"})
         return
+    _complete_lazy_models()
     send({"ready": True})
     threading.Thread(target=reaper, daemon=True).start()
     for line in sys.stdin:
@@ -145,10 +178,12 @@ def main() -> None:
         if learn_dir:
             if learning < LEARN_CHILDREN:  # a first child is learning: wait for it (bounded) so the
                 _first_learned.wait(60)    # rest do not all start cold at once
-            _import_learned()
+            if _import_learned():
+                _complete_lazy_models()
             if learning:
                 req["learn"] = True
                 learning -= 1
+        gc.freeze()  # what the zygote holds stays out of the children's collections: no copy-on-write
         with _lock:  # the reaper must not see the child before its id is known
             pid = os.fork()
             if pid == 0:

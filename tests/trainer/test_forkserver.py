@@ -14,7 +14,8 @@ import pytest
 from lgt.trainer.forkserver import ForkServer, ForkServerError, python_script_command
 
 AGENT = """
-import json, os, sys, time
+import atexit, json, os, sys, time
+atexit.register(lambda: print("atexit ran", file=sys.stderr))
 print(json.dumps({"x": os.environ.get("X"), "argv": sys.argv[1:], "cwd": os.getcwd(),
                   "leader": os.getpgid(0) == os.getpid(), "name": __name__,
                   "json_loaded_before": "decimal" in sys.modules}))
@@ -54,7 +55,7 @@ def test_children_get_their_own_env_cwd_files_and_exit_codes(tmp_path: Path) -> 
         out = json.loads((tmp_path / f"{i}.out").read_text())
         assert out["x"] == f"x{i}" and out["cwd"] == str(work) and out["leader"] and out["name"] == "__main__"
         assert out["json_loaded_before"]  # the preloaded module was already imported
-        assert (tmp_path / f"{i}.err").read_text() == "to stderr\n"
+        assert (tmp_path / f"{i}.err").read_text() == "to stderr\natexit ran\n"  # as a fresh process
 
 
 def test_crash_kill_and_environment_isolation(tmp_path: Path) -> None:
