@@ -1,16 +1,18 @@
-"""Does RL move the policy? One `lgt-train run`, then the warm start and the trained policy side by side.
+"""Does RL move the policy, on tasks it never trained on? `lgt-train run` once per seed, one table.
 
-Runs a run YAML (default examples/arith/run.yaml, its own stop rules: max_minutes, steps,
-target_reward) and reports
-- the training reward per step (what the agents earned, sampled at their own temperature 1.0): the mean
-  of the first 10 steps and of the last 10 (what ``target_reward`` is held to), the best step, steps
-  and wall-clock;
-- the warm-start model and the run's last checkpoint evaluated on the same prompts with transformers
-  (lgt.trainer.tiny.evaluate; arith: all 200 problems, calc: 200 fresh ones): greedy and sampled accuracy.
+Runs a run YAML (default examples/arith/run.yaml, its own stop rules: target_reward, max_minutes,
+steps) once per seed and reads each run's summary.json and eval.jsonl: steps and seconds of training
+to reach the target (the mean training reward of 10 steps, sampled by the agents at their own
+temperature), and the held-out evaluation (the config's ``eval`` section: tasks split off, never
+trained on; greedy and sampled) before the first update → after the last.
 
-    .venv/bin/python bench/learning.py                               # arith, 10 minutes
-    .venv/bin/python bench/learning.py --config examples/calc/run.yaml
-    .venv/bin/python bench/learning.py --run-dir runs/arith-try6 --eval-only
+    .venv/bin/python bench/learning.py --seeds 0,1,2                 # the demo, three seeds
+    .venv/bin/python bench/learning.py --seeds 0,1,2 --mode sync     # the synchronous baseline
+    .venv/bin/python bench/learning.py --config examples/calc/run.yaml --seeds 0
+    .venv/bin/python bench/learning.py --report runs/learning-arith-*  # the table of finished runs
+
+The seed picks the order of the training tasks and the agents' sampling; the model (built once by
+model.make) and the held-out split are the same for every seed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -27,68 +28,80 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def evaluate(model_dir: Path, task: str, n: int) -> dict[str, float]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def run(config: Path, run_dir: Path, seed: int, mode: str | None, sets: list[str]) -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    cmd = [sys.executable, "-m", "lgt.trainer.cli", "run", str(config), "--run-dir", str(run_dir),
+           "--set", f"seed={seed}"]
+    if mode:
+        cmd += ["--mode", mode]
+    cmd += [x for s in sets for x in ("--set", s)]
+    print(f"$ {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, env=env)
 
-    from lgt.trainer.tiny import evaluate as tiny_evaluate
 
-    torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    greedy = tiny_evaluate(model, tok, task, sample=False, n=n)
-    sampled = tiny_evaluate(model, tok, task, sample=True, n=n)
-    return {"greedy": greedy["accuracy"], "sampled": sampled["accuracy"], "format": sampled["format"]}
+def row(run_dir: Path) -> dict:
+    from lgt.trainer import summary
+
+    s = summary.summarize(run_dir)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    before, after = s.get("eval_before") or {}, s.get("eval_after") or {}
+    return {"run": run_dir.name, "seed": cfg.get("seed"), "mode": cfg.get("mode"), "target": s["target"],
+            "steps_to_target": s["steps_to_target"], "seconds_to_target": s["seconds_to_target"],
+            "steps": s["steps"], "seconds": None if s["minutes"] is None else s["minutes"] * 60,
+            "reward_first10": s["reward_first10"], "reward_last10": s["reward_last10"],
+            "greedy": (before.get("greedy"), after.get("greedy")),
+            "sampled": (before.get("sampled"), after.get("sampled"))}
+
+
+def _f(x: float | None, fmt: str = ".3f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'seed':>4} {'mode':>5} {'to target':>17} {'steps (s)':>13} {'train reward':>15} "
+            f"{'held-out greedy':>17} {'held-out sampled':>17}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        to = (f"step {r['steps_to_target']} ({r['seconds_to_target']:.0f} s)"
+              if r["steps_to_target"] is not None else "not reached")
+        g, s = r["greedy"], r["sampled"]
+        lines.append(
+            f"{r['seed']!s:>4} {r['mode']!s:>5} {to:>17} {r['steps']:>5} ({_f(r['seconds'], '.0f'):>4} s) "
+            f"{_f(r['reward_first10'])} → {_f(r['reward_last10'])}   {_f(g[0])} → {_f(g[1])}      "
+            f"{_f(s[0])} → {_f(s[1])}")
+    reached = [r for r in rows if r["steps_to_target"] is not None]
+    lines.append(f"reached the target {rows[0]['target']} in {len(reached)} of {len(rows)} runs"
+                 + (f"; slowest {max(r['seconds_to_target'] for r in reached):.0f} s of training"
+                    if reached else ""))
+    rises = [r["sampled"][1] - r["sampled"][0] for r in rows if None not in r["sampled"]]
+    if rises:
+        lines.append(f"held-out sampled reward rose by {min(rises):+.3f} (least) to {max(rises):+.3f} (most)")
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "examples" / "arith" / "run.yaml")
-    ap.add_argument("--run-dir", type=Path, help="default runs/learning-<name>-<time>")
-    ap.add_argument("--eval-only", action="store_true", help="only evaluate an existing run directory")
-    ap.add_argument("--n", type=int, default=200, help="prompts evaluated")
+    ap.add_argument("--seeds", default="0", help="comma-separated run seeds (default 0)")
+    ap.add_argument("--mode", choices=["sync", "async"], help="override the config's mode")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to lgt-train run")
+    ap.add_argument("--report", nargs="+", type=Path, metavar="RUN_DIR", help="only tabulate finished runs")
     args = ap.parse_args()
 
+    if args.report:
+        print(table([row(d) for d in args.report]))
+        return
     from lgt.trainer import config as cfgmod
-    from lgt.trainer.torch_backend import latest_checkpoint
 
     cfg = cfgmod.load(args.config)
-    task = cfg.model.make.warm_start if cfg.model.make and cfg.model.make.warm_start else "arith"
-    run_dir = args.run_dir or ROOT / "runs" / f"learning-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not args.eval_only:
-        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-        cmd = [sys.executable, "-m", "lgt.trainer.cli", "run", str(args.config), "--run-dir", str(run_dir)]
-        cmd += [x for s in args.set for x in ("--set", s)]
-        subprocess.run(cmd, check=True, env=env)
-    run_cfg = json.loads((run_dir / "config.json").read_text())
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-    rewards = [r["rollout/reward_mean"] for r in rows]
-    ckpt = latest_checkpoint(run_dir / "checkpoints")
-    if ckpt is None:
-        raise SystemExit(f"{run_dir} has no checkpoint")
-    model_dir = Path(run_cfg["model"]["path"])
-    before, after = evaluate(model_dir, task, args.n), evaluate(ckpt, task, args.n)
-    target = run_cfg.get("target_reward")
-    last10 = statistics.fmean(rewards[-10:])
-    print(f"\n{cfg.name}: {len(rows)} steps in {rows[-1]['time_s']:.0f} s "
-          f"({sum(r['rollouts'] for r in rows)} rollouts trained; engine start excluded)")
-    print(f"training reward (sampled by the agents): first 10 steps {statistics.fmean(rewards[:10]):.3f}, "
-          f"last 10 steps {last10:.3f}, best step {max(rewards):.3f}")
-    print(f"\n{'':28} {'greedy':>8} {'sampled':>8} {'format':>8}")
-    for name, e in ((f"warm start ({model_dir.name})", before), (f"trained ({ckpt.name})", after)):
-        print(f"{name:28} {e['greedy']:8.3f} {e['sampled']:8.3f} {e['format']:8.3f}")
-    print(f"ratio (trained / warm start): greedy {after['greedy'] / max(before['greedy'], 1e-9):.2f}x, "
-          f"sampled {after['sampled'] / max(before['sampled'], 1e-9):.2f}x")
-    if target is not None:
-        print(f"{'PASS' if last10 >= target else 'MISS'}: training reward (last 10 steps) >= {target} "
-              f"({last10:.3f}, after {rows[-1]['time_s']:.0f} s)")
-        print(f"{'PASS' if after['greedy'] >= target else 'MISS'}: greedy accuracy of the trained policy "
-              f">= {target} ({after['greedy']:.3f})")
-    (run_dir / "learning.json").write_text(json.dumps(
-        {"steps": len(rows), "time_s": rows[-1]["time_s"], "reward_first10": statistics.fmean(rewards[:10]),
-         "reward_last10": last10, "reward_best": max(rewards), "warm_start": before, "trained": after,
-         "checkpoint": str(ckpt)}, indent=2))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dirs = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        run_dir = ROOT / "runs" / f"learning-{cfg.name}-{args.mode or cfg.mode}-s{seed}-{stamp}"
+        run(args.config, run_dir, seed, args.mode, args.set)
+        dirs.append(run_dir)
+    print()
+    print(table([row(d) for d in dirs]))
 
 
 if __name__ == "__main__":

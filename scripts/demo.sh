@@ -5,6 +5,6 @@
 # and checkpoints. Extra arguments go to `lgt-train run` (e.g. --mode sync, --steps 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+LGT_SKIP_VERL=1 bash scripts/setup.sh  # only the environments the demo uses: the proxy's and the trainer's
 export PATH="$PWD/.venv/bin:$PATH"  # the agent's interpreter (it needs the openai package) and lgt-train
 exec lgt-train run examples/arith/run.yaml "$@"
