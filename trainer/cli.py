@@ -352,17 +352,14 @@ def run_cmd(config_file: Path, mode: str | None, steps: int | None, max_minutes:
         raise click.ClickException(str(e)) from None
     if python != sys.executable:  # the backend lives in its own environment (verl on CPU machines)
         _reexec(python, cfg)
-    display = recipe.default_display()
     try:
-        out = recipe.run(cfg, run_dir=resume_dir or run_dir, resume=resume_dir is not None, display=display)
+        with _display() as display:
+            out = recipe.run(cfg, run_dir=resume_dir or run_dir, resume=resume_dir is not None,
+                             display=display)
     except KeyboardInterrupt:
         raise click.ClickException("interrupted; continue with --resume") from None
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        raise click.ClickException(str(e).splitlines()[0] if "\n" not in str(e)[:300] else str(e)) from None
-    finally:
-        live = getattr(display, "live", None)
-        if live is not None:
-            live.stop()
+        raise click.ClickException(_run_error(e)) from None
     from lgt.trainer import summary
 
     click.echo(summary.render(summary.write(out)))
@@ -384,17 +381,33 @@ def eval_cmd(config_file: Path, checkpoint: Path | None, run_dir: Path | None, s
 
     try:
         cfg = cfgmod.load(config_file, _overrides(sets))
-        display = recipe.default_display()
-        out, res = recipe.evaluate(cfg, checkpoint=checkpoint, run_dir=run_dir, display=display)
+        with _display() as display:
+            out, res = recipe.evaluate(cfg, checkpoint=checkpoint, run_dir=run_dir, display=display)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        raise click.ClickException(str(e).splitlines()[0] if "\n" not in str(e)[:300] else str(e)) from None
-    finally:
-        live = getattr(locals().get("display"), "live", None)
-        if live is not None:
-            live.stop()
+        raise click.ClickException(_run_error(e)) from None
     click.echo(f"{cfg.name}: {res.line()}")
     click.echo(f"  {len(res.greedy) + len(res.sampled)} rewards in {out / 'eval.jsonl'}; the rollouts in "
                f"{out / 'store'} (split 'eval')")
+
+
+@contextmanager
+def _display() -> Iterator[Any]:
+    """The run's progress display (a live line on a terminal), stopped however the run ends."""
+    from lgt.trainer import recipe
+
+    display = recipe.default_display()
+    try:
+        yield display
+    finally:
+        live = getattr(display, "live", None)
+        if live is not None:
+            live.stop()
+
+
+def _run_error(e: Exception) -> str:
+    """A run's error for the user: its first line, unless it is a short multi-line explanation."""
+    text = str(e)
+    return text.splitlines()[0] if "\n" not in text[:300] else text
 
 
 def _overrides(sets: tuple[str, ...]) -> dict[str, Any]:

@@ -91,3 +91,23 @@ def test_one_evaluation_runs_greedy_and_sampled_rollouts_and_leaves_failures_out
     assert (row["eval/rollouts"], row["eval/failed"], row["step"], row["version"]) == (9, 2, 10, 10)
     assert "greedy 1.000" in res.line() and "sampled 0.250" in res.line()
     assert json.loads(json.dumps(row)) == row
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "eval=null"], "the run config has no eval section to say which tasks are held out"),
+    (["--checkpoint", "{tmp}"], "is not a finished checkpoint (it has no DONE file): give a run's "
+                                "checkpoints/step-N folder"),
+    (["--set", "eval.split=1.5"], "eval.split must be between 0 and 1"),
+])
+def test_lgt_train_eval_refuses_bad_input_before_starting_anything(tmp_path: Path, args: list,
+                                                                    message: str) -> None:
+    from click.testing import CliRunner
+
+    from lgt.trainer.cli import main
+
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    run_dir = tmp_path / "out"
+    config_file = str(ROOT / "examples/arith/run.yaml")
+    result = CliRunner().invoke(main, ["eval", config_file, "--run-dir", str(run_dir), *args])
+    assert result.exit_code == 1 and message in " ".join(result.output.split()), result.output
+    assert not run_dir.exists()  # nothing started, nothing written
