@@ -154,18 +154,6 @@ def append_row(run_dir: Path, row: dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def read_rows(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's eval.jsonl rows (a last line cut off by a crash is left out)."""
-    path = Path(run_dir) / EVAL_FILE
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def _mean(xs: Sequence[float]) -> float | None:
     return round(sum(xs) / len(xs), 4) if xs else None
 

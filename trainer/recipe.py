@@ -63,9 +63,10 @@ from . import evaluation
 from .backend import BackendError, entry
 from .config import ConfigError, RunConfig
 from .proxy_client import ProxyClient
+from .summary import WINDOW, read_jsonl
 
 FAIL_FAST_GROUPS = 2  # groups that all failed, with no rollout ever ok, end the run
-TARGET_WINDOW = 10  # target_reward is reached when the mean reward of this many last steps reaches it
+TARGET_WINDOW = WINDOW  # target_reward is reached when the mean reward of this many last steps reaches it
 
 
 @dataclass
@@ -605,7 +606,7 @@ class Recipe:
         self.version_at_start = self.version
         try:
             if self.cfg.eval is not None:
-                done = {r.get("step") for r in evaluation.read_rows(self.run_dir)}
+                done = {r.get("step") for r in read_jsonl(self.run_dir / evaluation.EVAL_FILE)}
                 self.last_eval_step = self.step if self.step in done else None
                 self.start_eval()  # before the first update (or the first since a resume), on its own
                 if self.eval_task is not None:
@@ -663,12 +664,7 @@ def evaluate(cfg: RunConfig, *, checkpoint: Path | None = None, run_dir: Path | 
 
 def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
     """The run's metrics.jsonl rows (a last line cut off by a crash is left out)."""
-    path = run_dir / "metrics.jsonl"
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):
-            rows.append(json.loads(line))
-    return rows
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def agent_broken(n_groups: int, results: list[Any]) -> str:

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-WINDOW = 10  # steps in the trailing mean that decides the target (as the trainer's TARGET_WINDOW)
+WINDOW = 10  # steps in the trailing mean that decides the target (the trainer's TARGET_WINDOW)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
