@@ -72,7 +72,9 @@ class TorchConfig:
     ``None`` means "when ``loss.kl_coef > 0``". ``grad_clip``: max global gradient norm, ``None`` to not
     clip. ``entropy``: also report the exact mean entropy over trained tokens (``actor/entropy``; one
     more pass over the logits). ``updates_per_step``: optimizer steps per training step, each on its
-    share of the batch's groups. ``loss`` comes from the run's ``algorithm`` section.
+    share of the batch's groups. ``epochs``: passes over each share, each an optimizer step (PPO epochs:
+    the first pass's log-probs are the ratio's old policy, so later passes are clipped against it).
+    ``loss`` comes from the run's ``algorithm`` section.
     """
 
     name: str = "torch"
@@ -90,6 +92,7 @@ class TorchConfig:
     ref_model: bool | None = None
     entropy: bool = False
     updates_per_step: int = 1
+    epochs: int = 1
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
@@ -110,6 +113,7 @@ class TorchConfig:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise BackendError(f"backend.device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         _positive_int("backend.updates_per_step", self.updates_per_step)
+        _positive_int("backend.epochs", self.epochs)
         if not isinstance(self.loss, LossConfig):
             raise BackendError(f"loss must be a LossConfig, not {type(self.loss).__name__}")
         if self.ref_model is False and self.loss.kl_coef > 0:

@@ -382,11 +382,14 @@ class TorchBackend:
             logits = logits[:, positions]
         return logits, rl.token_logprobs(logits, mb["target_ids"])
 
-    def accumulate(self, samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) -> dict[str, float]:
+    def accumulate(self, samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch],
+                   old: list[torch.Tensor] | None = None) -> dict[str, float]:
         """Forward and backward over every micro-batch, adding the whole batch's loss gradient to ``.grad``.
 
         Does not zero the gradients, clip or step (that is :meth:`train_step`). Metrics as train_step's,
         without grad_norm. Raises SampleTooLongError / SampleError before computing anything.
+        ``old``: the old policy's log-probs of the PPO ratio, one tensor per micro-batch — an empty list
+        is filled with this pass's own (the weights before the update); a filled one is used.
         """
         started = time.perf_counter()
         batch = read_samples(samples)
@@ -401,13 +404,18 @@ class TorchBackend:
         entropy_total = 0.0
         neg_logp_total = 0.0
         padded = 0
-        for rows in micro:
+        for k, rows in enumerate(micro):
             mb = pad_micro_batch(batch, rows, self.device, trained_only=True)
             padded += mb["input_ids"].numel()
             if self.ref is not None:
                 with torch.no_grad():
                     mb["ref_logprobs"] = self._forward_logprobs(self.ref, mb)[1]
             logits, logp = self._forward_logprobs(self.model, mb)
+            if old is not None:
+                if k < len(old):
+                    mb["old_logprobs"] = old[k]
+                else:
+                    old.append(logp.detach())
             if self.cfg.entropy:
                 entropy_total += _entropy_sum(logits.detach(), mb["loss_mask"])
             del logits
@@ -428,7 +436,8 @@ class TorchBackend:
         return out
 
     def train_step(self, samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) -> dict[str, float]:
-        """One optimizer update over the whole batch of SAMPLES rows; returns float metrics.
+        """``epochs`` optimizer updates over the whole batch of SAMPLES rows (one by default); returns
+        float metrics (of the last pass; ``seconds`` of all).
 
         Metrics: ``loss`` (total), ``loss/*`` and ``actor/*`` (from :func:`rl.policy_loss`; ``actor/*``
         are means over trained tokens; ``actor/neg_logprob``; ``actor/entropy`` when enabled),
@@ -438,12 +447,15 @@ class TorchBackend:
         had a trained token: no update is made, the step still counts).
         """
         started = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        out = self.accumulate(samples)
-        skipped = out["trained_tokens"] == 0
-        if skipped:
-            out["grad_norm"] = 0.0
-        else:
+        samples = _as_table(samples)  # an iterator of batches is read once, for every pass
+        old: list[torch.Tensor] | None = [] if self.cfg.epochs > 1 else None
+        for _ in range(self.cfg.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            out = self.accumulate(samples, old)
+            skipped = out["trained_tokens"] == 0
+            if skipped:
+                out["grad_norm"] = 0.0
+                break
             params = [p for p in self.model.parameters() if p.grad is not None]
             max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else math.inf
             out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))

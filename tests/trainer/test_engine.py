@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,11 +78,17 @@ def test_env_defaults_and_overrides(tmp_path: Path) -> None:
     env = build_env(EngineConfig(model=tmp_path, env={"VLLM_CPU_KVCACHE_SPACE": "4"}), cpu=True, base={})
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert "VLLM_CPU_KVCACHE_SPACE" not in build_env(EngineConfig(model=tmp_path), cpu=False, base={})
+    # vLLM's busy-wait window between its processes: short on CPU, vLLM's own on a GPU unless asked
+    assert env["LGT_VLLM_IDLE_SPIN_S"] == "0.05"
+    assert "LGT_VLLM_IDLE_SPIN_S" not in build_env(EngineConfig(model=tmp_path), cpu=False, base={})
+    asked = build_env(EngineConfig(model=tmp_path, idle_spin_s=0.2), cpu=False, base={})
+    assert asked["LGT_VLLM_IDLE_SPIN_S"] == "0.2"
 
 
 @pytest.mark.parametrize("kwargs, word", [({"port": 70000}, "port"), ({"ready_timeout": 0}, "ready_timeout"),
                                           ({"max_model_len": 0}, "max_model_len"),
-                                          ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization")])
+                                          ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+                                          ({"idle_spin_s": -1.0}, "idle_spin_s")])
 def test_config_rejects_bad_values(tmp_path: Path, kwargs: dict, word: str) -> None:
     with pytest.raises(ValueError, match=word):
         EngineConfig(model=tmp_path, **kwargs)
@@ -239,6 +246,44 @@ def test_chat_with_sdk_returns_token_ids(engine: Engine, client: OpenAI) -> None
     plain = client.chat.completions.create(model="policy", messages=messages, max_tokens=8, temperature=0)
     assert (plain.model_extra or {}).get("prompt_token_ids") is None  # only when asked
     assert plain.choices[0].message.content == choice.message.content
+
+
+@pytest.mark.slow
+def test_plugin_shortens_the_busy_wait_in_every_engine_process(engine: Engine) -> None:
+    """lgt's vLLM plugin (entry point vllm.general_plugins) ran in the engine core and in the worker,
+    each a process vLLM spawned, with the window the engine was started with."""
+    text = engine.log_path.read_text(errors="replace")
+    lines = [ln for ln in text.splitlines() if "lgt: vLLM readers busy-wait at most 0.05 s" in ln]
+    assert any("EngineCore" in ln for ln in lines), text[-2000:]
+    assert any("Worker" in ln for ln in lines), text[-2000:]
+
+
+def test_plugin_leaves_vllm_alone_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    from lgt.trainer import vllm_plugin
+
+    original = shm_broadcast.SpinCondition.wait
+    monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+    vllm_plugin.register()
+    assert shm_broadcast.SpinCondition.wait is original
+    monkeypatch.setenv(vllm_plugin.ENV, "not a number")
+    vllm_plugin.register()
+    assert shm_broadcast.SpinCondition.wait is original
+    monkeypatch.setenv(vllm_plugin.ENV, "0.01")
+    monkeypatch.setattr(shm_broadcast.SpinCondition, "wait", original)  # restored after the test
+    vllm_plugin.register()
+    patched = shm_broadcast.SpinCondition.wait
+    assert patched is not original and patched.lgt_window == 0.01
+    vllm_plugin.register()  # twice in one process: patched once
+    assert shm_broadcast.SpinCondition.wait is patched
+
+    class Reader:  # what vLLM's wait reads of a reader that has just read a message
+        is_reader, busy_loop_s, last_read = True, 1.0, time.monotonic()
+
+    reader = Reader()
+    patched(reader, timeout_ms=0)  # within the window: vLLM's wait yields once and returns
+    assert reader.busy_loop_s == 0.01
 
 
 @pytest.mark.slow

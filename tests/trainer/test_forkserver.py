@@ -158,3 +158,32 @@ def _cmdline_has(pid: str, text: str) -> bool:
         return text in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
+
+
+def test_children_start_with_the_sdk_caches_filled(tmp_path: Path) -> None:
+    """A forked child finds what every OpenAI-SDK agent would otherwise compute again on its first call:
+    the resolved type hints of the request TypedDicts it sends, and platform.processor() (a `uname -p`
+    subprocess the first time in a process)."""
+    (tmp_path / "agent.py").write_text(
+        "import json, platform\n"
+        "from openai._utils import _transform\n"
+        "from openai.types.chat import completion_create_params as p\n"
+        "before = _transform.get_type_hints.cache_info()\n"
+        "_transform.get_type_hints(p.CompletionCreateParamsBase, include_extras=True)\n"
+        "after = _transform.get_type_hints.cache_info()\n"
+        "print(json.dumps({'cached': after.hits - before.hits, 'size': before.currsize,\n"
+        "                  'processor': 'processor' in vars(platform.uname())}))\n")
+
+    async def main():
+        fs = await ForkServer.start(sys.executable, ["openai", "openai.types.chat.completion_create_params"])
+        try:
+            proc = await fs.spawn([str(tmp_path / "agent.py")], {}, tmp_path, tmp_path / "o", tmp_path / "e")
+            return await proc.wait()
+        finally:
+            await fs.aclose()
+
+    assert run(main()) == 0, (tmp_path / "e").read_text()
+    import json
+    out = json.loads((tmp_path / "o").read_text())
+    assert out["cached"] == 1 and out["size"] > 100  # a cache hit: resolved before the fork
+    assert out["processor"]  # the cached uname result already knows the processor

@@ -147,6 +147,26 @@ def test_steps_raise_positive_and_lower_negative_logprobs(tiny_model_dir: Path) 
     assert neg1 < neg0 - 0.05
 
 
+def test_epochs_clip_later_passes_against_the_first(tiny_model_dir: Path) -> None:
+    """epochs=3: three optimizer steps on one batch, one training step; passes 2 and 3 take the first
+    pass's log-probs as the old policy (ratio != 1, clipped where it moved too far), so a pass never
+    pushes a token further than the clip range from where the batch started."""
+    specs = random_specs(3, 6, vocab(tiny_model_dir))
+    one = TorchBackend.load(tiny_model_dir, TorchConfig(lr=5e-2, micro_batch_tokens=64, seed=0))
+    batch = on_policy(one, specs)
+    m1 = one.train_step(batch)
+    assert m1["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m1["actor/clipfrac"] == 0.0
+    three = TorchBackend.load(tiny_model_dir, TorchConfig(lr=5e-2, micro_batch_tokens=64, seed=0, epochs=3))
+    m3 = three.train_step(batch)
+    assert three.step == 1  # one training step, however many passes
+    assert m3["actor/ratio_mean"] != pytest.approx(1.0, abs=1e-3)  # the last pass saw a moved policy
+    assert m3["actor/clipfrac"] > 0.0
+    after_one, after_three = weights(one), weights(three)
+    assert any(not torch.equal(after_three[n], after_one[n]) for n in after_one)  # more updates made
+    with pytest.raises(ValueError, match="backend.epochs"):
+        TorchConfig(epochs=0)
+
+
 def test_missing_behaviour_logprobs_train_as_on_policy(tiny_model_dir: Path) -> None:
     # A call the proxy recorded without logprobs reaches the trainer as NaN behaviour logprobs: the
     # update recomputes them (the policy's own, before the step), exactly what on-policy ones give.
