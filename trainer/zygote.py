@@ -22,11 +22,13 @@ import glob
 import importlib
 import json
 import os
+import platform
 import runpy
 import sys
 import tempfile
 import threading
 import time
+import typing
 
 _lock = threading.Lock()
 _ids: dict[int, int] = {}
@@ -149,8 +151,9 @@ def _warm_caches() -> None:
       process — ~19 ms of CPU in every one-call rollout. Resolved here for the SDK types loaded.
     * ``platform``: SDKs send the OS and CPU in their headers; ``platform.processor()`` runs ``uname -p``
       in a subprocess the first time in each process.
-    Nothing else runs; whatever fails stays lazy."""
-    import platform
+    Nothing else runs; whatever fails stays lazy. Pydantic's deferred models first
+    (:func:`_complete_lazy_models`)."""
+    _complete_lazy_models()
     try:
         platform.uname().processor  # noqa: B018 - a cached property: fills the cached uname result
         platform.platform()
@@ -158,7 +161,6 @@ def _warm_caches() -> None:
     except Exception:  # noqa: BLE001 - e.g. no /etc/os-release: the child finds out itself
         pass
     typing_ext = sys.modules.get("typing_extensions")
-    import typing
     is_typeddict = getattr(typing_ext, "is_typeddict", None) or typing.is_typeddict
     for name, mod in list(sys.modules.items()):
         hints = getattr(mod, "get_type_hints", None) if name.endswith("._utils._transform") else None
@@ -203,7 +205,6 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         send({"error": f"could not import {name}: {e}"})
         return
-    _complete_lazy_models()
     _warm_caches()
     send({"ready": True})
     threading.Thread(target=reaper, daemon=True).start()
@@ -215,7 +216,6 @@ def main() -> None:
             if learning < LEARN_CHILDREN:  # a first child is learning: wait for it (bounded) so the
                 _first_learned.wait(60)    # rest do not all start cold at once
             if _import_learned():
-                _complete_lazy_models()
                 _warm_caches()
             if learning:
                 req["learn"] = True
