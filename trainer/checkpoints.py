@@ -74,8 +74,8 @@ def read_state(ckpt: str | Path) -> tuple[int, dict[str, Any], Path]:
     """``(step, extra, starting model)`` of a finished checkpoint; CheckpointError otherwise."""
     ckpt = Path(ckpt)
     if not (ckpt / DONE).is_file():
-        raise CheckpointError(f"{ckpt} is not a finished checkpoint (no {DONE} file): resume from "
-                              "latest_checkpoint(root) instead")
+        raise CheckpointError(f"{ckpt} is not a finished checkpoint (it has no {DONE} file): give a run's "
+                              "checkpoints/step-N folder (the latest finished one: latest_checkpoint(root))")
     try:
         state = json.loads((ckpt / STATE_FILE).read_text())
         step = int(state["step"])
