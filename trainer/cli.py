@@ -346,7 +346,7 @@ def run_cmd(config_file: Path, mode: str | None, steps: int | None, max_minutes:
         raise click.ClickException("give either --resume DIR or --run-dir DIR, not two different folders")
     try:
         cfg = cfgmod.load(config_file, overrides)
-        recipe.validate(cfg, resume_dir=resume_dir)  # everything, before anything starts
+        recipe.validate(cfg, resume_dir=resume_dir, run_dir=run_dir)  # everything, before anything starts
         python = recipe.backend_python(cfg)
     except ValueError as e:
         raise click.ClickException(str(e)) from None

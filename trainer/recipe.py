@@ -106,7 +106,7 @@ class StepStats:
     tokens_per_s: float = 0.0
 
 
-def validate(cfg: RunConfig, *, resume_dir: Path | None = None
+def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | None = None
              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Everything the run needs, checked before anything is built or started; returns the training
     tasks and the held-out ones (``eval``: a file, or a share split off the tasks; none without eval).
@@ -143,6 +143,10 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None
         models.check_model_dir(m.path, need_chat_template=True).check_context(cfg.engine.max_model_len)
     if resume_dir is not None and not (resume_dir / "config.json").exists():
         raise ConfigError(f"{resume_dir} is not a run directory (it has no config.json)")
+    target = run_dir or cfg.run_dir
+    if resume_dir is None and target is not None and (target / "config.json").exists():
+        raise ConfigError(f"{target} already holds a run (it has a config.json): continue it with --resume "
+                          f"{target}, or give a new --run-dir")
     try:
         backend_python(cfg)
         engine_python(cfg.engine)
@@ -216,7 +220,7 @@ class Recipe:
         from . import checkpoints
 
         cfg = self.cfg
-        self.prepare()
+        self.prepare(new_run=not self.resume)
         model_dir = self.ensure_model()
         ckpt = checkpoints.latest_checkpoint(self.run_dir / "checkpoints") if self.resume else None
         backend_cls = entry(cfg.backend.name).load_class()
@@ -238,9 +242,10 @@ class Recipe:
         self.tokenizer = _decoder(model_dir)
         self.serve(serve_dir)
 
-    def prepare(self) -> None:
-        """The tasks (training and held-out), the run directory, its store and config.json."""
-        self.tasks, self.eval_tasks = validate(self.cfg)
+    def prepare(self, *, new_run: bool = False) -> None:
+        """The tasks (training and held-out), the run directory, its store and config.json; a new run
+        refuses a directory that holds one already."""
+        self.tasks, self.eval_tasks = validate(self.cfg, run_dir=self.run_dir if new_run else None)
         _quiet_transformers()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.store.mkdir(parents=True, exist_ok=True)

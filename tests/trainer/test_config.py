@@ -160,3 +160,22 @@ def test_run_refuses_a_typo_before_building_or_starting_anything(tmp_path: Path)
     assert result.exit_code == 1
     assert "unknown importance-sampling mode 'trunc'" in result.output
     assert not (tmp_path / "m").exists() and not (tmp_path / "run").exists()  # no model built, no run dir
+
+
+def test_run_refuses_a_run_dir_that_holds_a_run(tmp_path: Path) -> None:
+    # a second run into the same folder would append to its metrics and mix two runs in one summary
+    from click.testing import CliRunner
+
+    from lgt.trainer.cli import main
+
+    path = write(tmp_path, BASE.replace("model: {path: m}", "model: {path: m, make: {preset: demo}}"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    result = CliRunner().invoke(main, ["run", str(path), "--run-dir", str(run_dir)])
+    assert result.exit_code == 1
+    assert f"{run_dir} already holds a run (it has a config.json): continue it with --resume {run_dir}" in (
+        " ".join(result.output.split()))
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "metrics.jsonl"]
+    assert not (tmp_path / "m").exists()
