@@ -171,8 +171,10 @@ def test_children_start_with_the_sdk_caches_filled(tmp_path: Path) -> None:
         "before = _transform.get_type_hints.cache_info()\n"
         "_transform.get_type_hints(p.CompletionCreateParamsBase, include_extras=True)\n"
         "after = _transform.get_type_hints.cache_info()\n"
+        "import sys\n"
         "print(json.dumps({'cached': after.hits - before.hits, 'size': before.currsize,\n"
-        "                  'processor': 'processor' in vars(platform.uname())}))\n")
+        "                  'processor': 'processor' in vars(platform.uname()),\n"
+        "                  'idna': 'encodings.idna' in sys.modules}))\n")
 
     async def main():
         fs = await ForkServer.start(sys.executable, ["openai", "openai.types.chat.completion_create_params"])
@@ -187,3 +189,4 @@ def test_children_start_with_the_sdk_caches_filled(tmp_path: Path) -> None:
     out = json.loads((tmp_path / "o").read_text())
     assert out["cached"] == 1 and out["size"] > 100  # a cache hit: resolved before the fork
     assert out["processor"]  # the cached uname result already knows the processor
+    assert out["idna"]  # the codec a client's first host name needs is imported
