@@ -441,13 +441,16 @@ def _reexec(python: str, cfg: Any) -> None:
               show_default=True, help="A short SFT on synthetic task data, so RL has something to amplify.")
 @click.option("--seconds", type=click.FloatRange(min=0), default=90.0, show_default=True,
               help="CPU seconds of warm start.")
+@click.option("--steps", type=click.IntRange(min=1),
+              help="Warm-start steps instead of seconds: the same model on any machine.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def make_model_cmd(out: Path, preset: str, warm_start: str, seconds: float, seed: int) -> None:
+def make_model_cmd(out: Path, preset: str, warm_start: str, seconds: float, steps: int | None,
+                   seed: int) -> None:
     """Build a small model + tokenizer locally (HF format; nothing downloaded)."""
     from lgt.trainer import tiny
 
     path = tiny.make_model(out, preset=preset, warm_start_task=None if warm_start == "none" else warm_start,
-                           seconds=seconds, seed=seed)
+                           seconds=seconds, steps=steps, seed=seed)
     click.echo(str(path))
 
 

@@ -53,7 +53,8 @@ class MakeModel:
 
     preset: str = "demo"
     warm_start: str | None = "arith"  # arith | calc | both | null
-    seconds: float = 90.0
+    seconds: float = 90.0  # CPU-seconds of warm start (as many steps as this machine makes in them) ...
+    steps: int | None = None  # ... or this many steps, the same model on every machine (seconds ignored)
     seed: int = 0
 
 

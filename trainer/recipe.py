@@ -133,6 +133,8 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
         if m.make.preset not in tiny.PRESETS:
             raise ConfigError(f"model.make.preset must be one of {', '.join(tiny.PRESETS)}, not "
                               f"{m.make.preset!r}")
+        if m.make.steps is not None and m.make.steps < 1:
+            raise ConfigError(f"model.make.steps must be 1 or more, not {m.make.steps}")
         if m.make.warm_start is not None and m.make.warm_start not in tiny.TASKS:
             raise ConfigError(f"model.make.warm_start must be one of {', '.join(tiny.TASKS)} or null, not "
                               f"{m.make.warm_start!r}")
@@ -311,13 +313,14 @@ class Recipe:
         if m.make is not None:  # reuses the model when it was made with the same settings
             # the held-out tasks are never shown in the warm start either: eval measures the unseen
             exclude = sorted({str(t["question"]) for t in self.eval_tasks if "question" in t})
-            made = tiny.is_made(m.path, preset=m.make.preset, warm_start_task=m.make.warm_start,
-                                seconds=m.make.seconds, seed=m.make.seed, exclude=exclude)
+            budget = dict(seconds=m.make.seconds, steps=m.make.steps, seed=m.make.seed, exclude=exclude)
+            made = tiny.is_made(m.path, preset=m.make.preset, warm_start_task=m.make.warm_start, **budget)
             if not made:
+                size = f"{m.make.steps} steps" if m.make.steps else f"~{m.make.seconds:.0f} s"
                 self.log(f"building the model {m.path} (preset {m.make.preset}, warm start "
-                         f"{m.make.warm_start or 'none'}, ~{m.make.seconds:.0f} s) ...")
+                         f"{m.make.warm_start or 'none'}, {size}) ...")
             tiny.make_model(m.path, preset=m.make.preset, warm_start_task=m.make.warm_start,
-                            seconds=m.make.seconds, seed=m.make.seed, progress=not made, exclude=exclude)
+                            progress=not made, **budget)
             info = models.check_model_dir(m.path, need_chat_template=True)
             info.check_context(self.cfg.engine.max_model_len)
         return m.path

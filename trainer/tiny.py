@@ -701,13 +701,16 @@ class _progress:
 
 # --- one call: make (or reuse) a model directory -----------------------------------------------------------
 
-def _spec(preset: str, warm_start_task: str | None, seconds: float, seed: int,
-          exclude: Sequence[str] = ()) -> dict[str, Any]:
+def _spec(preset: str, warm_start_task: str | None, seconds: float | None, seed: int,
+          exclude: Sequence[str] = (), steps: int | None = None) -> dict[str, Any]:
     excluded = None
     if warm_start_task and exclude:  # which questions, as a digest (the marker stays small)
         excluded = hashlib.sha256("\n".join(sorted(set(exclude))).encode()).hexdigest()[:16]
+    if steps is not None:  # a step budget: the same model on every machine (seconds would vary with it)
+        seconds = None
     return {"version": MARKER_VERSION, "preset": preset, "seed": seed, "warm_start_task": warm_start_task,
-            "warm_start_seconds": seconds if warm_start_task else None, "warm_start_excluded": excluded}
+            "warm_start_seconds": seconds if warm_start_task else None,
+            "warm_start_steps": steps if warm_start_task else None, "warm_start_excluded": excluded}
 
 
 def read_marker(model_dir: str | Path) -> dict[str, Any] | None:
@@ -719,35 +722,43 @@ def read_marker(model_dir: str | Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def is_made(out_dir: str | Path, *, preset: str, warm_start_task: str | None, seconds: float,
-            seed: int, exclude: Sequence[str] = ()) -> bool:
-    """``out_dir`` holds a finished model made by this lgt with these settings."""
-    spec = _spec(preset, warm_start_task, seconds, seed, exclude)
+def is_made(out_dir: str | Path, *, preset: str, warm_start_task: str | None, seconds: float | None = 90.0,
+            seed: int, exclude: Sequence[str] = (), steps: int | None = None) -> bool:
+    """``out_dir`` holds a finished model made by this lgt with these settings. Without ``exclude`` (a run
+    that holds no tasks out) a model whose warm start left some questions out serves as well: it saw
+    less, never more, so it is reused rather than rebuilt."""
+    spec = _spec(preset, warm_start_task, seconds, seed, exclude, steps)
     marker = read_marker(out_dir)
-    return marker is not None and {k: marker.get(k) for k in spec} == spec
+    if marker is None:
+        return False
+    keys = [k for k in spec if not (k == "warm_start_excluded" and spec[k] is None)]
+    return all(marker.get(k) == spec[k] for k in keys)
 
 
 def make_model(out_dir: str | Path, *, preset: str = "demo", warm_start_task: str | None = None,
-               seconds: float = 90.0, seed: int = 0, progress: bool = True,
-               exclude: Sequence[str] = ()) -> Path:
+               seconds: float | None = 90.0, seed: int = 0, progress: bool = True,
+               exclude: Sequence[str] = (), steps: int | None = None) -> Path:
     """Tokenizer + model (+ warm start) in ``out_dir``; returns it. ``exclude``: questions the warm start
-    never shows (held-out tasks).
+    never shows (held-out tasks). The warm start trains ``steps`` steps when given (the same model on any
+    machine), else ``seconds`` CPU-seconds (as many steps as this machine makes in them).
 
     Reuses ``out_dir`` when its ``lgt-model.json`` names the same preset, seed, warm-start task,
-    seconds and excluded questions. Otherwise everything is built in a temporary sibling directory,
-    ``lgt-model.json`` (spec and warm-start metrics) is written last, and the directory is renamed into
-    place -- a crash leaves no half-made model at ``out_dir``. An ``out_dir`` holding anything else than
-    an lgt-made model is refused.
+    budget and excluded questions (see ``is_made``). Otherwise everything is built in a temporary sibling
+    directory, ``lgt-model.json`` (spec and warm-start metrics) is written last, and the directory is
+    renamed into place -- a crash leaves no half-made model at ``out_dir``. An ``out_dir`` holding
+    anything else than an lgt-made model is refused.
     """
     if preset not in PRESETS:
         raise TinyModelError(f"preset {preset!r} is not one of {', '.join(PRESETS)}")
     if warm_start_task is not None and warm_start_task not in TASKS:
         raise TinyModelError(f"warm_start_task {warm_start_task!r} is not one of {', '.join(TASKS)} or None")
     out = Path(out_dir)
+    if steps is not None and steps < 1:
+        raise TinyModelError(f"steps must be 1 or more, not {steps}")
     if is_made(out, preset=preset, warm_start_task=warm_start_task, seconds=seconds, seed=seed,
-               exclude=exclude):
+               exclude=exclude, steps=steps):
         return out
-    spec = _spec(preset, warm_start_task, seconds, seed, exclude)
+    spec = _spec(preset, warm_start_task, seconds, seed, exclude, steps)
     marker = read_marker(out)
     if out.exists() and (not out.is_dir() or (marker is None and any(out.iterdir()))):
         raise TinyModelError(f"{out} already exists and is not a model made by lgt: choose another directory")
@@ -757,8 +768,8 @@ def make_model(out_dir: str | Path, *, preset: str = "demo", warm_start_task: st
         build_model(tmp, preset=preset, seed=seed)
         metrics = None
         if warm_start_task is not None:
-            metrics = warm_start(tmp, task=warm_start_task, seconds=seconds, seed=seed, progress=progress,
-                                 exclude=exclude)
+            metrics = warm_start(tmp, task=warm_start_task, seconds=spec["warm_start_seconds"], steps=steps,
+                                 seed=seed, progress=progress, exclude=exclude)
         record = {**spec, "parameters": count_parameters(tmp), "warm_start": metrics}
         (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")
         if out.exists():

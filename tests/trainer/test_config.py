@@ -146,6 +146,10 @@ def test_validate_checks_everything_before_anything_starts(tmp_path: Path) -> No
                                                     "model: {path: m, make: {preset: huge}}")))
     with pytest.raises(config.ConfigError, match="model.make.preset must be one of .*, not 'huge'"):
         recipe.validate(made)
+    made = config.load(write(tmp_path, BASE.replace("model: {path: m}",
+                                                    "model: {path: m, make: {preset: demo, steps: 0}}")))
+    with pytest.raises(config.ConfigError, match="model.make.steps must be 1 or more, not 0"):
+        recipe.validate(made)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml", "tasks.jsonl"]  # nothing written
 
 

@@ -474,3 +474,22 @@ def test_the_warm_start_never_shows_excluded_questions(tok) -> None:
     spec = {e: _spec("demo", "arith", 180, 0, e)["warm_start_excluded"] for e in ((), tuple(held), ("x",))}
     assert spec[()] is None and len(set(spec.values())) == 3
     assert _spec("demo", "arith", 180, 0, sorted(held, reverse=True)) == _spec("demo", "arith", 180, 0, held)
+
+
+def test_a_warm_start_of_fixed_steps_is_reused_by_runs_that_hold_out_less(tmp_path: Path) -> None:
+    from lgt.trainer.tiny import is_made
+
+    out, held = tmp_path / "model", [t["question"] for t in arith_tasks(200)[:40]]
+    make_model(out, preset="tiny", warm_start_task="arith", steps=3, seconds=0.001, exclude=held,
+               progress=False)
+    marker = read_marker(out)
+    assert marker["warm_start"]["steps"] == 3  # the step budget wins over seconds: same model anywhere
+    assert marker["warm_start_steps"] == 3 and marker["warm_start_seconds"] is None
+    same = dict(preset="tiny", warm_start_task="arith", seed=0)
+    assert is_made(out, **same, steps=3, exclude=held)
+    assert is_made(out, **same, steps=3)  # a run without held-out tasks: it saw less, never more
+    assert not is_made(out, **same, steps=3, exclude=held[:10])  # another held-out set: it saw those
+    assert not is_made(out, **same, steps=4, exclude=held)
+    assert not is_made(out, **same, seconds=90.0, exclude=held)
+    with pytest.raises(TinyModelError, match="steps must be 1 or more, not 0"):
+        make_model(tmp_path / "other", preset="tiny", warm_start_task="arith", steps=0)
