@@ -6,6 +6,8 @@ and through lgt-proxy, in one run, over loopback HTTPS with an instant fake-vLLM
     .venv-proxy/bin/python bench/proxy_overhead.py --stream --chunk-delay-ms 20 --calls 200 \
         --concurrency 4    # a slow stream: time to first chunk vs the whole stream
     .venv-proxy/bin/python bench/proxy_overhead.py --calls 500 --repeat 1 --json > summary.json
+    .venv-proxy/bin/python bench/proxy_overhead.py --api responses   # + the same calls as Responses
+    .venv-proxy/bin/python bench/proxy_overhead.py --api messages --stream   # … as Anthropic Messages
 
 Processes: the fake upstream (``lgt.proxy.fake_upstream`` over TLS, throw-away CA), the proxies,
 and this script as the client load (aiohttp, ``--concurrency`` workers on one keep-alive pool, short
@@ -17,7 +19,10 @@ chat completions). The paths, in rotating order per repeat:
   and the upstream's CA trusted, as HTTPS proxy for the same URL;
 * ``lgt-proxy --upstream https://127.0.0.1:<upstream>/v1``, the client aiming at
   https://api.bench.invalid/v1 with a rollout's credentials: every call is authenticated, routed,
-  rewritten for token capture, and recorded.
+  rewritten for token capture, and recorded;
+* with ``--api responses|messages``, ``lgt-<api>``: the same question as an OpenAI Responses (or
+  Anthropic Messages) call through the same lgt-proxy, which translates it to chat/completions and the
+  answer (or stream) back: its cost per call next to chat/completions' (goal: within 1.2x).
 
 A run: ``--warmup`` calls, ``--calls`` timed calls at full concurrency (proxy/upstream/client CPU
 from /proc over these), ``--solo-calls`` from one client (latency without queueing); numbers are
@@ -53,7 +58,8 @@ import aiohttp
 from yarl import URL
 
 PY = sys.executable
-GOAL_FLOOR_RATIO, GOAL_ADDED_P50_MS = 1.3, 3.0
+GOAL_FLOOR_RATIO, GOAL_ADDED_P50_MS, GOAL_API_RATIO = 1.3, 3.0, 1.2
+QUESTION = "What is 6 times 7? Be brief."
 ROLLOUT = "bench-1"
 NOOP_ADDON = "class Noop:\n    pass\n\n\naddons = [Noop()]\n"
 SSE_ADDON = ("class PassSSE:  # mitmproxy buffers bodies by default; lgt-proxy must stream SSE\n"
@@ -168,12 +174,28 @@ class Target:
     proxy: str | None = None  # http://[user:token@]127.0.0.1:port
     pid: int | None = None  # the proxy's process
     served: int = 0  # calls sent through this path so far, warm-ups included
+    api: str = "chat"  # chat | responses | messages: the request this path sends
+
+
+def request_body(api: str, stream: bool) -> tuple[str, bytes]:
+    """The same short question in ``api``'s request shape, and a marker of a complete answer."""
+    if api == "responses":
+        body = {"model": "bench-model", "max_output_tokens": 16, "stream": stream, "input": QUESTION}
+        done = b"response.completed" if stream else b'"output"'
+    elif api == "messages":
+        body = {"model": "bench-model", "max_tokens": 16, "stream": stream,
+                "messages": [{"role": "user", "content": QUESTION}]}
+        done = b"message_stop" if stream else b'"content"'
+    else:
+        body = {"model": "bench-model", "max_tokens": 16, "stream": stream,
+                "messages": [{"role": "user", "content": QUESTION}]}
+        done = b"data: [DONE]" if stream else b'"choices"'
+    return json.dumps(body), done
 
 
 async def load(t: Target, args: argparse.Namespace, upstream_pid: int) -> dict:
     """One run: warm-up, ``calls`` at full concurrency (timed, CPU counted), ``solo_calls``."""
-    body = json.dumps({"model": "bench-model", "max_tokens": 16, "stream": args.stream,
-                       "messages": [{"role": "user", "content": "What is 6 times 7? Be brief."}]})
+    body, done = request_body(t.api, args.stream)
     proxy = URL(t.proxy) if t.proxy else None
     proxy_headers = {}  # credentials go on the CONNECT, as with HTTPS_PROXY=http://user:token@...
     if proxy and proxy.user:
@@ -202,8 +224,7 @@ async def load(t: Target, args: argparse.Namespace, upstream_pid: int) -> dict:
                             data = await r.content.readany()  # the first chunk of the body
                             first.append(time.perf_counter() - t0)
                             data += await r.read()
-                        ok = r.status == 200 and (b"data: [DONE]" in data if args.stream
-                                                  else b'"choices"' in data)
+                        ok = r.status == 200 and done in data
                     except (TimeoutError, aiohttp.ClientError):
                         ok = False
                     lat.append(time.perf_counter() - t0)
@@ -289,6 +310,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=200, help="untimed calls before each run")
     ap.add_argument("--solo-calls", type=int, default=200, help="single-client calls per run")
     ap.add_argument("--json", action="store_true", help="JSON summary on stdout (table on stderr)")
+    ap.add_argument("--api", choices=["responses", "messages"],
+                    help="also send the calls as this API through lgt-proxy (translated to chat)")
     ap.add_argument("--chunk-delay-ms", type=float, default=0.0,
                     help="upstream pause between stream chunks (shows time to first chunk)")
     args = ap.parse_args()
@@ -333,10 +356,15 @@ def main() -> int:
             Target("lgt-proxy", "https://api.bench.invalid/v1/chat/completions",
                    env["SSL_CERT_FILE"], env["HTTPS_PROXY"], lgt_pid),
         ]
+        if args.api:
+            host = "api.anthropic.invalid" if args.api == "messages" else "api.bench.invalid"
+            targets.append(Target(f"lgt-{args.api}", f"https://{host}/v1/{args.api}", env["SSL_CERT_FILE"],
+                                  env["HTTPS_PROXY"], lgt_pid, api=args.api))
         rss0 = {t.name: rss_mb(t.pid) for t in targets if t.pid}
         runs: dict[str, list[dict]] = {t.name: [] for t in targets}
         for i in range(args.repeat):
-            for t in targets[i % 3:] + targets[:i % 3]:  # rotate: no path always goes first
+            k = i % len(targets)
+            for t in targets[k:] + targets[:k]:  # rotate: no path always goes first
                 r = asyncio.run(load(t, args, up_pid))
                 runs[t.name].append(r)
                 print(f"  run {i + 1}/{args.repeat} {t.name:<10}{r['calls_s']:6.0f} calls/s  "
@@ -346,7 +374,7 @@ def main() -> int:
         rss = {t.name: (rss0[t.name], rss_mb(t.pid)) for t in targets if t.pid}
         res = {name: median_of(rs) for name, rs in runs.items()}
         rows, ok_rows = count_rows(store, ctl_port)
-        served = targets[2].served
+        served = sum(t.served for t in targets if t.name.startswith("lgt"))
 
         print("", *render(res, rss, args), "", sep="\n", file=out)
         lgt, floor, direct = res["lgt-proxy"], res["mitmdump"], res["direct"]
@@ -360,6 +388,14 @@ def main() -> int:
                                   floor["solo_p50_ms"] - direct["solo_p50_ms"], GOAL_ADDED_P50_MS,
                                   "the same, 1 client (no queueing): {:+.2f} ms"),
         }
+        if args.api:
+            api = res[f"lgt-{args.api}"]
+            goals["api_cpu_ratio"] = (api["proxy_cpu_ms"] / lgt["proxy_cpu_ms"], 1.0, GOAL_API_RATIO,
+                                      f"lgt's CPU per {args.api} call within {GOAL_API_RATIO}x of a "
+                                      "chat/completions call's: {:.2f}x")
+            goals["api_throughput_ratio"] = (lgt["calls_s"] / api["calls_s"], 1.0, GOAL_API_RATIO,
+                                             f"{args.api} calls/s within {GOAL_API_RATIO}x of "
+                                             "chat/completions': {:.2f}x")
         for v, fv, lim, text in goals.values():
             print(f"goal  {text.format(v)}  {'PASS' if v <= lim else 'MISS'}  "
                   f"(mitmdump: {text.rpartition(': ')[2].format(fv)})", file=out)

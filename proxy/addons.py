@@ -37,7 +37,7 @@ from lgt.store.schema import (
 )
 from lgt.store.writer import TableWriter
 
-from . import wire
+from . import dialects, wire
 from .auth import AuthError, Identity, parse_basic, verify
 from .gate import Gate, Metrics, Rejected
 from .resend import Resender
@@ -76,6 +76,16 @@ class Runtime:
     recent_rewards: dict[tuple[str, int], float] = field(default_factory=dict)
     # who opened each authenticated CONNECT tunnel (client connection -> identity)
     tunnels: weakref.WeakKeyDictionary[Any, Identity] = field(default_factory=weakref.WeakKeyDictionary)
+    # each rollout's recent Responses conversations, for previous_response_id (see Conversations)
+    conversations: Conversations = field(default_factory=lambda: Conversations())
+    # model names agents asked for (the latest 100), listed by GET …/v1/models with the served model
+    model_names: dict[str, None] = field(default_factory=dict)
+
+    def saw_model(self, name: Any) -> None:
+        if isinstance(name, str) and name and name not in self.model_names:
+            self.model_names[name] = None
+            while len(self.model_names) > 100:
+                self.model_names.pop(next(iter(self.model_names)))
 
     def add_reward(self, identity: Identity, body: Any, source: str) -> dict[str, Any]:
         """Validate and durably record one reward; ValueError (one sentence) for bad input."""
@@ -96,6 +106,27 @@ class Runtime:
         n = self.seqs.get(key, -1) + 1
         self.seqs[key] = n
         return n
+
+
+class Conversations:
+    """The chat messages behind each recent Responses answer, for a later ``previous_response_id``:
+    keyed by (rollout, attempt, response id), so one rollout cannot continue another's; bounded (the
+    oldest are forgotten first; a forgotten id is answered with a clear 400)."""
+
+    def __init__(self, limit: int = 20_000) -> None:
+        self.limit = limit
+        self._items: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+
+    def put(self, identity: Identity, response_id: str, messages: list[dict[str, Any]]) -> None:
+        self._items[(identity.rollout_id, identity.attempt, response_id)] = messages
+        while len(self._items) > self.limit:
+            self._items.pop(next(iter(self._items)))
+
+    def get(self, identity: Identity, response_id: str) -> list[dict[str, Any]] | None:
+        return self._items.get((identity.rollout_id, identity.attempt, response_id))
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 RECENT_REWARDS = 200_000  # rewards GET /rewards answers from memory (older ones: query the store)
@@ -119,6 +150,15 @@ def reward_row(identity: Identity, body: Any, source: str) -> dict[str, Any]:
 
 def _json_response(status: int, message: str, kind: str, headers: dict[str, str] | None = None):
     body = wire.dumps({"error": {"message": message, "type": kind, "code": status}})
+    return http.Response.make(status, body, {"content-type": "application/json", **(headers or {})})
+
+
+def _error_response(api: str | None, status: int, message: str, kind: str,
+                    headers: dict[str, str] | None = None):
+    """The proxy's own error answer, in the shape of the API the agent called."""
+    if api != dialects.MESSAGES:
+        return _json_response(status, message, kind, headers)
+    body = wire.dumps(dialects.error_body(api, status, message))
     return http.Response.make(status, body, {"content-type": "application/json", **(headers or {})})
 
 
@@ -235,16 +275,20 @@ class StreamRewriter:
         data = wire.event_data(event)
         if data is None:
             return event
+        tr = self.call.translator
         if data.strip() == b"[DONE]":
             self.saw_done = True
             if not self.addon.finish_stream(self.flow, self.call):
                 return b""  # not recorded: the agent must not see a complete stream
-            return event
+            return event if tr is None else tr.finish(self.call.capture)
         try:
             obj = wire.loads(data)
         except ValueError:
             self.broken += 1
-            return event
+            return event if tr is None else b""
+        if isinstance(obj, dict) and tr is not None:  # the agent's API, event by event
+            self.call.capture.add_chunk(obj)
+            return tr.chunk(obj)
         if isinstance(obj, dict):
             self.call.capture.add_chunk(obj)
             inj = self.call.injected
@@ -255,7 +299,7 @@ class StreamRewriter:
                 return wire.rebuild_event(event, wire.dumps(obj))
         else:
             self.broken += 1
-        return event
+        return event if tr is None else b""
 
     def __call__(self, data: bytes) -> list[bytes]:
         # one write to the agent per upstream read (not per event): fewer TLS records and syscalls
@@ -305,6 +349,9 @@ class Call:
     first_chunk_us: int | None = None
     stream: StreamRewriter | None = None
     recorded: bool = False
+    api: str | None = None  # the API the agent called (null: the engine's own endpoint)
+    translator: dialects.Translator | None = None  # Responses / Messages: answers in the agent's API
+    history: list[dict[str, Any]] | None = None  # Responses: the chat messages behind this answer
 
 
 def _error_text(content: bytes | None, limit: int = 2000) -> str:
@@ -358,16 +405,26 @@ class Record:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or IDENT not in flow.metadata:
             return
+        api = None
         if wire.endpoint_of(flow.request.method, flow.request.path) is None:
-            return
+            api = self._api(flow)
+            if api is None:
+                return
         size = flow.request.headers.get("content-length", "")
         if size.isdigit() and int(size) > self.rt.max_body_bytes:
             self._bad(flow, 413, f"request body of {int(size)} bytes exceeds the proxy's limit "
-                                 f"of {self.rt.max_body_bytes} bytes")
+                                 f"of {self.rt.max_body_bytes} bytes", api)
 
-    def _bad(self, flow: http.HTTPFlow, status: int, message: str) -> None:
+    def _api(self, flow: http.HTTPFlow) -> str | None:
+        """Responses / Messages: translated to the upstream's chat/completions (observe-only, with no
+        upstream, they pass through to the host the agent aimed at, unrecorded)."""
+        if self.upstream is None:
+            return None
+        return dialects.api_of(flow.request.method, flow.request.path)
+
+    def _bad(self, flow: http.HTTPFlow, status: int, message: str, api: str | None = None) -> None:
         self.rt.metrics.bad_requests += 1
-        flow.response = _json_response(status, f"lgt-proxy: {message}", "invalid_request_error")
+        flow.response = _error_response(api, status, f"lgt-proxy: {message}", "invalid_request_error")
 
     def _route(self, flow: http.HTTPFlow, path: str) -> None:
         assert self.upstream is not None
@@ -389,7 +446,17 @@ class Record:
         if flow.response is not None or identity is None:
             return
         rt = self.rt
+        model_id = dialects.models_path(flow.request.method, flow.request.path) if self.upstream else None
+        if model_id is not None:  # SDKs that list models first: the policy, under the names asked for
+            anthropic = "anthropic-version" in flow.request.headers
+            names = list(dict.fromkeys([*([rt.served_model] if rt.served_model else []), *rt.model_names]))
+            body = wire.dumps(dialects.models_answer(anthropic, model_id, names))
+            flow.response = http.Response.make(200, body, {"content-type": "application/json"})
+            return
         endpoint = wire.endpoint_of(flow.request.method, flow.request.path)
+        api = self._api(flow) if endpoint is None else None
+        if api is not None:
+            endpoint = wire.CHAT  # what the engine is asked
         if endpoint is None:
             if flow.metadata.get(REVERSE):  # base_url= agents: everything else goes upstream too
                 if self.upstream is None:
@@ -399,19 +466,23 @@ class Record:
         body = flow.request.raw_content or b""
         if len(body) > rt.max_body_bytes:
             return self._bad(flow, 413, f"request body of {len(body)} bytes exceeds the proxy's "
-                                        f"limit of {rt.max_body_bytes} bytes")
+                                        f"limit of {rt.max_body_bytes} bytes", api)
+        agent_req: dict[str, Any] | None = None
         try:
-            req = wire.parse_request(endpoint, flow.request.get_content(strict=False))
+            if api is None:
+                req = wire.parse_request(endpoint, flow.request.get_content(strict=False))
+            else:
+                agent_req, req = self._translate(identity, api, flow.request.get_content(strict=False))
         except (wire.BadRequest, ValueError) as e:
             if self.upstream is not None or flow.metadata.get(REVERSE):
-                return self._bad(flow, 400, str(e))
+                return self._bad(flow, 400, str(e), api)
             return  # observe-only: not an LLM call we understand; ordinary traffic
         try:
             version = await rt.gate.enter()
         except Rejected:
             rt.metrics.rejected += 1
-            flow.response = _json_response(
-                429, "lgt-proxy: the policy is being updated; retry shortly", "rate_limit_error",
+            flow.response = _error_response(
+                api, 429, "lgt-proxy: the policy is being updated; retry shortly", "rate_limit_error",
                 {"Retry-After": str(rt.retry_after_s)},
             )
             return
@@ -429,19 +500,48 @@ class Record:
             policy_version=version,
             started_us=_now_us(),
             original_host=original_host,
-            requested_model=req.get("model"),
+            requested_model=(agent_req or req).get("model"),
             request_json=body.decode("utf-8", "replace"),
             injected=injected,
             capture=wire.Capture(endpoint),
             request=req,
+            api=api,
         )
+        if agent_req is not None:
+            call.translator = dialects.Translator(api, agent_req, model=agent_req.get("model"))
+            if api == dialects.RESPONSES:
+                skip = 1 if agent_req.get("instructions") is not None else 0  # not carried over
+                call.history = req["messages"][skip:]
         flow.metadata[CALL] = call
+        rt.saw_model(call.requested_model)
         if self.upstream is not None:
             self._route(flow, f"{self.upstream.path.rstrip('/')}/{endpoint}")
             call.upstream = rt.upstream
             call.served_model = prepared.get("model")
-        if prepared != req:
+        if prepared != req or agent_req is not None:
             flow.request.content = wire.dumps(prepared)
+
+    def _translate(self, identity: Identity, api: str, content: bytes | None
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the agent's request, the chat/completions request it becomes); BadRequest says why not."""
+        try:
+            agent_req = wire.loads(content or b"")
+        except (ValueError, UnicodeDecodeError):
+            raise wire.BadRequest(f"the body of this /{api} request is not valid JSON") from None
+        if not isinstance(agent_req, dict):
+            raise wire.BadRequest(f"the body of this /{api} request is not a JSON object")
+        if "model" in agent_req and not isinstance(agent_req["model"], str):
+            raise wire.BadRequest("'model' must be a string")
+        history = None
+        prev = agent_req.get("previous_response_id") if api == dialects.RESPONSES else None
+        if prev is not None:
+            history = self.rt.conversations.get(identity, prev) if isinstance(prev, str) else None
+            if history is None:
+                raise wire.BadRequest(
+                    f"previous_response_id {prev!r} is not one of this rollout's recent responses (the proxy "
+                    f"keeps the last {self.rt.conversations.limit} of all rollouts): send the whole "
+                    "conversation in 'input' instead")
+        return agent_req, dialects.to_chat(api, agent_req, history)
 
     # -- response side -----------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -467,8 +567,11 @@ class Record:
                 return
         resp = flow.response
         if not 200 <= resp.status_code < 300:
-            self._record(call, STATUS_HTTP_ERROR, resp.status_code, _error_text(resp.raw_content),
-                         response_json=None)
+            error = _error_text(resp.raw_content)
+            self._record(call, STATUS_HTTP_ERROR, resp.status_code, error, response_json=None)
+            if call.api == dialects.MESSAGES:  # the agent's SDK reads errors in its API's shape
+                resp.headers["content-type"] = "application/json"
+                resp.content = wire.dumps(dialects.error_body(call.api, resp.status_code, error))
             return
         try:
             obj = wire.loads(resp.get_content(strict=False) or b"")
@@ -476,7 +579,10 @@ class Record:
             self._record(call, STATUS_UPSTREAM_ERROR, resp.status_code,
                          "the upstream's 2xx answer is not JSON", response_json=None)
             return
-        if isinstance(obj, dict):
+        if isinstance(obj, dict) and call.translator is not None:
+            call.capture.add_body(obj)
+            resp.content = wire.dumps(call.translator.body(obj, call.capture))
+        elif isinstance(obj, dict):
             call.capture.add_body(obj)
             if call.injected != wire.Injected():
                 wire.strip_response(call.endpoint, obj, call.injected)
@@ -541,9 +647,15 @@ class Record:
             status, error = STATUS_STREAM_ERROR, "the upstream stream ended without [DONE]"
         elif stream.broken:
             status, error = STATUS_STREAM_ERROR, f"{stream.broken} stream event(s) were not valid JSON"
-        assembled = call.capture.assembled(call.injected)
         return self._record(call, status, flow.response.status_code if flow.response else None,
-                            error, response_json=wire.dumps(assembled).decode())
+                            error, response_json=wire.dumps(self._assembled(call)).decode())
+
+    @staticmethod
+    def _assembled(call: Call) -> dict[str, Any]:
+        """What the agent received, as one response body of its API."""
+        if call.translator is not None:
+            return call.translator.final(call.capture)
+        return call.capture.assembled(call.injected)
 
     def error(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(CALL)
@@ -561,7 +673,7 @@ class Record:
             status = STATUS_UPSTREAM_ERROR
         response_json = None
         if call.capture.choices:
-            response_json = wire.dumps(call.capture.assembled(call.injected)).decode()
+            response_json = wire.dumps(self._assembled(call)).decode()
         self._record(call, status, flow.response.status_code if flow.response else None,
                      None if status == STATUS_OK else msg, response_json=response_json)
 
@@ -602,6 +714,7 @@ class Record:
             "latency_ms": (ended - call.started_us) / 1000,
             "ttfb_ms": (first_byte - call.started_us) / 1000 if first_byte else None,
             "endpoint": call.endpoint,
+            "api": call.api or call.endpoint,
             "original_host": call.original_host,
             "requested_model": call.requested_model,
             "served_model": call.served_model,
@@ -636,6 +749,9 @@ class Record:
             rt.metrics.record_failures += 1
             log.exception("could not record call %s of rollout %s", call.call_id, call.identity.name)
             return False
+        if call.history is not None and call.translator is not None and status == STATUS_OK:
+            rt.conversations.put(call.identity, call.translator.response_id,
+                                 call.history + call.translator.history())
         return True
 
 

@@ -65,10 +65,17 @@ def _add_sampling_and_split(root: Path) -> None:
     pass
 
 
+def _add_api(root: Path) -> None:
+    # Schema 5 adds calls.api (the API the agent called), nullable: older files read it as null (every
+    # call before it was a chat/completions or completions call, as calls.endpoint says). Nothing to move.
+    pass
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "add the rollouts and rewards tables", _add_rollouts_and_rewards),
     Migration(3, "add calls.capture, calls.capture_reason and the egress table", _add_capture_and_egress),
     Migration(4, "add calls.sampling and rollouts.split", _add_sampling_and_split),
+    Migration(5, "add calls.api", _add_api),
 )
 assert [m.version for m in MIGRATIONS] == list(range(2, SCHEMA_VERSION + 1)), "one migration a version"
 

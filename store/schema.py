@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4  # 1: calls; 2: + rollouts, rewards; 3: + calls.capture(_reason), egress;
-# 4: + calls.sampling, rollouts.split
+SCHEMA_VERSION = 5  # 1: calls; 2: + rollouts, rewards; 3: + calls.capture(_reason), egress;
+# 4: + calls.sampling, rollouts.split; 5: + calls.api
 SCHEMA_VERSION_KEY = b"lgt.schema_version"
 TABLE_KEY = b"lgt.table"
 
@@ -52,7 +52,10 @@ CALLS = pa.schema(
         ("ended_at", _TS),
         ("latency_ms", pa.float64()),
         ("ttfb_ms", pa.float64()),
-        ("endpoint", pa.string(), False),  # "chat/completions" | "completions"
+        ("endpoint", pa.string(), False),  # what the engine was asked: "chat/completions" | "completions"
+        # what the agent called: "chat/completions" | "completions" | "responses" (OpenAI Responses) |
+        # "messages" (Anthropic Messages; both translated to chat/completions); null: before schema 5
+        ("api", pa.string()),
         ("original_host", pa.string()),  # the host the agent aimed at
         ("requested_model", pa.string()),
         ("served_model", pa.string()),

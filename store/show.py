@@ -188,6 +188,10 @@ def render(traj: Trajectory, tokenizer: Any | None = None, *,
         lines.append("")
         lines += _call_header(c)
         req, resp = _json(c.get("request_json")), _json(c.get("response_json"))
+        if c.get("api") in ("responses", "messages"):  # shown as the chat call it was translated into
+            from lgt.proxy.dialects import as_chat
+
+            req, resp = as_chat(c["api"], req, resp)
         msgs = req.get("messages") if isinstance(req, dict) else None
         prompt = c.get("prompt_token_ids") or []
         gen = c.get("response_token_ids") or []

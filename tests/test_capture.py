@@ -170,7 +170,7 @@ def test_every_host_an_agent_reaches_is_on_the_record(
                   "--allow-host", "localhost").start()
     try:
         with client(p, rollout) as c:
-            ok = c.get(f"http://localhost:{internet.port}/v1/models?api_key=sk-SECRET-9&page=2")
+            ok = c.get(f"http://localhost:{internet.port}/health?api_key=sk-SECRET-9&page=2")
             blocked = c.post(f"http://127.0.0.2:{internet.port}/telemetry", content=b"x" * 10)
             llm = c.post(f"{HOSTED}/chat/completions", json=chat("hi"))
         assert (ok.status_code, blocked.status_code, llm.status_code) == (200, 403, 200)
@@ -183,7 +183,7 @@ def test_every_host_an_agent_reaches_is_on_the_record(
             ("tls_failed", None, "pinned.invalid", False, None)]
         first, second, third = rows
         assert third["port"] == 443 and "does not trust" in third["error"]
-        assert first["path"] == "/v1/models?api_key=***&page=2"  # redacted like calls
+        assert first["path"] == "/health?api_key=***&page=2"  # redacted like calls
         assert first["port"] == internet.port and first["response_bytes"] == len(ok.content)
         assert second["request_bytes"] == 10 and second["policy"] == "allowlist"
         assert {r["rollout_id"] for r in rows} == {rollout}

@@ -199,3 +199,40 @@ def test_a_call_vllm_refuses_for_the_injected_logprobs_still_reaches_the_agent(
             assert row["prompt_token_ids"] and row["response_token_ids"] and row["response_logprobs"] is None
     finally:
         p.stop()
+
+
+# -- the Responses and Messages APIs, translated, next to vLLM's own endpoints for them ----------------
+
+def test_responses_and_messages_sdks_get_what_vllm_serves(real_proxy: ProxyProc, vllm_url: str,
+                                                           rollout: str, clean_env) -> None:
+    """The official SDKs, greedy: through the proxy (translated to chat/completions) the text equals
+    what the same SDK gets from vLLM's own /v1/responses and /v1/messages, and the recorded tokens are
+    those vLLM's chat/completions gives for the same conversation."""
+    anthropic = pytest.importorskip("anthropic")
+    openai = pytest.importorskip("openai")
+    question = "What is 2+3?"
+    ask_r = {"input": question, "max_output_tokens": 12, "temperature": 0}
+    ask_m = {"max_tokens": 12, "extra_body": {"temperature": 0},  # this SDK has no temperature argument
+             "messages": [{"role": "user", "content": question}]}
+    oai, ant = dict(api_key="sk-x", max_retries=0), dict(api_key="sk-ant-x", max_retries=0)
+    want_r = openai.OpenAI(base_url=vllm_url, **oai).responses.create(model="policy", **ask_r)
+    want_m = anthropic.Anthropic(base_url=vllm_url.removesuffix("/v1"), **ant).messages.create(
+        model="policy", **ask_m)
+    ref = httpx.post(f"{vllm_url}/chat/completions", trust_env=False, timeout=60, json={
+        "model": "policy", "messages": ask_m["messages"], "max_tokens": 12, "temperature": 0,
+        "return_token_ids": True, "logprobs": True}).json()
+    for k, v in real_proxy.env(rollout).items():  # the agent's environment, as the trainer sets it
+        clean_env.setenv(k, v)
+    got_r = openai.OpenAI(base_url="https://api.openai.invalid/v1", **oai).responses.create(
+        model="gpt-5-mini", **ask_r)
+    got_m = anthropic.Anthropic(base_url="https://api.anthropic.invalid", **ant).messages.create(
+        model="claude-x", **ask_m)
+    assert got_r.output_text == want_r.output_text and got_r.model == "gpt-5-mini"
+    assert got_m.content[0].text == want_m.content[0].text and got_m.model == "claude-x"
+    assert got_m.usage.input_tokens == want_m.usage.input_tokens
+    rows = real_proxy.calls("rollout_id = ?", [rollout])
+    assert [r["api"] for r in rows] == ["responses", "messages"]
+    for row in rows:
+        assert row["prompt_token_ids"] == ref["prompt_token_ids"]
+        assert row["response_token_ids"] == ref["choices"][0]["token_ids"]
+        assert row["capture"] == "full"

@@ -288,7 +288,8 @@ def write_v1_store(root: Path) -> None:
     """A store as the proxy wrote it at schema version 1: calls only, no migration record."""
     (root / "calls").mkdir(parents=True)
     rows = tool_rollout("old", "1+2", "3")
-    v1 = pa.schema([f for f in schema.CALLS if f.name not in ("capture", "capture_reason", "sampling")],
+    later = ("capture", "capture_reason", "sampling", "api")  # columns added after version 1
+    v1 = pa.schema([f for f in schema.CALLS if f.name not in later],
                    metadata={schema.SCHEMA_VERSION_KEY: b"1", schema.TABLE_KEY: b"calls"})
     table = pa.Table.from_pylist(rows, schema=v1)
     pq.write_table(table, root / "calls" / "part-1.parquet")
@@ -297,26 +298,27 @@ def write_v1_store(root: Path) -> None:
 def test_a_version_1_store_is_brought_to_the_current_version(tmp_path: Path) -> None:
     write_v1_store(tmp_path)
     assert store_version(tmp_path) == 1
-    assert migrate(tmp_path) == 4 == schema.SCHEMA_VERSION
+    assert migrate(tmp_path) == 5 == schema.SCHEMA_VERSION
     record = orjson.loads((tmp_path / META_DIR / RECORD).read_bytes())
-    assert record["schema_version"] == 4
+    assert record["schema_version"] == 5
     assert [(a["version"], a["name"]) for a in record["applied"]] == [
         (2, "add the rollouts and rewards tables"),
         (3, "add calls.capture, calls.capture_reason and the egress table"),
-        (4, "add calls.sampling and rollouts.split")]
+        (4, "add calls.sampling and rollouts.split"),
+        (5, "add calls.api")]
     assert all((tmp_path / t).is_dir() for t in ("rollouts", "rewards", "egress"))
-    assert migrate(tmp_path) == 4  # nothing left to do; the record is kept as it was
+    assert migrate(tmp_path) == 5  # nothing left to do; the record is kept as it was
     assert orjson.loads((tmp_path / META_DIR / RECORD).read_bytes()) == record
     add_reward(tmp_path, "old", 1)  # and the old rows are readable next to new tables
     con = connect(tmp_path)
     assert con.execute("SELECT count(*) FROM calls JOIN rewards USING (rollout_id)").fetchone() == (2,)
     assert con.execute("SELECT count(*) FROM egress").fetchone() == (0,)
     # a version-3 calls file next to the old one: the old rows read capture as null
-    new_rows = [{**r, "call_id": r["call_id"] + "-new", "rollout_id": "new", "capture": "full"}
-                for r in tool_rollout("new", "1+2", "3")]
+    new_rows = [{**r, "call_id": r["call_id"] + "-new", "rollout_id": "new", "capture": "full",
+                 "api": "messages"} for r in tool_rollout("new", "1+2", "3")]
     pq.write_table(pa.Table.from_pylist(new_rows, schema=schema.CALLS), tmp_path / "calls" / "part-2.parquet")
-    assert connect(tmp_path).execute("SELECT rollout_id, capture FROM calls GROUP BY ALL ORDER BY 1"
-                                     ).fetchall() == [("new", "full"), ("old", None)]
+    assert connect(tmp_path).execute("SELECT rollout_id, capture, api FROM calls GROUP BY ALL ORDER BY 1"
+                                     ).fetchall() == [("new", "full", "messages"), ("old", None, None)]
 
 
 def test_a_recorded_version_1_is_migrated_on_connect(tmp_path: Path) -> None:

@@ -1,0 +1,413 @@
+"""OpenAI Responses and Anthropic Messages through the proxy, with the official SDKs as the agents.
+
+The proxy asks the engine through chat/completions and answers in the API the agent called. Each test
+checks the agent's side with the SDK's own types and streaming helpers (a stream must add up to the
+same answer as the whole body), and the store's side: the call recorded with ``api`` = the API the agent
+called, ``endpoint`` = chat/completions, and the token ids and logprobs the engine produced for the
+equivalent chat request (read from the fake upstream directly).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_clients import CHAT, SERVED, post_direct, ref_tokens  # tests/ is on sys.path
+
+from lgt.proxy import dialects
+from lgt.proxy.fake_upstream import FakeUpstream
+from lgt.proxy.wire import BadRequest, Capture
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+MODEL = "gpt-5-mini"
+CLAUDE = "claude-sonnet-4-5"
+OPENAI_BASE = "https://api.openai.invalid/v1"
+ANTHROPIC_BASE = "https://api.anthropic.invalid"
+FN_TOOL = {"type": "function", "name": "calculator", "description": "Evaluate an expression.",
+           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                          "required": ["expression"]}}
+ANTHROPIC_TOOL = {"name": "calculator", "description": "Evaluate an expression.",
+                  "input_schema": FN_TOOL["parameters"]}
+
+
+def chat_ref(up: FakeUpstream, chat: dict[str, Any]) -> dict[str, Any]:
+    """The engine's whole answer to the chat request the proxy sends for the agent's call."""
+    body = {k: v for k, v in chat.items() if k not in ("stream", "stream_options")}
+    body.update(model=SERVED, return_token_ids=True, logprobs=True)
+    return post_direct(f"{up.url}/{CHAT}", body)
+
+
+def recorded(proxy, rollout: str) -> list[dict[str, Any]]:
+    rows = proxy.calls("rollout_id = ?", [rollout])
+    assert all(r["status"] == "ok" for r in rows), [(r["status"], r["error"]) for r in rows]
+    return rows
+
+
+def check_tokens(row: dict[str, Any], ref: dict[str, Any], api: str) -> None:
+    assert (row["api"], row["endpoint"]) == (api, CHAT)
+    prompt, ids, logprobs = ref_tokens(CHAT, ref)
+    assert row["prompt_token_ids"] == prompt and row["response_token_ids"] == ids
+    assert row["response_logprobs"] == pytest.approx(logprobs, abs=1e-6)
+    assert row["capture"] == "full"
+
+
+def openai_client():
+    return openai.OpenAI(base_url=OPENAI_BASE, api_key="sk-test", max_retries=0, timeout=20)
+
+
+def anthropic_client():
+    return anthropic.Anthropic(base_url=ANTHROPIC_BASE, api_key="sk-ant-test", max_retries=0, timeout=20)
+
+
+# --- the translations alone ------------------------------------------------------------------------
+
+def test_responses_input_becomes_chat_messages() -> None:
+    req = {"model": MODEL, "instructions": "Be brief.", "max_output_tokens": 40, "temperature": 0.5,
+           "tools": [FN_TOOL], "tool_choice": {"type": "function", "name": "calculator"},
+           "input": [
+               {"role": "user", "content": [{"type": "input_text", "text": "What is 2+3?"}]},
+               {"type": "reasoning", "id": "rs_1", "summary": []},
+               {"type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": "Let me"}]},
+               {"type": "function_call", "call_id": "c1", "name": "calculator", "arguments": '{"e": 1}'},
+               {"type": "function_call_output", "call_id": "c1", "output": "5"},
+               {"role": "developer", "content": "Answer in words."}]}
+    chat = dialects.to_chat(dialects.RESPONSES, req)
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "Let me", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"e": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        {"role": "system", "content": "Answer in words."}]
+    assert chat["max_tokens"] == 40 and chat["temperature"] == 0.5 and chat["model"] == MODEL
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "calculator", "parameters": FN_TOOL["parameters"], "description": "Evaluate an expression."}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "calculator"}}
+    stream = dialects.to_chat(dialects.RESPONSES, {"input": "hi", "stream": True})
+    assert stream["stream_options"] == {"include_usage": True}
+
+
+def test_messages_become_chat_messages() -> None:
+    req = {"model": CLAUDE, "max_tokens": 64, "system": [{"type": "text", "text": "You add."}],
+           "stop_sequences": ["END"], "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "any"},
+           "messages": [
+               {"role": "user", "content": "What is 2+3?"},
+               {"role": "assistant", "content": [
+                   {"type": "thinking", "thinking": "hmm", "signature": "x"},
+                   {"type": "text", "text": "Using the tool."},
+                   {"type": "tool_use", "id": "toolu_1", "name": "calculator",
+                    "input": {"expression": "2+3"}}]},
+               {"role": "user", "content": [
+                   {"type": "tool_result", "tool_use_id": "toolu_1",
+                    "content": [{"type": "text", "text": "5"}]},
+                   {"type": "text", "text": "Thanks."}]}]}
+    chat = dialects.to_chat(dialects.MESSAGES, req)
+    assert chat["messages"] == [
+        {"role": "system", "content": "You add."},
+        {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "Using the tool.", "tool_calls": [
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "5"},
+        {"role": "user", "content": "Thanks."}]
+    assert (chat["max_tokens"], chat["stop"], chat["tool_choice"]) == (64, ["END"], "required")
+    assert chat["tools"][0]["function"]["parameters"] == ANTHROPIC_TOOL["input_schema"]
+
+
+@pytest.mark.parametrize(("api", "req", "message"), [
+    ("responses", {"input": [{"type": "item_reference", "id": "msg_1"}]},
+     "input[0] has type 'item_reference'"),
+    ("responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0] is a 'web_search' tool"),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input[0].content[0] is a 'input_file' part"),
+    ("responses", {"instructions": "only this"}, "has no input"),
+    ("messages", {"max_tokens": 5, "messages": "hi"}, "has no 'messages' list"),
+    ("messages", {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+     "messages[0] must be an object with role 'user' or 'assistant'"),
+    ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
+     "messages[0].content[0] is a 'document' block"),
+    ("messages", {"max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+                  "messages": [{"role": "user", "content": "x"}]}, "is a server tool of Anthropic's"),
+])
+def test_what_cannot_be_translated_is_named(api: str, req: dict[str, Any], message: str) -> None:
+    with pytest.raises(BadRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
+        dialects.to_chat(api, req)
+
+
+# chat answers: text, tool calls (0-2), reasoning, finish reasons; split into stream chunks anyhow
+_text = st.text(st.characters(min_codepoint=32, max_codepoint=0x2FF), max_size=40)
+_call = st.tuples(st.from_regex(r"[a-z_]{1,12}", fullmatch=True),
+                  st.dictionaries(st.from_regex(r"[a-z]{1,5}", fullmatch=True), st.integers(), max_size=3))
+
+
+@st.composite
+def chat_answers(draw) -> dict[str, Any]:
+    calls = draw(st.lists(_call, max_size=2))
+    finish = "tool_calls" if calls else draw(st.sampled_from(["stop", "length"]))
+    msg: dict[str, Any] = {"role": "assistant", "content": draw(_text) or None,
+                           "reasoning": draw(st.one_of(st.none(), _text.filter(bool)))}
+    if calls:
+        msg["tool_calls"] = [{"id": f"chatcmpl-tool-{i}", "type": "function",
+                              "function": {"name": n, "arguments": json.dumps(a)}}
+                             for i, (n, a) in enumerate(calls)]
+    return {"id": "chatcmpl-1", "object": "chat.completion", "model": SERVED,
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 9, "total_tokens": 16}}
+
+
+def _pieces(draw, s: str) -> list[str]:
+    cuts = sorted(draw(st.sets(st.integers(1, max(len(s) - 1, 1)), max_size=4))) if len(s) > 1 else []
+    return [s[a:b] for a, b in zip([0, *cuts], [*cuts, len(s)]) if s[a:b]]
+
+
+@st.composite
+def streamed(draw) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    ans = draw(chat_answers())
+    msg, chunks = ans["choices"][0]["message"], [{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}]
+    for piece in _pieces(draw, msg["reasoning"] or ""):
+        chunks.append({"choices": [{"index": 0, "delta": {"reasoning": piece}}]})
+    for piece in _pieces(draw, msg["content"] or ""):
+        chunks.append({"choices": [{"index": 0, "delta": {"content": piece}}]})
+    for i, tc in enumerate(msg.get("tool_calls") or ()):
+        chunks.append({"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": i, "id": tc["id"], "type": "function",
+             "function": {"name": tc["function"]["name"]}}]}}]})
+        for piece in _pieces(draw, tc["function"]["arguments"]):
+            chunks.append({"choices": [{"index": 0, "delta": {"tool_calls": [
+                {"index": i, "function": {"arguments": piece}}]}}]})
+    finish = ans["choices"][0]["finish_reason"]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    chunks.append({"choices": [], "usage": ans["usage"]})
+    return ans, chunks
+
+
+def sse_events(data: bytes) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for block in data.decode().split("\n\n"):
+        if not block.strip():
+            continue
+        kind, payload = block.split("\n", 1)
+        assert kind.startswith("event: ") and payload.startswith("data: "), block
+        obj = json.loads(payload[6:])
+        assert obj["type"] == kind[7:]
+        out.append((kind[7:], obj))
+    return out
+
+
+def event_types(union: Any) -> dict[str, type]:
+    """The SDK's event classes by their ``type`` literal (a stream event union's members)."""
+    import typing
+
+    out = {}
+    for cls in typing.get_args(typing.get_args(union)[0] if typing.get_origin(union) is typing.Annotated
+                               else union):
+        (literal,) = typing.get_args(cls.model_fields["type"].annotation)
+        out[literal] = cls
+    return out
+
+
+def without_ids(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: without_ids(v) for k, v in obj.items() if k not in ("id", "created_at")}
+    if isinstance(obj, list):
+        return [without_ids(v) for v in obj]
+    return obj
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streamed(), st.sampled_from(dialects.APIS))
+def test_a_stream_adds_up_to_the_whole_answer(case, api: str) -> None:
+    """However the chat answer is split into chunks, the API's events are well formed (SDK types),
+    and the answer they add up to equals the translation of the whole chat body."""
+    ans, chunks = case
+    req = {"model": MODEL, "input": "q"} if api == dialects.RESPONSES else {
+        "model": CLAUDE, "max_tokens": 9, "messages": [{"role": "user", "content": "q"}]}
+    cap = Capture(CHAT)
+    tr = dialects.Translator(api, req, model=req["model"])
+    data = b""
+    for c in chunks:
+        cap.add_chunk(c)
+        data += tr.chunk(c)
+    data += tr.finish(cap)
+    whole = dialects.Translator(api, req, model=req["model"])
+    body = whole.body(ans, cap)
+    events = sse_events(data)
+    if api == dialects.RESPONSES:
+        from openai.types.responses import Response, ResponseStreamEvent
+
+        classes = event_types(ResponseStreamEvent)
+        for kind, e in events:
+            classes[kind].model_validate(e)
+        assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+        assert events[0][0] == "response.created" and events[-1][0] in ("response.completed",
+                                                                         "response.incomplete")
+        final = Response.model_validate(events[-1][1]["response"])
+        assert Response.model_validate(body).output_text == final.output_text == (
+            ans["choices"][0]["message"]["content"] or "")
+        assert without_ids(events[-1][1]["response"]) == without_ids(body)
+        calls = [(o.name, json.loads(o.arguments)) for o in final.output if o.type == "function_call"]
+    else:
+        from anthropic.types import Message, RawMessageStreamEvent
+
+        classes = event_types(RawMessageStreamEvent)
+        for kind, e in events:
+            classes[kind].model_validate(e)
+        assert events[0][0] == "message_start" and events[-1][0] == "message_stop"
+        msg = Message.model_validate(body)
+        text = "".join(b.text for b in msg.content if b.type == "text")
+        assert text == (ans["choices"][0]["message"]["content"] or "")
+        calls = [(b.name, b.input) for b in msg.content if b.type == "tool_use"]
+        assert msg.stop_reason == {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}[
+            ans["choices"][0]["finish_reason"]]
+        assert events[-2][1]["delta"]["stop_reason"] == msg.stop_reason
+    want = [(tc["function"]["name"], json.loads(tc["function"]["arguments"]))
+            for tc in ans["choices"][0]["message"].get("tool_calls") or ()]
+    assert calls == want
+
+
+# --- through the proxy, with the official SDKs --------------------------------------------------------
+
+def test_responses_text_whole_and_streamed(proxy, upstream, agent_env, rollout):
+    req = {"model": MODEL, "instructions": "You add numbers.", "input": "What is 6 times 7?",
+           "max_output_tokens": 64}
+    ref = chat_ref(upstream, dialects.to_chat(dialects.RESPONSES, req))
+    with openai_client() as client:
+        r = client.responses.create(**req)
+        with client.responses.stream(**req) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_response()
+    want = ref["choices"][0]["message"]["content"]
+    assert r.output_text == final.output_text == want and r.model == final.model == MODEL
+    assert r.status == "completed" and r.usage.input_tokens == ref["usage"]["prompt_tokens"]
+    assert r.usage.output_tokens == ref["usage"]["completion_tokens"]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert "response.output_text.delta" in kinds and kinds[-1] == "response.completed"
+    rows = recorded(proxy, rollout)
+    assert [r_["streamed"] for r_ in rows] == [False, True]
+    for row in rows:
+        check_tokens(row, ref, "responses")
+        assert json.loads(row["request_json"])["instructions"] == "You add numbers."  # the agent's own
+        assert json.loads(row["response_json"])["output"][0]["content"][0]["text"] == want
+
+
+def test_responses_function_call_and_its_output(proxy, upstream, agent_env, rollout):
+    req = {"model": MODEL, "input": [{"role": "user", "content": "2+3"}], "tools": [FN_TOOL]}
+    with openai_client() as client:
+        first = client.responses.create(**req)
+        call = next(o for o in first.output if o.type == "function_call")
+        assert call.name == "calculator" and json.loads(call.arguments) == {"expression": "2+3"}
+        follow = [*req["input"], call.model_dump(exclude_none=True),
+                  {"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
+        second = client.responses.create(model=MODEL, input=follow, tools=[FN_TOOL])
+        chained = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[FN_TOOL],
+                                          input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                  "output": "5"}])
+        with client.responses.stream(model=MODEL, input=req["input"], tools=[FN_TOOL]) as stream:
+            kinds = [event.type for event in stream]
+            streamed_call = next(o for o in stream.get_final_response().output if o.type == "function_call")
+    assert second.output_text == chained.output_text == "The result is 5."
+    assert {"response.function_call_arguments.delta", "response.function_call_arguments.done"} <= set(kinds)
+    assert (streamed_call.name, streamed_call.arguments) == (call.name, call.arguments)
+    rows = recorded(proxy, rollout)
+    assert len(rows) == 4
+    check_tokens(rows[0], chat_ref(upstream, dialects.to_chat(dialects.RESPONSES, req)), "responses")
+    # the conversation rebuilt from previous_response_id is the one sent in full: same prompt tokens
+    assert rows[2]["prompt_token_ids"] == rows[1]["prompt_token_ids"]
+    assert rows[1]["prompt_token_ids"][:len(rows[0]["prompt_token_ids"])] == rows[0]["prompt_token_ids"]
+
+
+def test_responses_errors_in_the_apis_shape(proxy, agent_env, rollout):
+    with openai_client() as client:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input="x", previous_response_id="resp_unknown")
+        assert "previous_response_id 'resp_unknown' is not one of this rollout's recent" in str(e.value)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
+        assert "tools[0] is a 'web_search' tool" in str(e.value)
+    assert recorded(proxy, rollout) == []  # refused before anything reached the engine
+
+
+def test_anthropic_messages_text_whole_and_streamed(proxy, upstream, agent_env, rollout):
+    req = {"model": CLAUDE, "max_tokens": 64, "system": "You add numbers.",
+           "messages": [{"role": "user", "content": "What is 6 times 7?"}]}
+    ref = chat_ref(upstream, dialects.to_chat(dialects.MESSAGES, req))
+    with anthropic_client() as client:
+        m = client.messages.create(**req)
+        with client.messages.stream(**req) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_message()
+    want = ref["choices"][0]["message"]["content"]
+    assert m.content[0].text == final.content[0].text == want and m.model == final.model == CLAUDE
+    assert m.stop_reason == final.stop_reason == "end_turn"
+    assert m.usage.input_tokens == ref["usage"]["prompt_tokens"] == final.usage.input_tokens
+    assert m.usage.output_tokens == ref["usage"]["completion_tokens"] == final.usage.output_tokens
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+    rows = recorded(proxy, rollout)
+    assert [r["streamed"] for r in rows] == [False, True]
+    for row in rows:
+        check_tokens(row, ref, "messages")
+        assert json.loads(row["response_json"])["content"][0]["text"] == want
+
+
+def test_anthropic_tool_use_and_tool_result(proxy, upstream, agent_env, rollout):
+    req = {"model": CLAUDE, "max_tokens": 128, "tools": [ANTHROPIC_TOOL],
+           "messages": [{"role": "user", "content": "2+3"}]}
+    with anthropic_client() as client:
+        first = client.messages.create(**req)
+        use = next(b for b in first.content if b.type == "tool_use")
+        with client.messages.stream(**req) as stream:
+            streamed_use = next(b for b in stream.get_final_message().content if b.type == "tool_use")
+        second = client.messages.create(**{**req, "messages": [
+            *req["messages"], {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]})
+    assert first.stop_reason == "tool_use" and use.name == "calculator" and use.input == {"expression": "2+3"}
+    assert (streamed_use.name, streamed_use.input) == (use.name, use.input)
+    assert second.stop_reason == "end_turn" and second.content[0].text == "The result is 5."
+    rows = recorded(proxy, rollout)
+    assert [r["api"] for r in rows] == ["messages"] * 3
+    # `lgt-train show` reads a recorded call as the chat call it was translated into
+    req_chat, resp_chat = dialects.as_chat("messages", json.loads(rows[0]["request_json"]),
+                                           json.loads(rows[0]["response_json"]))
+    assert req_chat["messages"] == [{"role": "user", "content": "2+3"}]
+    call = resp_chat["choices"][0]["message"]["tool_calls"][0]
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("calculator", use.input)
+    assert rows[2]["prompt_token_ids"][:len(rows[0]["prompt_token_ids"])] == rows[0]["prompt_token_ids"]
+
+
+def test_anthropic_errors_in_the_apis_shape(proxy, agent_env, rollout):
+    with anthropic_client() as client:
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model=CLAUDE, max_tokens=5, messages=[
+                {"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "x",
+                                                                             "media_type": "text/plain"}}]}])
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+        assert "messages[0].content[0] is a 'document' block" in e.value.body["error"]["message"]
+        with pytest.raises(anthropic.InternalServerError) as e:  # the engine's error, in Anthropic's shape
+            client.messages.create(model=CLAUDE, max_tokens=5,
+                                   messages=[{"role": "user", "content": "__status:500__"}])
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
+    rows = proxy.calls("rollout_id = ?", [rollout])
+    assert [(r["api"], r["status"], r["http_status"]) for r in rows] == [("messages", "http_error", 500)]
+
+
+def test_model_listings_name_the_policy(proxy, agent_env, rollout):
+    """SDKs that list or look up models before working get the served model, and whatever name they
+    ask about, from any host (nothing leaves for the hosted API)."""
+    with openai_client() as client:
+        client.responses.create(model=MODEL, input="What is 1+1?", max_output_tokens=8)
+        listed = [m.id for m in client.models.list()]
+        assert listed[0] == SERVED and MODEL in listed
+        assert client.models.retrieve("gpt-4.1").id == "gpt-4.1"
+    with anthropic_client() as client:
+        page = client.models.list()
+        assert [m.id for m in page.data][0] == SERVED and page.has_more is False
+        info = client.models.retrieve(CLAUDE)
+        assert (info.id, info.type) == (CLAUDE, "model")
+    assert [r["api"] for r in recorded(proxy, rollout)] == ["responses"]  # listings are not LLM calls
