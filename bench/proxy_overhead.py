@@ -274,7 +274,7 @@ def render(res: dict[str, dict], rss: dict[str, tuple[float, float]], args) -> l
     lines = [
         (f"{args.calls} calls/run, {args.repeat} run(s) per path (medians), {args.concurrency} "
          f"clients, HTTPS, {mode}, {os.cpu_count()} CPUs"),
-        (f"{'path':<10}{'calls/s':>8}{'p50 ms':>8}{'p99 ms':>8}{'+p50':>8}{'+p99':>8}"
+        (f"{'path':<14}{'calls/s':>8}{'p50 ms':>8}{'p99 ms':>8}{'+p50':>8}{'+p99':>8}"
          f"{'direct/x':>9}{'floor/x':>8} |{'1-client p50':>13}{'+p50':>7} |"
          f"{'CPU ms/call: proxy':>19}{'upstr':>6}{'client':>7} |{'proxy RSS MB':>13}"),
     ]
@@ -287,7 +287,7 @@ def render(res: dict[str, dict], rss: dict[str, tuple[float, float]], args) -> l
             vs_floor = f"{floor['calls_s'] / r['calls_s']:.2f}x"
             proxy_cpu, mem = f"{r['proxy_cpu_ms']:.2f}", "{:.0f} -> {:.0f}".format(*rss[name])
         lines.append(
-            f"{name:<10}{r['calls_s']:>8.0f}{r['p50_ms']:>8.2f}{r['p99_ms']:>8.2f}"
+            f"{name:<14}{r['calls_s']:>8.0f}{r['p50_ms']:>8.2f}{r['p99_ms']:>8.2f}"
             f"{add['p50_ms']:>8}{add['p99_ms']:>8}{d['calls_s'] / r['calls_s']:>8.2f}x"
             f"{vs_floor:>8} |"
             f"{r['solo_p50_ms']:>13.2f}{add['solo_p50_ms']:>7} |{proxy_cpu:>19}"
@@ -367,7 +367,7 @@ def main() -> int:
             for t in targets[k:] + targets[:k]:  # rotate: no path always goes first
                 r = asyncio.run(load(t, args, up_pid))
                 runs[t.name].append(r)
-                print(f"  run {i + 1}/{args.repeat} {t.name:<10}{r['calls_s']:6.0f} calls/s  "
+                print(f"  run {i + 1}/{args.repeat} {t.name:<14}{r['calls_s']:6.0f} calls/s  "
                       f"p50 {r['p50_ms']:6.2f}  p99 {r['p99_ms']:6.2f}  1-client p50 "
                       f"{r['solo_p50_ms']:5.2f} ms  connections {r['connections']}  "
                       f"errors {r['errors']}", file=out, flush=True)
