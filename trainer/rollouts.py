@@ -424,7 +424,11 @@ class RolloutController:
         check_agent(agent)
         self._preload: tuple[str, tuple[str, ...]] | None = None
         if agent.python_preload is not None:
-            self._preload = (python_script_command(agent.command)[0], agent.python_preload)
+            # the agent's interpreter as the agent would run it: a relative path (an agent's own
+            # environment, e.g. .venv/bin/python) is relative to the agent's working directory
+            python = resolve_executable(python_script_command(agent.command)[0], agent.cwd,
+                                        os.environ.get("PATH"), "agent command")
+            self._preload = (python, agent.python_preload)
         self.store = Path(store).resolve()
         # batch_records: rows wait in memory for flush_records() (one file per table per batch,
         # instead of two files per attempt); a crash loses only unflushed rollouts' rows

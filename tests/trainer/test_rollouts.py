@@ -406,6 +406,17 @@ def test_python_preload_forks_warm_agents(tmp_path, proxy, pid_dir):
     r, child_gone = asyncio.run(main())
     assert (r.status, r.exit_code) == ("timeout", -9) and child_gone
 
+    # the agent's own environment by a relative path (as examples/agents_sdk runs .venv/bin/python):
+    # the warm interpreter is that one, found from the agent's working directory
+    (tmp_path / "own").symlink_to(sys.prefix)  # this environment, under another name
+    spec = AgentSpec(command=("own/bin/python", str(AGENTS / "chat_agent.py")), cwd=tmp_path,
+                     timeout_s=60, python_preload=("openai",))
+    own = controller(proxy, tmp_path / "run3", spec)
+    [r] = asyncio.run(run_all(own, [({"id": "own", "report_dir": str(tmp_path), "rewards": {"stdout": 1}},
+                                     "warm-own")]))
+    assert r.status == "ok", (r.status, r.error)
+    assert json.loads((tmp_path / "warm-own~0.json").read_text())["preloaded"]
+
     with pytest.raises(RolloutError, match="python_preload needs an agent command that runs a Python script"):
         AgentSpec(command=("true",), python_preload=("openai",))
     with pytest.raises(RolloutError, match="python_preload must list module names"):
