@@ -411,3 +411,76 @@ def test_model_listings_name_the_policy(proxy, agent_env, rollout):
         info = client.models.retrieve(CLAUDE)
         assert (info.id, info.type) == (CLAUDE, "model")
     assert [r["api"] for r in recorded(proxy, rollout)] == ["responses"]  # listings are not LLM calls
+
+
+# conversations as chat messages; written in each API's own request shape, translating back gives them
+_words = st.text(st.characters(min_codepoint=32, max_codepoint=0x2FF), min_size=1, max_size=20)
+
+
+@st.composite
+def conversations(draw) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = []
+    for turn in range(draw(st.integers(1, 4))):
+        msgs.append({"role": "user", "content": draw(_words)})
+        calls = draw(st.lists(_call, max_size=2))
+        text = draw(st.one_of(st.none(), _words)) if calls else draw(_words)
+        if calls:
+            msgs.append({"role": "assistant", "content": text, "tool_calls": [
+                {"id": f"toolu_{turn}{i}", "type": "function",
+                 "function": {"name": n, "arguments": json.dumps(a)}} for i, (n, a) in enumerate(calls)]})
+            msgs += [{"role": "tool", "tool_call_id": f"toolu_{turn}{i}", "content": draw(_words)}
+                     for i in range(len(calls))]
+        else:
+            msgs.append({"role": "assistant", "content": text})
+    return msgs
+
+
+def as_responses_input(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    for m in msgs:
+        if m["role"] == "user":
+            items.append({"role": "user", "content": [{"type": "input_text", "text": m["content"]}]})
+        elif m["role"] == "assistant":
+            if m["content"] is not None:
+                items.append({"type": "message", "role": "assistant",
+                              "content": [{"type": "output_text", "text": m["content"]}]})
+            items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                       "arguments": c["function"]["arguments"]} for c in m.get("tool_calls") or ()]
+        else:
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": m["content"]})
+    return items
+
+
+def as_anthropic_messages(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for m in msgs:
+        if m["role"] == "user":
+            out.append({"role": "user", "content": m["content"]})
+        elif m["role"] == "assistant":
+            blocks = [{"type": "text", "text": m["content"]}] if m["content"] is not None else []
+            blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                        "input": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls") or ()]
+            out.append({"role": "assistant", "content": blocks})
+        else:  # tool results travel in one user message, before the next user text
+            result = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}
+            if out[-1]["role"] == "user" and isinstance(out[-1]["content"], list):
+                out[-1]["content"].append(result)
+            else:
+                out.append({"role": "user", "content": [result]})
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(conversations())
+def test_requests_in_either_api_translate_to_the_same_chat(msgs: list[dict[str, Any]]) -> None:
+    responses = dialects.to_chat(dialects.RESPONSES, {"input": as_responses_input(msgs),
+                                                      "instructions": "Sys"})
+    assert responses["messages"] == [{"role": "system", "content": "Sys"}, *msgs]
+    messages = dialects.to_chat(dialects.MESSAGES, {"max_tokens": 8, "system": "Sys",
+                                                    "messages": as_anthropic_messages(msgs)})
+    for m in msgs:  # Anthropic carries arguments as objects: the same JSON, re-serialised
+        for c in m.get("tool_calls") or ():
+            args = json.loads(c["function"]["arguments"])
+            c["function"]["arguments"] = json.dumps(args, ensure_ascii=False)
+    assert messages["messages"] == [{"role": "system", "content": "Sys"}, *msgs]

@@ -19,7 +19,8 @@ from test_run import lgt_train, metrics  # tests/trainer is on sys.path
 from lgt.store.query import connect
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = {"agents_sdk": "responses", "anthropic_sdk": "messages"}  # example -> the API it calls
+EXAMPLES = {"agents_sdk": "responses", "anthropic_sdk": "messages",  # example -> the API it calls
+            "langgraph": "chat/completions"}
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
