@@ -5,6 +5,7 @@
 # and checkpoints. Extra arguments go to `lgt-train run` (e.g. --mode sync, --steps 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LGT_SKIP_VERL=1 bash scripts/setup.sh  # only the environments the demo uses: the proxy's and the trainer's
+# only the environments the demo uses: the proxy's and the trainer's (not verl's, not the example agents')
+LGT_SKIP_VERL=1 LGT_SKIP_AGENTS=1 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"  # the agent's interpreter (it needs the openai package) and lgt-train
 exec lgt-train run examples/arith/run.yaml "$@"
