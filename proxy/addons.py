@@ -110,20 +110,28 @@ class Runtime:
 
 class Conversations:
     """The chat messages behind each recent Responses answer, for a later ``previous_response_id``:
-    keyed by (rollout, attempt, response id), so one rollout cannot continue another's; bounded (the
-    oldest are forgotten first; a forgotten id is answered with a clear 400)."""
+    keyed by (rollout, attempt, response id), so one rollout cannot continue another's; bounded by
+    count and by size (the oldest are forgotten first; a forgotten id is answered with a clear 400).
+    ``size`` is what the caller measured (the request's and the response's bytes): a conversation's
+    messages are shared with the request that carried them, so this over-counts, never under."""
 
-    def __init__(self, limit: int = 20_000) -> None:
-        self.limit = limit
-        self._items: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    def __init__(self, limit: int = 20_000, max_bytes: int = 256 << 20) -> None:
+        self.limit, self.max_bytes = limit, max_bytes
+        self.bytes = 0
+        self._items: dict[tuple[str, int, str], tuple[list[dict[str, Any]], int]] = {}
 
-    def put(self, identity: Identity, response_id: str, messages: list[dict[str, Any]]) -> None:
-        self._items[(identity.rollout_id, identity.attempt, response_id)] = messages
-        while len(self._items) > self.limit:
-            self._items.pop(next(iter(self._items)))
+    def put(self, identity: Identity, response_id: str, messages: list[dict[str, Any]], size: int) -> None:
+        key = (identity.rollout_id, identity.attempt, response_id)
+        old = self._items.pop(key, None)
+        self.bytes += size - (old[1] if old else 0)
+        self._items[key] = (messages, size)
+        while len(self._items) > 1 and (len(self._items) > self.limit or self.bytes > self.max_bytes):
+            _, freed = self._items.pop(next(iter(self._items)))
+            self.bytes -= freed
 
     def get(self, identity: Identity, response_id: str) -> list[dict[str, Any]] | None:
-        return self._items.get((identity.rollout_id, identity.attempt, response_id))
+        item = self._items.get((identity.rollout_id, identity.attempt, response_id))
+        return item[0] if item else None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -539,8 +547,9 @@ class Record:
             if history is None:
                 raise wire.BadRequest(
                     f"previous_response_id {prev!r} is not one of this rollout's recent responses (the proxy "
-                    f"keeps the last {self.rt.conversations.limit} of all rollouts): send the whole "
-                    "conversation in 'input' instead")
+                    f"keeps the last {self.rt.conversations.limit} of all rollouts, at most "
+                    f"{self.rt.conversations.max_bytes >> 20} MiB): send the whole conversation in 'input' "
+                    "instead")
         return agent_req, dialects.to_chat(api, agent_req, history)
 
     # -- response side -----------------------------------------------------------------------
@@ -751,7 +760,8 @@ class Record:
             return False
         if call.history is not None and call.translator is not None and status == STATUS_OK:
             rt.conversations.put(call.identity, call.translator.response_id,
-                                 call.history + call.translator.history())
+                                 call.history + call.translator.history(),
+                                 len(call.request_json) + len(response_json or ""))
         return True
 
 

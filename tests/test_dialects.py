@@ -271,6 +271,21 @@ def test_a_stream_adds_up_to_the_whole_answer(case, api: str) -> None:
     assert calls == want
 
 
+def test_kept_conversations_are_one_rollouts_and_bounded() -> None:
+    from lgt.proxy.addons import Conversations
+    from lgt.proxy.auth import Identity
+
+    kept, a, b = Conversations(limit=3, max_bytes=100), Identity("r1"), Identity("r2")
+    kept.put(a, "resp_x", [{"role": "user", "content": "hi"}], 10)
+    assert kept.get(a, "resp_x") == [{"role": "user", "content": "hi"}]
+    assert kept.get(b, "resp_x") is None and kept.get(Identity("r1", 1), "resp_x") is None
+    for i in range(3):
+        kept.put(a, f"resp_{i}", [], 10)
+    assert len(kept) == 3 and kept.get(a, "resp_x") is None and kept.bytes == 30  # the oldest went first
+    kept.put(b, "resp_big", [], 95)
+    assert len(kept) == 1 and kept.get(b, "resp_big") == [] and kept.bytes == 95  # bounded by size too
+
+
 # --- through the proxy, with the official SDKs --------------------------------------------------------
 
 def test_responses_text_whole_and_streamed(proxy, upstream, agent_env, rollout):
