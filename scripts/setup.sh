@@ -49,7 +49,9 @@ if [ "${LGT_SKIP_VERL:-0}" != 1 ]; then
 fi
 
 if [ "${LGT_SKIP_AGENTS:-0}" != 1 ]; then  # the example agents' own environments (their frameworks)
-  bash scripts/setup_agent.sh $(dirname examples/*/requirements.txt)
+  agents=$(dirname examples/*/requirements.txt)
+  if command -v npm >/dev/null 2>&1; then agents="$agents $(dirname examples/*/package-lock.json)"; fi
+  bash scripts/setup_agent.sh $agents
 fi
 
 if command -v npm >/dev/null 2>&1 && [ ! -d tests/clients/node/node_modules/undici ]; then

@@ -1,15 +1,14 @@
 """The framework examples, unmodified agents in their own environments, trained by `lgt-train run`.
 
-Each example directory with a requirements.txt has its agent's own environment (``DIR/.venv``, built
-by ``scripts/setup_agent.sh``, which ``scripts/setup.sh`` runs). One training step on the tiny model:
-every token the engine generated is in the store (the recorded ids count what the engine reported),
-the calls came in through the API the framework speaks, samples were built and trained, and every
-rollout has its reward.
+Each has its agent's own environment (``DIR/.venv`` from its requirements.txt, or ``DIR/node_modules``
+from its package-lock.json), built by ``scripts/setup_agent.sh``, which ``scripts/setup.sh`` runs.
+One training step on the tiny model: every token the engine generated is in the store (the recorded
+ids count what the engine reported), the calls came in through the API the framework speaks, samples
+were built and trained, and every rollout has its reward.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,18 @@ from test_run import lgt_train, metrics  # tests/trainer is on sys.path
 from lgt.store.query import connect
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = {"agents_sdk": "responses", "anthropic_sdk": "messages",  # example -> the API it calls
-            "langgraph": "chat/completions"}
+# example -> (the API it calls, what its agent environment is)
+EXAMPLES = {"agents_sdk": ("responses", ".venv/bin/python"),
+            "anthropic_sdk": ("messages", ".venv/bin/python"),
+            "langgraph": ("chat/completions", ".venv/bin/python"),
+            "node_agent": ("chat/completions", "node_modules/openai")}
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
 def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path, example: str) -> None:
-    here = ROOT / "examples" / example
-    if not (here / ".venv" / "bin" / "python").exists():
-        pytest.skip(f"no agent environment in {here}/.venv (bash scripts/setup_agent.sh examples/{example})")
+    here, (api, env) = ROOT / "examples" / example, EXAMPLES[example]
+    if not (here / env).exists():
+        pytest.skip(f"no agent environment in {here} (bash scripts/setup_agent.sh examples/{example})")
     cfg = yaml.safe_load((here / "run.yaml").read_text())
     cfg.update(model={"path": str(arith_model_dir)}, tasks=str((here / cfg["tasks"]).resolve()),
                group_size=2, batch_groups=2, max_inflight=8, steps=1, eval=None)
@@ -42,11 +44,9 @@ def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path
     con = connect(run_dir / "store")
     calls = con.execute("SELECT api, endpoint, capture, len(response_token_ids), usage_completion_tokens "
                         "FROM calls WHERE status = 'ok'").fetchall()
-    assert calls and {(api, endpoint) for api, endpoint, *_ in calls} == {(EXAMPLES[example],
-                                                                           "chat/completions")}
+    assert calls and {(a, endpoint) for a, endpoint, *_ in calls} == {(api, "chat/completions")}
     assert all(capture == "full" and n == used for _, _, capture, n, used in calls)  # every token
     rewards = con.execute("SELECT count(DISTINCT rollout_id) FROM rewards").fetchone()[0]
     rollouts = con.execute("SELECT count(DISTINCT rollout_id) FROM rollouts WHERE status = 'ok'"
                            ).fetchone()[0]
     assert rewards == rollouts >= 4
-    assert json.loads((run_dir / "config.json").read_text())["agent"]["command"][0] == ".venv/bin/python"
