@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {"agents_sdk": ("responses", ".venv/bin/python"),
             "anthropic_sdk": ("messages", ".venv/bin/python"),
             "langgraph": ("chat/completions", ".venv/bin/python"),
-            "node_agent": ("chat/completions", "node_modules/openai")}
+            "node_agent": ("chat/completions", "node_modules/openai"),
+            "mini_swe_agent": ("chat/completions", ".venv/bin/python")}
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
