@@ -179,13 +179,19 @@ def _responses_tools(tools: Any) -> list[dict[str, Any]]:
             kind = tool.get("type") if isinstance(tool, dict) else None
             raise BadRequest(f"tools[{i}] is a {kind!r} tool, hosted by OpenAI: the policy engine can only "
                              "call function tools")
-        fn = {"name": tool["name"], "parameters": tool.get("parameters") or EMPTY_SCHEMA}
-        if tool.get("description") is not None:
-            fn["description"] = tool["description"]
-        if tool.get("strict") is not None:
-            fn["strict"] = tool["strict"]
-        out.append({"type": "function", "function": fn})
+        out.append(_chat_tool(tool["name"], tool.get("parameters"), tool.get("description"),
+                              tool.get("strict")))
     return out
+
+
+def _chat_tool(name: str, parameters: Any, description: Any, strict: Any = None) -> dict[str, Any]:
+    """A chat/completions function tool."""
+    fn = {"name": name, "parameters": parameters or EMPTY_SCHEMA}
+    if description is not None:
+        fn["description"] = description
+    if strict is not None:
+        fn["strict"] = strict
+    return {"type": "function", "function": fn}
 
 
 def _responses_tool_choice(choice: Any) -> Any:
@@ -343,10 +349,7 @@ def messages_to_chat(req: dict[str, Any]) -> dict[str, Any]:
                 kind = t.get("type") if isinstance(t, dict) else t
                 raise BadRequest(f"tools[{i}] ({kind!r}) is a server tool of Anthropic's: the policy engine "
                                  "can only call tools defined by an input_schema")
-            fn = {"name": t["name"], "parameters": t.get("input_schema") or EMPTY_SCHEMA}
-            if t.get("description") is not None:
-                fn["description"] = t["description"]
-            out["tools"].append({"type": "function", "function": fn})
+            out["tools"].append(_chat_tool(t["name"], t.get("input_schema"), t.get("description")))
     choice = req.get("tool_choice")
     if isinstance(choice, dict) and out.get("tools"):
         kind = choice.get("type")
