@@ -317,6 +317,10 @@ class StreamRewriter:
             rest = self.framer.rest()
             if rest.strip():
                 self.broken += 1
+            tr = self.call.translator
+            if tr is not None:  # the agent's API says the stream failed, where the engine's just ended
+                return [] if self.saw_done else [tr.failure("lgt-proxy: the engine's stream ended before "
+                                                            "it finished", self.call.capture)]
             return [rest] if rest else []
         out: list[bytes] = []
         try:

@@ -712,6 +712,16 @@ class Translator:
             out.append(self._event("message_stop", {}))
         return b"".join(out)
 
+    def failure(self, message: str, capture: Capture) -> bytes:
+        """The closing event of a stream the engine did not finish: the API's own failure event
+        (``response.failed``; Anthropic's ``error`` event), which the SDKs raise or report."""
+        out = [] if self.started else self._start(len(capture.prompt_token_ids or ()))
+        if self.api == RESPONSES:
+            failed = self._envelope("failed", [item for _, item in self._output()], _usage(capture, None))
+            failed["error"] = {"code": "server_error", "message": message}
+            return b"".join([*out, self._event("response.failed", {"response": failed})])
+        return b"".join([*out, self._event("error", {"error": {"type": "api_error", "message": message}})])
+
     def final(self, capture: Capture) -> dict[str, Any]:
         """The whole answer as the API's response object (what a stream's events add up to)."""
         usage = _usage(capture, None)

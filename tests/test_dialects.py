@@ -499,3 +499,39 @@ def test_requests_in_either_api_translate_to_the_same_chat(msgs: list[dict[str, 
             args = json.loads(c["function"]["arguments"])
             c["function"]["arguments"] = json.dumps(args, ensure_ascii=False)
     assert messages["messages"] == [{"role": "system", "content": "Sys"}, *msgs]
+
+
+@pytest.mark.parametrize("fault", ["__drop__", "__broken_sse__"])
+def test_a_stream_cut_short_is_an_error_for_the_sdk_and_a_stream_error_on_record(
+        proxy, agent_env, rollout, fault):
+    """The engine's stream ends mid-way (connection dropped; a broken event and no [DONE]): the agent's
+    SDK never gets a completed answer — its API's failure event where the body ended cleanly
+    (``response.failed``; Anthropic's ``error`` event, which its SDK raises), a cut connection otherwise
+    — the call is recorded as a stream error, and the proxy keeps serving."""
+    with openai_client() as client:
+        kinds = []
+        with pytest.raises(Exception) as cut:
+            with client.responses.stream(model=MODEL, input=f"cut {fault}") as stream:
+                kinds += [event.type for event in stream]
+                stream.get_final_response()
+        assert "response.completed" not in kinds
+        if fault == "__broken_sse__":  # the body ended: the API's own failure event
+            assert kinds[-1] == "response.failed" and "response.completed" in str(cut.value)
+        else:  # the connection was cut: the SDK says so (before or after the response began)
+            assert isinstance(cut.value, openai.APIConnectionError) or "incomplete chunked read" in str(
+                cut.value)
+    with anthropic_client() as client:
+        with pytest.raises(Exception) as cut:
+            with client.messages.stream(model=CLAUDE, max_tokens=32,
+                                        messages=[{"role": "user", "content": f"cut {fault}"}]) as stream:
+                stream.get_final_message()
+        if fault == "__broken_sse__":
+            assert isinstance(cut.value, anthropic.APIStatusError) and "stream ended" in str(cut.value)
+        else:
+            assert isinstance(cut.value, anthropic.APIConnectionError) or "incomplete chunked read" in str(
+                cut.value)
+        assert client.messages.create(model=CLAUDE, max_tokens=16, messages=[
+            {"role": "user", "content": "still there?"}]).content[0].text  # the proxy still answers
+    rows = proxy.calls("rollout_id = ?", [rollout])
+    assert [(r["api"], r["status"]) for r in rows] == [("responses", "stream_error"),
+                                                       ("messages", "stream_error"), ("messages", "ok")]
