@@ -329,7 +329,8 @@ def _call_header(c: dict[str, Any]) -> list[str]:
     model = c.get("requested_model") or "?"
     if c.get("served_model") and c["served_model"] != model:
         model += f" → {c['served_model']}"
-    parts += [c["endpoint"], model]
+    api = c.get("api") or c["endpoint"]
+    parts += [api if api == c["endpoint"] else f"{api} → {c['endpoint']}", model]
     if c.get("capture") not in (None, "full"):
         why = f" ({c['capture_reason']})" if c.get("capture_reason") else ""
         parts.append(click.style(f"capture {c['capture']}{why}", fg="yellow"))

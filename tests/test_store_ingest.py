@@ -440,6 +440,22 @@ def plain(lines: list[str]) -> str:
     return "\n".join(click.unstyle(l) for l in lines)
 
 
+def test_show_renders_a_messages_api_call_as_the_chat_call_it_became(tmp_path: Path) -> None:
+    row = tool_rollout("r-claude", "6*7", "42")[0]
+    row.update(api="messages", requested_model="claude-x", request_json=json.dumps({
+        "model": "claude-x", "max_tokens": 64, "system": "Use the calculator.",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "6*7"}]}]}),
+        response_json=json.dumps({"type": "message", "role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "calculator", "input": {"expression": "6*7"}}]}))
+    with TableWriter(tmp_path, "calls") as w:
+        w.append(row)
+    add_rollout(tmp_path, "r-claude", task_id="mult", group_id="g0", step=0)
+    text = plain(render(load_trajectory(connect(tmp_path), "r-claude")))
+    assert "· not streamed · messages → chat/completions · claude-x → policy" in text
+    assert "  system: Use the calculator." in text and "  user: 6*7" in text
+    assert '  reply → calculator({"expression": "6*7"})' in text
+
+
 def test_show_renders_turns_tool_calls_tokens_and_rewards(store: Path) -> None:
     text = plain(render(load_trajectory(connect(store), "r-ok")))
     assert text.splitlines()[0] == "rollout r-ok · attempt 0 · task mult · group g0 · step 0 · status ok"
