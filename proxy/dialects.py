@@ -389,9 +389,9 @@ def error_body(api: str, status: int, message: str, kind: str | None = None) -> 
 
 # -- chat → the agent's API -----------------------------------------------------------------------------
 
-def _usage(capture: Capture | None, chat: dict[str, Any] | None) -> tuple[int, int]:
-    usage = (capture.usage_dict() if capture is not None else None) or (
-        chat.get("usage") if isinstance(chat, dict) and isinstance(chat.get("usage"), dict) else None) or {}
+def _usage(capture: Capture) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) of a call, as the engine counted them."""
+    usage = capture.usage_dict() or {}
     p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
     return (p if isinstance(p, int) else 0), (c if isinstance(c, int) else 0)
 
@@ -418,7 +418,7 @@ class Translator:
     api: str
     request: dict[str, Any]
     model: str | None
-    response_id: str = field(default_factory=lambda: "")
+    response_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     seq: int = 0
     started: bool = False
@@ -434,7 +434,6 @@ class Translator:
     tools: dict[int, _Tool] = field(default_factory=dict)
     finish_reason: str | None = None
     stop_reason: Any = None
-    prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.response_id:
@@ -598,8 +597,9 @@ class Translator:
             else:
                 out.append(self._event("content_block_start", {
                     "index": self.text_index, "content_block": {"type": "text", "text": ""}}))
-        elif not self.text_open:
-            return out + self._tool_text_after_calls(delta)
+        elif not self.text_open:  # text after a tool call began (a parser's leftovers): kept in the
+            self.text += delta      # final answer, not streamed into a closed item
+            return out
         self.text += delta
         if self.api == RESPONSES:
             out.append(self._event("response.output_text.delta", {
@@ -609,12 +609,6 @@ class Translator:
             out.append(self._event("content_block_delta", {
                 "index": self.text_index, "delta": {"type": "text_delta", "text": delta}}))
         return out
-
-    def _tool_text_after_calls(self, delta: str) -> list[bytes]:
-        # text after a tool call began (a parser's leftovers): kept in the final answer, not streamed
-        # into a closed item
-        self.text += delta
-        return []
 
     def _tool_delta(self, tc: dict[str, Any]) -> list[bytes]:
         index = tc.get("index", 0) if isinstance(tc.get("index"), int) else 0
@@ -696,7 +690,7 @@ class Translator:
         out += self._close_reasoning() + self._close_text()
         for t in self.tools.values():
             out += self._close_tool(t)
-        usage = _usage(capture, None)
+        usage = _usage(capture)
         if self.api == RESPONSES:
             incomplete = "max_output_tokens" if self.finish_reason == "length" else None
             final = self._envelope("incomplete" if incomplete else "completed",
@@ -717,14 +711,14 @@ class Translator:
         (``response.failed``; Anthropic's ``error`` event), which the SDKs raise or report."""
         out = [] if self.started else self._start(len(capture.prompt_token_ids or ()))
         if self.api == RESPONSES:
-            failed = self._envelope("failed", [item for _, item in self._output()], _usage(capture, None))
+            failed = self._envelope("failed", [item for _, item in self._output()], _usage(capture))
             failed["error"] = {"code": "server_error", "message": message}
             return b"".join([*out, self._event("response.failed", {"response": failed})])
         return b"".join([*out, self._event("error", {"error": {"type": "api_error", "message": message}})])
 
     def final(self, capture: Capture) -> dict[str, Any]:
         """The whole answer as the API's response object (what a stream's events add up to)."""
-        usage = _usage(capture, None)
+        usage = _usage(capture)
         if self.api == RESPONSES:
             incomplete = "max_output_tokens" if self.finish_reason == "length" else None
             return self._envelope("incomplete" if incomplete else "completed",
