@@ -156,17 +156,13 @@ def reward_row(identity: Identity, body: Any, source: str) -> dict[str, Any]:
             "source": source, "recorded_at": _now_us()}
 
 
-def _json_response(status: int, message: str, kind: str, headers: dict[str, str] | None = None):
-    body = wire.dumps({"error": {"message": message, "type": kind, "code": status}})
-    return http.Response.make(status, body, {"content-type": "application/json", **(headers or {})})
-
-
-def _error_response(api: str | None, status: int, message: str, kind: str,
-                    headers: dict[str, str] | None = None):
-    """The proxy's own error answer, in the shape of the API the agent called."""
-    if api != dialects.MESSAGES:
-        return _json_response(status, message, kind, headers)
-    body = wire.dumps(dialects.error_body(api, status, message))
+def _json_response(status: int, message: str, kind: str, headers: dict[str, str] | None = None,
+                   api: str | None = None):
+    """The proxy's own error answer; in Anthropic's shape when the agent called the Messages API."""
+    if api == dialects.MESSAGES:
+        body = wire.dumps(dialects.error_body(api, status, message))
+    else:
+        body = wire.dumps({"error": {"message": message, "type": kind, "code": status}})
     return http.Response.make(status, body, {"content-type": "application/json", **(headers or {})})
 
 
@@ -294,11 +290,10 @@ class StreamRewriter:
         except ValueError:
             self.broken += 1
             return event if tr is None else b""
-        if isinstance(obj, dict) and tr is not None:  # the agent's API, event by event
-            self.call.capture.add_chunk(obj)
-            return tr.chunk(obj)
         if isinstance(obj, dict):
             self.call.capture.add_chunk(obj)
+            if tr is not None:  # the agent's API, event by event
+                return tr.chunk(obj)
             inj = self.call.injected
             if inj != wire.Injected():
                 wire.strip_response(self.call.endpoint, obj, inj)
@@ -436,7 +431,7 @@ class Record:
 
     def _bad(self, flow: http.HTTPFlow, status: int, message: str, api: str | None = None) -> None:
         self.rt.metrics.bad_requests += 1
-        flow.response = _error_response(api, status, f"lgt-proxy: {message}", "invalid_request_error")
+        flow.response = _json_response(status, f"lgt-proxy: {message}", "invalid_request_error", api=api)
 
     def _route(self, flow: http.HTTPFlow, path: str) -> None:
         assert self.upstream is not None
@@ -493,9 +488,9 @@ class Record:
             version = await rt.gate.enter()
         except Rejected:
             rt.metrics.rejected += 1
-            flow.response = _error_response(
-                api, 429, "lgt-proxy: the policy is being updated; retry shortly", "rate_limit_error",
-                {"Retry-After": str(rt.retry_after_s)},
+            flow.response = _json_response(
+                429, "lgt-proxy: the policy is being updated; retry shortly", "rate_limit_error",
+                {"Retry-After": str(rt.retry_after_s)}, api=api,
             )
             return
         original_host = flow.request.pretty_host
@@ -522,8 +517,7 @@ class Record:
         if agent_req is not None:
             call.translator = dialects.Translator(api, agent_req, model=agent_req.get("model"))
             if api == dialects.RESPONSES:
-                skip = 1 if agent_req.get("instructions") is not None else 0  # not carried over
-                call.history = req["messages"][skip:]
+                call.history = dialects.carried_history(agent_req, req)
         flow.metadata[CALL] = call
         rt.saw_model(call.requested_model)
         if self.upstream is not None:
@@ -592,19 +586,18 @@ class Record:
             self._record(call, STATUS_UPSTREAM_ERROR, resp.status_code,
                          "the upstream's 2xx answer is not JSON", response_json=None)
             return
-        if isinstance(obj, dict) and call.translator is not None:
+        if isinstance(obj, dict):
             call.capture.add_body(obj)
-            resp.content = wire.dumps(call.translator.body(obj, call.capture))
-        elif isinstance(obj, dict):
-            call.capture.add_body(obj)
-            if call.injected != wire.Injected():
+            if call.translator is not None:
+                resp.content = wire.dumps(call.translator.body(obj, call.capture))
+            elif call.injected != wire.Injected():
                 wire.strip_response(call.endpoint, obj, call.injected)
                 resp.content = wire.dumps(obj)
         ok = self._record(call, STATUS_OK, resp.status_code, None,
                           response_json=resp.get_text(strict=False))
         if not ok:  # never hand the agent a response the store does not have
             flow.response = _json_response(503, "lgt-proxy: the call could not be recorded",
-                                           "server_error")
+                                           "server_error", api=call.api)
 
     async def _ask_again(self, flow: http.HTTPFlow, call: Call) -> None:
         """The upstream refused a call carrying injected capture fields: ask again without the

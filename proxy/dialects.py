@@ -248,6 +248,12 @@ def responses_to_chat(req: dict[str, Any], history: list[dict[str, Any]] | None 
     return out
 
 
+def carried_history(req: dict[str, Any], chat: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages of a Responses call that a later ``previous_response_id`` continues from: all
+    but its ``instructions`` (which, as in OpenAI's API, are not carried over)."""
+    return chat["messages"][1 if req.get("instructions") is not None else 0:]
+
+
 # -- Anthropic Messages → chat ------------------------------------------------------------------------
 
 def _anthropic_blocks(content: Any, where: str) -> list[dict[str, Any]]:
