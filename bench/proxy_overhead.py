@@ -181,16 +181,12 @@ def request_body(api: str, stream: bool) -> tuple[str, bytes]:
     """The same short question in ``api``'s request shape, and a marker of a complete answer."""
     if api == "responses":
         body = {"model": "bench-model", "max_output_tokens": 16, "stream": stream, "input": QUESTION}
-        done = b"response.completed" if stream else b'"output"'
-    elif api == "messages":
-        body = {"model": "bench-model", "max_tokens": 16, "stream": stream,
-                "messages": [{"role": "user", "content": QUESTION}]}
-        done = b"message_stop" if stream else b'"content"'
-    else:
-        body = {"model": "bench-model", "max_tokens": 16, "stream": stream,
-                "messages": [{"role": "user", "content": QUESTION}]}
-        done = b"data: [DONE]" if stream else b'"choices"'
-    return json.dumps(body), done
+        return json.dumps(body), b"response.completed" if stream else b'"output"'
+    body = {"model": "bench-model", "max_tokens": 16, "stream": stream,  # chat and Messages alike
+            "messages": [{"role": "user", "content": QUESTION}]}
+    if api == "messages":
+        return json.dumps(body), b"message_stop" if stream else b'"content"'
+    return json.dumps(body), b"data: [DONE]" if stream else b'"choices"'
 
 
 async def load(t: Target, args: argparse.Namespace, upstream_pid: int) -> dict:
