@@ -8,6 +8,7 @@ and through lgt-proxy, in one run, over loopback HTTPS with an instant fake-vLLM
     .venv-proxy/bin/python bench/proxy_overhead.py --calls 500 --repeat 1 --json > summary.json
     .venv-proxy/bin/python bench/proxy_overhead.py --api responses   # + the same calls as Responses
     .venv-proxy/bin/python bench/proxy_overhead.py --api messages --stream   # … as Anthropic Messages
+    .venv-proxy/bin/python bench/proxy_overhead.py --stream --upstream-timeout 30   # with the proxy's clock
 
 Processes: the fake upstream (``lgt.proxy.fake_upstream`` over TLS, throw-away CA), the proxies,
 and this script as the client load (aiohttp, ``--concurrency`` workers on one keep-alive pool, short
@@ -308,6 +309,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="JSON summary on stdout (table on stderr)")
     ap.add_argument("--api", choices=["responses", "messages"],
                     help="also send the calls as this API through lgt-proxy (translated to chat)")
+    ap.add_argument("--upstream-timeout", type=float,
+                    help="run lgt-proxy with --upstream-timeout (its per-call clock is then timed too)")
     ap.add_argument("--chunk-delay-ms", type=float, default=0.0,
                     help="upstream pause between stream chunks (shows time to first chunk)")
     args = ap.parse_args()
@@ -341,7 +344,8 @@ def main() -> int:
         lgt_pid = procs.start("lgt-proxy", [
             PY, "-m", "lgt.proxy.cli", "--store", str(store), "--upstream", up_url,
             "--upstream-ca", str(ca), "--served-model", "policy", "--listen-port", str(lgt_port),
-            "--control-port", str(ctl_port), "--log-level", "WARNING"], lgt_port)
+            "--control-port", str(ctl_port), "--log-level", "WARNING",
+            *(["--upstream-timeout", str(args.upstream_timeout)] if args.upstream_timeout else [])], lgt_port)
         print(f"pids: upstream {up_pid}, mitmdump {mitm_pid}, lgt-proxy {lgt_pid}; logs in {tmp}",
               file=out, flush=True)
 

@@ -34,11 +34,13 @@ from lgt.store.schema import (
     STATUS_OK,
     STATUS_STREAM_ERROR,
     STATUS_UPSTREAM_ERROR,
+    STATUS_UPSTREAM_TIMEOUT,
 )
 from lgt.store.writer import TableWriter
 
-from . import dialects, wire
+from . import deadline, dialects, wire
 from .auth import AuthError, Identity, parse_basic, verify
+from .deadline import Deadline
 from .gate import Gate, Metrics, Rejected
 from .resend import Resender
 
@@ -66,6 +68,7 @@ class Runtime:
     served_model: str | None = None
     upstream_api_key: str | None = None
     capture_tokens: bool = False
+    upstream_timeout_s: float | None = None  # see deadline.py
     resender: Resender = field(default_factory=Resender)  # asks the upstream again (see Record)
     egress: str = "allow"  # allow | allowlist | deny
     allow_hosts: tuple[str, ...] = ()
@@ -306,6 +309,8 @@ class StreamRewriter:
 
     def __call__(self, data: bytes) -> list[bytes]:
         # one write to the agent per upstream read (not per event): fewer TLS records and syscalls
+        if self.call.deadline is not None:
+            self.call.deadline.touch()
         if self.passthrough:
             return [data] if data else []
         if not data:  # end of the upstream body
@@ -313,6 +318,9 @@ class StreamRewriter:
             if rest.strip():
                 self.broken += 1
             tr = self.call.translator
+            if self.call.timed_out and not self.saw_done:  # ended by the proxy: the agent's SDK raises
+                why = f"lgt-proxy: {self.call.timed_out}"
+                return [tr.failure(why, self.call.capture) if tr is not None else wire.error_event(why)]
             if tr is not None:  # the agent's API says the stream failed, where the engine's just ended
                 return [] if self.saw_done else [tr.failure("lgt-proxy: the engine's stream ended before "
                                                             "it finished", self.call.capture)]
@@ -359,6 +367,8 @@ class Call:
     api: str | None = None  # the API the agent called (null: the engine's own endpoint)
     translator: dialects.Translator | None = None  # Responses / Messages: answers in the agent's API
     history: list[dict[str, Any]] | None = None  # Responses: the chat messages behind this answer
+    deadline: Deadline | None = None  # --upstream-timeout's clock
+    timed_out: str | None = None  # why the upstream exchange was ended (--upstream-timeout)
 
 
 def _error_text(content: bytes | None, limit: int = 2000) -> str:
@@ -526,6 +536,16 @@ class Record:
             call.served_model = prepared.get("model")
         if prepared != req or agent_req is not None:
             flow.request.content = wire.dumps(prepared)
+        if rt.upstream_timeout_s:
+            call.deadline = Deadline(rt.upstream_timeout_s, lambda: self._expire(flow, call))
+
+    def _expire(self, flow: http.HTTPFlow, call: Call) -> None:
+        if call.recorded or call.timed_out:
+            return
+        call.timed_out = (f"the upstream sent nothing for {self.rt.upstream_timeout_s:g} s "
+                          "(--upstream-timeout)")
+        log.warning("call %s of rollout %s: %s; ended", call.call_id, call.identity.name, call.timed_out)
+        deadline.end_exchange(flow, f"lgt-proxy: {call.timed_out}")
 
     def _translate(self, identity: Identity, api: str, content: bytes | None
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -556,6 +576,8 @@ class Record:
         if call is None or flow.response is None:
             return
         call.first_byte_us = _now_us()
+        if call.deadline is not None:
+            call.deadline.touch()
         ctype = flow.response.headers.get("content-type", "")
         if 200 <= flow.response.status_code < 300 and ctype.startswith("text/event-stream"):
             call.stream = StreamRewriter(self, flow, call)
@@ -565,6 +587,8 @@ class Record:
         call: Call | None = flow.metadata.get(CALL)
         if call is None or call.recorded or flow.response is None:
             return
+        if call.deadline is not None:  # the whole answer is in
+            call.deadline.cancel()
         if call.stream is not None:
             self.finish_stream(flow, call)
             return
@@ -689,6 +713,10 @@ class Record:
         call.recorded = True
         rt = self.rt
         rt.gate.exit()
+        if call.deadline is not None:
+            call.deadline.cancel()
+        if call.timed_out:
+            status, error = STATUS_UPSTREAM_TIMEOUT, call.timed_out
         ended = _now_us()
         cap = call.capture
         first = cap.choices.get(0)

@@ -57,6 +57,10 @@ secret_option = click.option(
 @click.option("--upstream-ca", type=click.Path(dir_okay=False, path_type=Path),
               help="Extra CA file trusted for an https upstream.")
 @click.option("--upstream-insecure", is_flag=True, help="Do not verify upstream TLS certificates.")
+@click.option("--upstream-timeout", type=float,
+              help="Seconds an LLM call's upstream may stay silent (before its answer begins, or between "
+                   "two pieces of a stream); past it the call is ended (504, or an error event in a "
+                   "stream) and recorded as upstream_timeout. Default: no limit.")
 @click.option("--listen-host", default="127.0.0.1", show_default=True)
 @click.option("--listen-port", default=8080, show_default=True, type=int)
 @click.option("--reverse-port", type=int, help="Also run mitmproxy's reverse mode on this port.")

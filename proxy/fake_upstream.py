@@ -41,12 +41,14 @@ names: `strict_model=True`). With chunk_delay_s=0 a stream's events leave in one
 set a delay to see them arrive one by one. Not modelled: echo, prompt_logprobs,
 continuous_usage_stats, reasoning, beam search.
 Magic strings in the last user message (or the completions prompt) inject faults:
-`__status:NNN__`, `__sleep:S__`, `__broken_sse__`, `__drop__`, `__long:N__`, and two that act only
-on what the request asks for: `__nan_logprob__` makes the second token's logprob NaN, as vLLM's CPU
-build gives past a model's max_position_embeddings (a whole body then cannot be written as JSON:
-400 "Out of range float values are not JSON compliant"; a stream sends that logprob as `null`, as
-pydantic writes NaN), and `__reject_token_ids__` answers 400 to a request with `return_token_ids`
-(an upstream that does not know the field).
+`__status:NNN__`, `__sleep:S__` (before the answer), `__stall:S__` (a stream stops for S seconds
+after its first event), `__drip:S__` (S seconds between a stream's events), `__broken_sse__`,
+`__drop__`, `__long:N__`, and two that act only on what the request asks for: `__nan_logprob__`
+makes the second token's logprob NaN, as vLLM's CPU build gives past a model's
+max_position_embeddings (a whole body then cannot be written as JSON: 400 "Out of range float
+values are not JSON compliant"; a stream sends that logprob as `null`, as pydantic writes NaN), and
+`__reject_token_ids__` answers 400 to a request with `return_token_ids` (an upstream that does not
+know the field).
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ from aiohttp import web
 
 VLLM_VERSION = "0.32.0"
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-_MAGIC = re.compile(r"__(status|sleep|long):([0-9.]+)__|__(broken_sse|drop|nan_logprob|reject_token_ids)__")
+_MAGIC = re.compile(r"__(status|sleep|stall|drip|long):([0-9.]+)__"
+                    r"|__(broken_sse|drop|nan_logprob|reject_token_ids)__")
 NAN_POSITION = 1  # the token whose logprob __nan_logprob__ makes NaN
 Json = dict[str, Any]
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -179,6 +182,8 @@ def completion_logprobs(ids: list[int], start: int, k: int, offset: int, as_ids:
 class Faults:
     status: int | None = None
     sleep: float = 0.0
+    stall: float = 0.0
+    drip: float = 0.0
     long: int | None = None
     broken_sse: bool = False
     drop: bool = False
@@ -190,8 +195,9 @@ def parse_faults(text: str) -> Faults:
     found = {kind or flag: value for kind, value, flag in _MAGIC.findall(text)}
     status, long = found.get("status"), found.get("long")
     return Faults(None if status is None else int(float(status)), float(found.get("sleep", 0)),
-                  None if long is None else int(float(long)), "broken_sse" in found,
-                  "drop" in found, "nan_logprob" in found, "reject_token_ids" in found)
+                  float(found.get("stall", 0)), float(found.get("drip", 0)),
+                  None if long is None else int(float(long)),
+                  "broken_sse" in found, "drop" in found, "nan_logprob" in found, "reject_token_ids" in found)
 
 
 @dataclass
@@ -368,8 +374,9 @@ async def _stream(call: _Call, events: Iterator[Json]) -> web.StreamResponse:
     await resp.prepare(call.request)
     if call.faults.sleep:
         await asyncio.sleep(call.faults.sleep)
-    delay, faults = call.request.app[_CONFIG]["chunk_delay_s"], call.faults
-    if not (delay or faults.broken_sse or faults.drop):  # nothing to observe between events:
+    faults = call.faults
+    delay = faults.drip or call.request.app[_CONFIG]["chunk_delay_s"]
+    if not (delay or faults.broken_sse or faults.drop or faults.stall):  # nothing to observe between events:
         await resp.write(b"".join(b"data: %s\n\n" % _dumps(e).encode() for e in events)
                          + b"data: [DONE]\n\n")  # one write is much cheaper
         await resp.write_eof()
@@ -377,6 +384,8 @@ async def _stream(call: _Call, events: Iterator[Json]) -> web.StreamResponse:
     for n, event in enumerate(events):
         if n and delay:
             await asyncio.sleep(delay)
+        if n == 1 and faults.stall:
+            await asyncio.sleep(faults.stall)
         await resp.write(b"data: " + _dumps(event).encode() + b"\n\n")
         if faults.broken_sse:
             await resp.write(b"data: {not json\n\n")

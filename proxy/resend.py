@@ -24,6 +24,7 @@ class Resender:
     ca_bundle: str | None = None
     insecure: bool = False
     timeout_s: float = 3600.0
+    read_timeout_s: float | None = None  # the longest silence while reading (--upstream-timeout)
     _session: aiohttp.ClientSession | None = None
 
     def _ssl(self) -> ssl.SSLContext | bool:
@@ -35,8 +36,8 @@ class Resender:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=self._ssl(), limit=0),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s), auto_decompress=False,
-                trust_env=False)
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_read=self.read_timeout_s),
+                auto_decompress=False, trust_env=False)
         return self._session
 
     async def send(self, request: http.Request, body: bytes) -> http.Response:

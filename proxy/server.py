@@ -39,6 +39,7 @@ class ProxyConfig:
     upstream_api_key: str | None = None
     upstream_ca: Path | None = None
     upstream_insecure: bool = False
+    upstream_timeout: float | None = None  # seconds of upstream silence before a call is ended
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
     reverse_port: int | None = None
@@ -71,6 +72,9 @@ class ProxyConfig:
             raise ConfigError(f"--capture-tokens must be auto, on or off, not {self.capture_tokens!r}")
         if self.reverse_port is not None and self.upstream is None:
             raise ConfigError("--reverse-port needs --upstream (reverse mode forwards to it)")
+        if self.upstream_timeout is not None and not self.upstream_timeout > 0:
+            raise ConfigError(f"--upstream-timeout must be a positive number of seconds, "
+                              f"not {self.upstream_timeout}")
         if self.upstream_ca is not None and not Path(self.upstream_ca).is_file():
             raise ConfigError(f"--upstream-ca {self.upstream_ca} is not a file")
         ports = [p for p in (self.listen_port, self.control_port, self.reverse_port) if p]
@@ -188,7 +192,9 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         writer=writer,
         rewards=rewards,
         egress_log=egress_log,
-        resender=Resender(ca_bundle=_upstream_ca_bundle(cfg), insecure=cfg.upstream_insecure),
+        resender=Resender(ca_bundle=_upstream_ca_bundle(cfg), insecure=cfg.upstream_insecure,
+                          read_timeout_s=cfg.upstream_timeout),
+        upstream_timeout_s=cfg.upstream_timeout,
         gate=Gate(cfg.pause_mode, cfg.policy_version),
         upstream=cfg.upstream.rstrip("/") if cfg.upstream else None,
         served_model=cfg.served_model,

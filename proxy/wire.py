@@ -394,6 +394,12 @@ def event_data(event: bytes) -> bytes | None:
     return b"\n".join(data)
 
 
+def error_event(message: str, kind: str = "upstream_timeout") -> bytes:
+    """An SSE event in the shape OpenAI's API sends a mid-stream error in (its SDKs raise it)."""
+    error = {"message": message, "type": kind, "param": None, "code": None}
+    return b"data: " + dumps({"error": error}) + b"\n\n"
+
+
 def rebuild_event(event: bytes, data: bytes) -> bytes:
     """``event`` with its data field replaced by ``data``; other fields (event:, id:) kept."""
     if event.startswith(b"data:") and event.count(b"\n") <= 2 and b"\r" not in event:

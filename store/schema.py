@@ -17,7 +17,8 @@ TABLE_KEY = b"lgt.table"
 # Call status values written by the proxy.
 STATUS_OK = "ok"  # 2xx and, when streamed, the stream ended with [DONE]
 STATUS_HTTP_ERROR = "http_error"  # the upstream answered 4xx/5xx (passed to the agent unchanged)
-STATUS_UPSTREAM_ERROR = "upstream_error"  # no answer: connect failure, reset, upstream timeout
+STATUS_UPSTREAM_ERROR = "upstream_error"  # no answer: connect failure, reset
+STATUS_UPSTREAM_TIMEOUT = "upstream_timeout"  # the upstream was silent past --upstream-timeout (504)
 STATUS_STREAM_ERROR = "stream_error"  # a stream that ended without [DONE] or carried broken events
 STATUS_CLIENT_DISCONNECT = "client_disconnect"  # the agent went away before the call completed
 STATUS_REJECTED = "rejected"  # answered by the proxy itself (pause in reject mode, bad request)
@@ -25,6 +26,7 @@ STATUSES = (
     STATUS_OK,
     STATUS_HTTP_ERROR,
     STATUS_UPSTREAM_ERROR,
+    STATUS_UPSTREAM_TIMEOUT,
     STATUS_STREAM_ERROR,
     STATUS_CLIENT_DISCONNECT,
     STATUS_REJECTED,

@@ -71,6 +71,7 @@ class ProxySection:
     port: int = 0
     control_port: int = 0
     command: tuple[str, ...] | None = None  # how to start lgt-proxy; default: found next to this install
+    upstream_timeout_s: float | None = None  # the started proxy's --upstream-timeout (none: no limit)
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,10 @@ def validate(cfg: RunConfig) -> None:
         need(cfg.proxy.url.startswith(("http://", "https://")),
              f"proxy.url must be the control API's http(s) URL, not {cfg.proxy.url!r}")
         need(cfg.store is not None, "store is required with proxy.url: the running proxy's --store folder")
+        need(cfg.proxy.upstream_timeout_s is None, "proxy.upstream_timeout_s sets a proxy the run starts; "
+             "give the running proxy --upstream-timeout instead")
+    t = cfg.proxy.upstream_timeout_s
+    need(t is None or t > 0, f"proxy.upstream_timeout_s must be a positive number of seconds, not {t}")
 
 
 def load_tasks(path: Path) -> list[dict[str, Any]]:

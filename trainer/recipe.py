@@ -270,7 +270,8 @@ class Recipe:
             self.proxy = ProxyClient.start(
                 self.store, self.engine.url, log_path=self.run_dir / "logs" / "proxy.log",
                 policy_version=self.version, port=cfg.proxy.port, control_port=cfg.proxy.control_port,
-                command=list(cfg.proxy.command) if cfg.proxy.command else None)
+                command=list(cfg.proxy.command) if cfg.proxy.command else None,
+                upstream_timeout=cfg.proxy.upstream_timeout_s)
         self.warm_up()
         self.next_group = self.first_free_group()
         if self.resume:
