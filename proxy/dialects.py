@@ -232,6 +232,13 @@ def responses_to_chat(req: dict[str, Any], history: list[dict[str, Any]] | None 
             out[key] = req[key]
     if req.get("max_output_tokens") is not None:
         out["max_tokens"] = req["max_output_tokens"]
+    if wants_logprobs(req):  # the agent's own: the engine's chat logprobs, passed on in its API
+        out["logprobs"] = True
+        top = req.get("top_logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+            raise BadRequest(f"'top_logprobs' must be an integer from 0 to 20, not {top!r}")
+        if top:
+            out["top_logprobs"] = top
     if req.get("tools"):
         out["tools"] = _responses_tools(req["tools"])
     if req.get("tool_choice") is not None and out.get("tools"):
@@ -245,6 +252,31 @@ def responses_to_chat(req: dict[str, Any], history: list[dict[str, Any]] | None 
     if req.get("stream"):
         out["stream"] = True
         out["stream_options"] = {"include_usage": True}
+    return out
+
+
+def wants_logprobs(req: dict[str, Any]) -> bool:
+    """A Responses request that asks for its output text's logprobs."""
+    include = req.get("include")
+    return isinstance(include, list) and "message.output_text.logprobs" in include
+
+
+def _text_logprobs(content: Any, text: str) -> list[dict[str, Any]]:
+    """Responses logprob items for ``text`` from a chat ``logprobs.content`` list: its leading
+    entries, as many as spell ``text`` (a whole answer's list also covers tool-call tokens)."""
+    out: list[dict[str, Any]] = []
+    covered = 0
+    def item(e: dict[str, Any]) -> dict[str, Any]:
+        return {"token": e["token"], "logprob": e.get("logprob"),
+                "bytes": e.get("bytes") or list(e["token"].encode())}
+
+    for e in content if isinstance(content, list) else ():
+        if covered >= len(text) or not isinstance(e, dict) or not isinstance(e.get("token"), str):
+            break
+        top = [item(t) for t in e.get("top_logprobs") or ()
+               if isinstance(t, dict) and isinstance(t.get("token"), str)]
+        out.append({**item(e), "top_logprobs": top})
+        covered += len(e["token"])
     return out
 
 
@@ -438,6 +470,7 @@ class Translator:
     reasoning_closed: bool = False
     items: int = 0  # output items / content blocks opened so far
     tools: dict[int, _Tool] = field(default_factory=dict)
+    text_logprobs: list[dict[str, Any]] = field(default_factory=list)  # when the agent asked for them
     finish_reason: str | None = None
     stop_reason: Any = None
 
@@ -483,7 +516,7 @@ class Translator:
                 "content": [] if status == "in_progress" else [self._text_part()]}
 
     def _text_part(self) -> dict[str, Any]:
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.text_logprobs}
 
     def _reasoning_item(self) -> dict[str, Any]:
         return {"id": self.reasoning_id, "type": "reasoning", "summary": [],
@@ -545,7 +578,7 @@ class Translator:
         if self.api == RESPONSES:
             at = {"item_id": self.text_id, "output_index": self.text_index}
             return [self._event("response.output_text.done", {**at, "content_index": 0, "text": self.text,
-                                                              "logprobs": []}),
+                                                              "logprobs": self.text_logprobs}),
                     self._event("response.content_part.done", {**at, "content_index": 0,
                                                                "part": self._text_part()}),
                     self._event("response.output_item.done", {"output_index": self.text_index,
@@ -589,7 +622,7 @@ class Translator:
                                                     "delta": {"type": "signature_delta", "signature": ""}}),
                 self._event("content_block_stop", {"index": self.reasoning_index})]
 
-    def _text_delta(self, delta: str) -> list[bytes]:
+    def _text_delta(self, delta: str, logprobs: list[dict[str, Any]] = ()) -> list[bytes]:
         out = self._close_reasoning()
         if self.text_index < 0:
             self.text_index, self.text_id, self.text_open = self.items, _new_id("msg"), True
@@ -605,12 +638,17 @@ class Translator:
                     "index": self.text_index, "content_block": {"type": "text", "text": ""}}))
         elif not self.text_open:  # text after a tool call began (a parser's leftovers): kept in the
             self.text += delta      # final answer, not streamed into a closed item
+            self.text_logprobs += logprobs
             return out
         self.text += delta
+        self.text_logprobs += logprobs
         if self.api == RESPONSES:
             out.append(self._event("response.output_text.delta", {
                 "item_id": self.text_id, "output_index": self.text_index, "content_index": 0,
-                "delta": delta, "logprobs": []}))
+                "delta": delta, "logprobs": [
+                    {"token": lp["token"], "logprob": lp["logprob"],
+                     "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]}
+                                      for t in lp["top_logprobs"]]} for lp in logprobs]}))
         else:
             out.append(self._event("content_block_delta", {
                 "index": self.text_index, "delta": {"type": "text_delta", "text": delta}}))
@@ -681,7 +719,11 @@ class Translator:
                     out += self._reasoning_delta(delta[key])
                     break
             if isinstance(delta.get("content"), str) and delta["content"]:
-                out += self._text_delta(delta["content"])
+                lps = ()
+                if self.api == RESPONSES and wants_logprobs(self.request):
+                    lp = ch.get("logprobs") if isinstance(ch.get("logprobs"), dict) else {}
+                    lps = _text_logprobs(lp.get("content"), delta["content"])
+                out += self._text_delta(delta["content"], lps)
             for tc in delta.get("tool_calls") or ():
                 if isinstance(tc, dict):
                     out += self._tool_delta(tc)
@@ -742,7 +784,8 @@ class Translator:
             delta["tool_calls"] = [{**tc, "index": i} for i, tc in enumerate(calls) if isinstance(tc, dict)]
             self.started = True  # no events: only the state they would build
             self.chunk({"choices": [{"index": 0, "delta": delta, "finish_reason": first.get("finish_reason"),
-                                     "stop_reason": first.get("stop_reason")}]})
+                                     "stop_reason": first.get("stop_reason"),
+                                     "logprobs": first.get("logprobs")}]})
         return self.final(capture)
 
     def history(self) -> list[dict[str, Any]]:

@@ -338,6 +338,36 @@ def test_responses_function_call_and_its_output(proxy, upstream, agent_env, roll
     assert rows[1]["prompt_token_ids"][:len(rows[0]["prompt_token_ids"])] == rows[0]["prompt_token_ids"]
 
 
+def test_responses_logprobs_the_agent_asks_for_are_the_engines(proxy, upstream, agent_env, rollout):
+    """``include: ["message.output_text.logprobs"]`` (+ ``top_logprobs``): the output text carries one
+    logprob per generated token, the engine's own (the ones recorded), whole and streamed; without the
+    include the agent gets none, as from OpenAI."""
+    req = {"model": MODEL, "input": "What is 6 times 7?", "max_output_tokens": 32,
+           "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    with openai_client() as client:
+        whole = client.responses.create(**req)
+        deltas = []
+        with client.responses.stream(**req) as stream:
+            for event in stream:
+                if event.type == "response.output_text.delta":
+                    deltas += event.logprobs
+            final = stream.get_final_response()
+        plain = client.responses.create(model=MODEL, input="What is 6 times 7?", max_output_tokens=32)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.responses.create(**{**req, "top_logprobs": 21})
+        assert "'top_logprobs' must be an integer from 0 to 20, not 21" in str(bad.value)
+    rows = recorded(proxy, rollout)
+    want = rows[0]["response_logprobs"]
+    for got in (whole.output[0].content[0].logprobs, final.output[0].content[0].logprobs, deltas):
+        assert [lp.logprob for lp in got] == pytest.approx(want, abs=1e-6) and len(want) > 3
+        assert "".join(lp.token for lp in got) == whole.output_text
+        assert all(len(lp.top_logprobs) == 2 for lp in got)
+    assert whole.output[0].content[0].logprobs[0].bytes == list(whole.output[0].content[0].logprobs[0]
+                                                                 .token.encode())
+    assert plain.output[0].content[0].logprobs == []
+    assert [r["capture"] for r in rows] == ["full"] * 3  # the agent's own ask still fills the record
+
+
 def test_responses_errors_in_the_apis_shape(proxy, agent_env, rollout):
     with openai_client() as client:
         with pytest.raises(openai.BadRequestError) as e:

@@ -211,7 +211,8 @@ def test_responses_and_messages_sdks_get_what_vllm_serves(real_proxy: ProxyProc,
     anthropic = pytest.importorskip("anthropic")
     openai = pytest.importorskip("openai")
     question = "What is 2+3?"
-    ask_r = {"input": question, "max_output_tokens": 12, "temperature": 0}
+    ask_r = {"input": question, "max_output_tokens": 12, "temperature": 0,
+             "include": ["message.output_text.logprobs"], "top_logprobs": 2}
     ask_m = {"max_tokens": 12, "extra_body": {"temperature": 0},  # this SDK has no temperature argument
              "messages": [{"role": "user", "content": question}]}
     oai, ant = dict(api_key="sk-x", max_retries=0), dict(api_key="sk-ant-x", max_retries=0)
@@ -228,6 +229,10 @@ def test_responses_and_messages_sdks_get_what_vllm_serves(real_proxy: ProxyProc,
     got_m = anthropic.Anthropic(base_url="https://api.anthropic.invalid", **ant).messages.create(
         model="claude-x", **ask_m)
     assert got_r.output_text == want_r.output_text and got_r.model == "gpt-5-mini"
+    got_lp, want_lp = got_r.output[0].content[0].logprobs, want_r.output[0].content[0].logprobs
+    assert [lp.token for lp in got_lp] == [lp.token for lp in want_lp] and got_lp  # the agent's own ask
+    assert [lp.logprob for lp in got_lp] == pytest.approx([lp.logprob for lp in want_lp], abs=1e-3)
+    assert all(len(lp.top_logprobs) == 2 for lp in got_lp)
     assert got_m.content[0].text == want_m.content[0].text and got_m.model == "claude-x"
     assert got_m.usage.input_tokens == want_m.usage.input_tokens
     rows = real_proxy.calls("rollout_id = ?", [rollout])
