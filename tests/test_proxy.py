@@ -542,3 +542,33 @@ def test_an_evaluator_posts_rewards_to_the_control_api(proxy: ProxyProc, rollout
     status, body = proxy.client.request("POST", "/rewards", {"rollout_id": rollout, "value": None})
     assert status == 400 and "finite number" in body["error"]
     assert rewards_of(proxy, rollout) == [(0, None, 1.0, "proxy")]
+
+
+# -- listening for pods ---------------------------------------------------------------------------------
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses a TCP socket listens on for ``port`` (from /proc/net/tcp and tcp6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, hexport = local.partition(":")
+            if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                found.add(addr)
+    return found
+
+
+def test_listen_host_opens_the_proxy_to_pods_but_not_the_control_api(tmp_path, upstream) -> None:
+    """--listen-host 0.0.0.0 (agents in pods): the proxy listens on every interface, credentials
+    still required; the control API stays on loopback."""
+    p = ProxyProc(tmp_path / "store", upstream.url, "--listen-host", "0.0.0.0").start()
+    try:
+        assert listening(p.port) == {"00000000"}  # 0.0.0.0
+        assert listening(p.control_port) == {"0100007F"}  # 127.0.0.1
+        with httpx.Client(proxy=p.url, trust_env=False) as c:
+            assert c.post(f"{upstream.url}/completions", json=COMPLETION).status_code == 407
+        with client(p, "pod-rollout") as c:
+            assert c.post(f"{HOSTED}/completions", json=COMPLETION).status_code == 200
+    finally:
+        p.stop()
