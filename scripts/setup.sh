@@ -36,10 +36,10 @@ if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
   echo "setup: warning: no Python >= 3.12 found; mitmproxy 11 (h11<=0.14) on $("$py" --version)" >&2
   proxy_extra=("openai<3")
 fi
-build_venv .venv-proxy "$py" -e ".[proxy,inspect,test]" "${proxy_extra[@]}"
+build_venv .venv-proxy "$py" -e ".[proxy,inspect,test,clients]" "${proxy_extra[@]}"
 
 if [ "${LGT_SKIP_ENGINE:-0}" != 1 ]; then
-  build_venv .venv "$(find_python 3.11)" -e ".[engine,train,test]"
+  build_venv .venv "$(find_python 3.11)" -e ".[engine,train,k8s,test]"
   # PyPI's torchvision/torchaudio/torchcodec break vLLM's import next to the CPU torch wheel
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi

@@ -72,6 +72,7 @@ class ProxySection:
     control_port: int = 0
     command: tuple[str, ...] | None = None  # how to start lgt-proxy; default: found next to this install
     upstream_timeout_s: float | None = None  # the started proxy's --upstream-timeout (none: no limit)
+    listen_host: str = "127.0.0.1"  # where the started proxy listens for agents (0.0.0.0: pods too)
 
 
 @dataclass(frozen=True)

@@ -85,12 +85,15 @@ class ProxyClient:
     @classmethod
     def start(cls, store: Path, upstream: str, *, log_path: Path, policy_version: int = 0,
               port: int = 0, control_port: int = 0, command: list[str] | None = None,
-              upstream_timeout: float | None = None, timeout: float = 60) -> ProxyClient:
+              upstream_timeout: float | None = None, listen_host: str = "127.0.0.1",
+              timeout: float = 60) -> ProxyClient:
         port = port or free_port()
         control_port = control_port or free_port()
         cmd = [*(command or find_proxy_command()), "--store", str(store), "--upstream", upstream,
                "--served-model", "policy", "--listen-port", str(port), "--control-port", str(control_port),
                "--policy-version", str(policy_version), "--flush-seconds", "0.5"]
+        if listen_host != "127.0.0.1":
+            cmd += ["--listen-host", listen_host]
         if upstream_timeout is not None:
             cmd += ["--upstream-timeout", str(upstream_timeout)]
         env = {k: v for k, v in os.environ.items()

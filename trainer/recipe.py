@@ -78,6 +78,7 @@ class Group:
     version: int  # policy version when launched
     results: list[Any] = field(default_factory=list)
     pending: int = 0
+    recovered_ok: int = 0  # rollouts that finished ok before a restart (their rows are in the store)
 
     @property
     def group_id(self) -> str:
@@ -271,7 +272,7 @@ class Recipe:
                 self.store, self.engine.url, log_path=self.run_dir / "logs" / "proxy.log",
                 policy_version=self.version, port=cfg.proxy.port, control_port=cfg.proxy.control_port,
                 command=list(cfg.proxy.command) if cfg.proxy.command else None,
-                upstream_timeout=cfg.proxy.upstream_timeout_s)
+                upstream_timeout=cfg.proxy.upstream_timeout_s, listen_host=cfg.proxy.listen_host)
         self.warm_up()
         self.next_group = self.first_free_group()
         if self.resume:
@@ -462,9 +463,65 @@ class Recipe:
             self._rollout_tasks.add(t)
             t.add_done_callback(self._rollout_tasks.discard)
 
-    async def one_rollout(self, g: Group, k: int) -> None:
+    async def adopt_jobs(self) -> None:
+        """runner: kubernetes, on --resume: the groups whose Jobs outlived the old controller are
+        finished — each rollout from the attempt its Job runs (adopted: waited for, or collected if it
+        ended meanwhile, never made twice), or the next attempt, or not at all when it had ended."""
+        jobs = await self.controller.existing_jobs()
+        by_group: dict[str, list[dict[str, str]]] = {}
+        for j in jobs:
+            if j.get("group", "").startswith("g") and j["group"][1:].isdigit():
+                by_group.setdefault(j["group"], []).append(j)
+        if not by_group:
+            return
+        con = connect(self.store)
         try:
-            res = await self.controller.run(g.task, g.rollout_id(k), g.group_id, g.version)
+            recorded: dict[str, dict[int, str]] = {}
+            for rid, attempt, status in con.execute(
+                    "SELECT rollout_id, attempt, status FROM rollouts_log WHERE group_id IN "
+                    f"({', '.join('?' * len(by_group))})", list(by_group)).fetchall():
+                recorded.setdefault(rid, {})[attempt] = status
+        finally:
+            con.close()
+        by_id = {t["task_id"]: t for t in self.tasks}
+        adopted = 0
+        for gid, group_jobs in sorted(by_group.items()):
+            task = by_id.get(group_jobs[0].get("task", ""))
+            if gid in self.trained_groups or gid in self.groups or task is None:
+                continue
+            g = Group(index=int(gid[1:]), task=task, version=int(group_jobs[0].get("step") or 0))
+            self.next_group = max(self.next_group, g.index + 1)
+            todo = []
+            for k in range(self.cfg.group_size):
+                rid = g.rollout_id(k)
+                rec = recorded.get(rid, {})
+                job_attempts = [int(j["attempt"]) for j in group_jobs if j.get("rollout") == rid]
+                last = max(rec, default=-1)
+                if job_attempts and max(job_attempts) > last:
+                    todo.append((k, max(job_attempts)))  # its Job: adopted
+                    adopted += 1
+                elif rec and (rec[last] == "ok" or last >= self.cfg.agent.retries):
+                    g.recovered_ok += rec[last] == "ok"
+                else:
+                    todo.append((k, last + 1))
+            self.groups[gid] = g
+            g.pending = len(todo)
+            if not todo:
+                self.groups.pop(gid)
+                if g.recovered_ok:
+                    self.ready.append(g)
+                continue
+            for k, first in todo:
+                t = asyncio.get_running_loop().create_task(self.one_rollout(g, k, first))
+                self._rollout_tasks.add(t)
+                t.add_done_callback(self._rollout_tasks.discard)
+        self.log(f"resumed {len(by_group)} group(s) whose Jobs outlived the last run: "
+                 f"{adopted} Job(s) adopted")
+
+    async def one_rollout(self, g: Group, k: int, first_attempt: int = 0) -> None:
+        try:
+            res = await self.controller.run(g.task, g.rollout_id(k), g.group_id, g.version,
+                                            first_attempt=first_attempt)
         except Exception as e:  # noqa: BLE001 - one rollout's crash must not end the run
             self.log(f"rollout {g.rollout_id(k)} could not run: {e}")
             res = None
@@ -475,7 +532,7 @@ class Recipe:
             with open(self.run_dir / "rollouts.jsonl", "a") as f:
                 f.write(json.dumps(_result_row(res), default=str) + "\n")
         if g.done:
-            if any(r is not None and r.status == "ok" for r in g.results):
+            if g.recovered_ok or any(r is not None and r.status == "ok" for r in g.results):
                 self.ready.append(g)
             else:
                 self.log(f"group {g.group_id}: every rollout failed; see {self.run_dir / 'rollouts'}")
@@ -614,6 +671,8 @@ class Recipe:
         self.first_group_this_run = self.next_group
         self.version_at_start = self.version
         try:
+            if self.resume and self.cfg.agent.runner == "kubernetes":
+                await self.adopt_jobs()
             if self.cfg.eval is not None:
                 done = {r.get("step") for r in read_jsonl(self.run_dir / evaluation.EVAL_FILE)}
                 self.last_eval_step = self.step if self.step in done else None

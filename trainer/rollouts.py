@@ -51,7 +51,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lgt.proxy import auth
 from lgt.proxy.client import ControlClient, resolve_token
@@ -60,8 +60,13 @@ from lgt.store.schema import ROLLOUT_SPLITS
 
 from .forkserver import ForkedProcess, ForkServer, ForkServerError, python_script_command
 
+if TYPE_CHECKING:
+    from .kube import KubeRunner
+
 PROXY_MODES = ("https_proxy", "base_url")
+RUNNERS = ("local", "kubernetes")
 PROXY_VARS = ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy")
+CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")
 # Taken out of the machine's environment before a rollout's are added: proxy and CA settings the
 # machine sets globally (they would send the agent elsewhere or distrust the proxy's CA), and the
 # proxy's secrets (an agent holding them could mint other rollouts' credentials).
@@ -104,7 +109,7 @@ class AgentSpec:
     may be a bare number that is not its reward).
     """
 
-    command: tuple[str, ...]
+    command: tuple[str, ...] = ()
     cwd: Path | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     proxy_mode: str = "https_proxy"
@@ -116,10 +121,32 @@ class AgentSpec:
     # Python agents only (``python agent.py ...``): modules a fork server imports once, so each rollout
     # starts warm; ``auto`` learns them from the first rollouts' imports
     python_preload: tuple[str, ...] | None = None
+    # ``kubernetes``: each attempt is a Job from ``job_template`` (:mod:`lgt.trainer.kube`), its pod
+    # reaching the proxy at ``proxy_host``
+    runner: str = "local"
+    job_template: Path | None = None
+    namespace: str = "default"
+    kubeconfig: Path | None = None
+    proxy_host: str | None = None
+    jobs_per_s: float = 50.0
+    job_ttl_s: int = 3600
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise RolloutError(f"agent runner must be one of {', '.join(RUNNERS)}, not {self.runner!r}")
         command = (self.command,) if isinstance(self.command, str) else tuple(self.command or ())
-        if not command or not all(isinstance(a, str) for a in command) or not command[0]:
+        if self.runner == "kubernetes":
+            if command:
+                raise RolloutError("agent command is not used with runner: kubernetes (the job template's "
+                                   "first container runs the agent); leave it out")
+            if self.job_template is None or not self.proxy_host:
+                raise RolloutError("runner: kubernetes needs agent job_template (a Job manifest) and "
+                                   "proxy_host (the address its pods reach lgt-proxy at)")
+            if self.python_preload is not None:
+                raise RolloutError("agent python_preload is for local processes, not runner: kubernetes")
+            if not self.jobs_per_s > 0 or self.job_ttl_s < 0:
+                raise RolloutError("agent jobs_per_s must be positive and job_ttl_s ≥ 0")
+        elif not command or not all(isinstance(a, str) for a in command) or not command[0]:
             raise RolloutError(f"the agent command must be a non-empty list of strings, not {self.command!r}")
         object.__setattr__(self, "command", command)
         if self.evaluator is not None:
@@ -187,9 +214,18 @@ def check_agent(agent: AgentSpec, environ: Mapping[str, str] | None = None) -> N
     """Refuse an agent spec that cannot start: missing cwd, command or evaluator not found or not
     executable, an ``env`` value naming a variable no rollout has. Starts nothing."""
     environ = os.environ if environ is None else environ
-    if agent.cwd is not None and not agent.cwd.is_dir():
+    if agent.runner == "kubernetes":
+        from .kube import load_template
+
+        try:
+            load_template(agent.job_template)
+        except RuntimeError as e:
+            raise RolloutError(str(e)) from None
+        environ = {}  # a pod has only the rollout's variables
+    elif agent.cwd is not None and not agent.cwd.is_dir():
         raise RolloutError(f"the agent's working directory {str(agent.cwd)!r} does not exist")
-    resolve_executable(agent.command[0], agent.cwd, environ.get("PATH"), "agent command")
+    if agent.runner == "local":
+        resolve_executable(agent.command[0], agent.cwd, environ.get("PATH"), "agent command")
     if agent.evaluator is not None:
         resolve_executable(agent.evaluator[0], agent.cwd, environ.get("PATH"), "evaluator command")
     known = set(environ) | ROLLOUT_VARS | set(RESERVED_VARS)
@@ -220,8 +256,8 @@ class ProxyEndpoint:
     def control_url(self) -> str:
         return f"http://{self.host}:{self.control_port}"
 
-    def rollout_env(self, rollout_id: str, attempt: int = 0,
-                    proxy_mode: str = "https_proxy", *, greedy: bool = False) -> dict[str, str]:
+    def rollout_env(self, rollout_id: str, attempt: int = 0, proxy_mode: str = "https_proxy", *,
+                    greedy: bool = False, host: str | None = None) -> dict[str, str]:
         """The proxy variables of one rollout attempt (``base_url`` mode: no ``HTTP(S)_PROXY``, and
         ``LGT_REWARD_URL`` is the reverse-mode reward path). With ``HTTPS_PROXY`` every HTTPS
         connection goes through the proxy, so the CA variables name the proxy's CA alone (loading
@@ -232,8 +268,8 @@ class ProxyEndpoint:
         if not ca.exists():
             raise ProxyControlError(f"the proxy's CA certificate {ca} does not exist: start lgt-proxy with "
                                     f"--store {self.store} before running rollouts")
-        env = auth.rollout_env(self.store, rollout_id, attempt=attempt, host=self.host, port=self.port,
-                               secret_file=self.secret_file,
+        env = auth.rollout_env(self.store, rollout_id, attempt=attempt, host=host or self.host,
+                               port=self.port, secret_file=self.secret_file,
                                ca="proxy" if proxy_mode == "https_proxy" else "system+proxy", greedy=greedy)
         if proxy_mode == "base_url":
             for var in PROXY_VARS:
@@ -447,14 +483,17 @@ class RolloutController:
         self._closed = False
         self._forkserver: ForkServer | None = None
         self._forkserver_lock = asyncio.Lock()
+        self._kube: KubeRunner | None = None  # runner: kubernetes (started on first use)
+        self._kube_lock = asyncio.Lock()
 
     # -- public ---------------------------------------------------------------------------------------
     async def run(self, task: Mapping[str, Any], rollout_id: str, group_id: str | None = None,
                   step: int | None = None, *, task_id: str | None = None, split: str = "train",
-                  greedy: bool = False) -> RolloutResult:
+                  greedy: bool = False, first_attempt: int = 0) -> RolloutResult:
         """Run attempt 0, then 1, 2, ... while they fail or time out, up to ``agent.retries`` extra;
         returns the last attempt's result. ``split="eval"`` records a held-out evaluation rollout
-        (never trained); ``greedy`` has the proxy decode its calls greedily. RolloutError for a bad
+        (never trained); ``greedy`` has the proxy decode its calls greedily; ``first_attempt`` continues a
+        rollout whose earlier attempts ran before a restart. RolloutError for a bad
         task or rollout id (nothing runs); ProxyControlError when the proxy's CA is not in the store
         yet; ControlError when the proxy does not answer a reward lookup (its rewards would be
         missed)."""
@@ -476,7 +515,7 @@ class RolloutController:
         fields = task_env(task, self.agent.task_env_prefix)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         result = None
-        for attempt in range(self.agent.retries + 1):
+        for attempt in range(first_attempt, max(first_attempt, self.agent.retries) + 1):
             result = await self._attempt(task_json, fields, rollout_id, attempt, task_id, group_id, step,
                                          split=split, greedy=greedy)
             if result.ok or self._closed:
@@ -488,6 +527,17 @@ class RolloutController:
         self.failed += not result.ok
         return result
 
+    async def existing_jobs(self) -> list[dict[str, str]]:
+        """runner: kubernetes — the run's Jobs that exist in the cluster now (labels ``rollout``,
+        ``attempt``, ``group``, ``task``, ``step``), e.g. after a restart; ``[]`` for local processes."""
+        if self.agent.runner != "kubernetes":
+            return []
+        error = await self._kube_runner()
+        if error is not None:
+            raise RolloutError(error)
+        assert self._kube is not None
+        return self._kube.existing()
+
     async def aclose(self) -> None:
         """Stop everything still running (SIGTERM to each process group, SIGKILL after the grace
         period); later ``run`` calls are refused. Safe to call twice."""
@@ -498,6 +548,8 @@ class RolloutController:
         await asyncio.gather(*(self._reap(proc) for proc in procs))
         if self._forkserver is not None:
             await self._forkserver.aclose()
+        if self._kube is not None:
+            await self._kube.aclose(delete=True)
         if self._rows[0] or self._rows[1]:
             await asyncio.to_thread(self.flush_records)
 
@@ -541,8 +593,12 @@ class RolloutController:
                                     started, 0.0, paths, "the controller was closed before it started")
             self.running += 1
             try:
-                code, timed_out, error = await self._execute(self.agent.command, env, paths.stdout,
-                                                             paths.stderr, forked=self._preload is not None)
+                if self.agent.runner == "kubernetes":
+                    code, timed_out, error = await self._execute_job(
+                        fields, rollout_id, attempt, task_id, group_id, step, task_json, paths, greedy=greedy)
+                else:
+                    code, timed_out, error = await self._execute(
+                        self.agent.command, env, paths.stdout, paths.stderr, forked=self._preload is not None)
                 seconds = time.monotonic() - t0
                 ended = _now()
                 reward = source = None
@@ -613,6 +669,49 @@ class RolloutController:
         finally:
             self._procs.discard(proc)
         return code, timed_out, None
+
+    async def _execute_job(self, fields: Mapping[str, str], rollout_id: str, attempt: int, task_id: str,
+                           group_id: str | None, step: int | None, task_json: bytes, paths: _Paths, *,
+                           greedy: bool) -> tuple[int | None, bool, str | None]:
+        """One attempt as a Kubernetes Job (:mod:`lgt.trainer.kube`): the same variables as a local
+        process, minus the machine's own; what carries the rollout's token goes in its Secret."""
+        from .kube import MOUNT
+
+        error = await self._kube_runner()
+        if error is not None:
+            return None, False, error
+        assert self._kube is not None
+        proxy_env = self.proxy.rollout_env(rollout_id, attempt, self.agent.proxy_mode, greedy=greedy,
+                                           host=self.agent.proxy_host)
+        ca = Path(proxy_env["SSL_CERT_FILE"]).read_bytes()
+        plain = {k: f"{MOUNT}/ca.pem" if k in CA_VARS else v for k, v in proxy_env.items()}
+        plain.update(fields)
+        plain.update(TASK_JSON=f"{MOUNT}/task.json", TASK_ID=task_id)
+        plain.update({k: expand(v, plain, k) for k, v in self.agent.env.items()})
+        secret = {k: plain.pop(k) for k in list(plain)
+                  if k in PROXY_VARS or k == "LGT_PROXY_BASE_URL" or _carries_token(plain[k], proxy_env)}
+        return await self._kube.execute(
+            rollout_id=rollout_id, attempt=attempt, group_id=group_id, task_id=task_id, step=step,
+            plain_env=plain,
+            secret_env=secret, files={"ca.pem": ca, "task.json": task_json}, timeout_s=self.agent.timeout_s,
+            stdout=paths.stdout, stderr=paths.stderr)
+
+    async def _kube_runner(self) -> str | None:
+        """Start the Kubernetes runner on first use; the reason when it cannot start."""
+        from .kube import KubeError, KubeRunner
+
+        async with self._kube_lock:
+            if self._kube is None:
+                runner = KubeRunner(template=self.agent.job_template, namespace=self.agent.namespace,
+                                    run_dir=self.run_dir, run_name=self.run_dir.name,
+                                    kubeconfig=self.agent.kubeconfig, jobs_per_s=self.agent.jobs_per_s,
+                                    ttl_s=self.agent.job_ttl_s)
+                try:
+                    await runner.start()
+                except KubeError as e:
+                    return str(e)
+                self._kube = runner
+        return None
 
     async def _fork_server(self) -> ForkServer:
         """The warm interpreter (started on first use, and again if it died)."""
@@ -706,6 +805,13 @@ class RolloutController:
             self._rows = ([], [])
         add_rows(self.store, rollouts, rewards)
         return len(rollouts)
+
+
+def _carries_token(value: str, proxy_env: Mapping[str, str]) -> bool:
+    """Whether ``value`` holds the rollout's proxy token (it is in the proxy URL's user info)."""
+    url = proxy_env.get("LGT_PROXY_BASE_URL", "")
+    token = url.split("/r/", 1)[-1].split("/")[1] if "/r/" in url else ""
+    return bool(token) and token in value
 
 
 def _stderr_hint(path: Path) -> str:
