@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import ProxyProc
 from fake_kube import FakeKube
 from test_rollouts import AGENTS, attempts, endpoint, pid_dir, rewards  # noqa: F401 (a fixture)
 
@@ -317,3 +319,36 @@ def test_lgt_train_runs_arith_as_jobs_and_a_killed_trainer_resumes_them(tmp_path
     assert outlived <= recorded, "a Job that outlived the trainer was not collected"
     assert calls >= 16  # every rollout of both steps' groups made its call through the proxy
     assert cluster.objects("jobs") == [] and cluster.objects("configmaps") == []  # cleaned up at the end
+
+
+# -- a real cluster (skipped here) -------------------------------------------------------------------
+
+REAL_AGENT = """
+import json, os, urllib.request
+body = json.dumps({"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "2+3?"}]})
+req = urllib.request.Request("https://api.openai.invalid/v1/chat/completions", data=body.encode(),
+                             headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=60) as r:  # HTTPS_PROXY and SSL_CERT_FILE from the Secret
+    print(json.load(r)["choices"][0]["message"]["content"])
+print(1.0)
+"""
+
+
+@pytest.mark.k8s
+def test_a_real_cluster_runs_rollouts_as_jobs(tmp_path, upstream):
+    """Against the cluster in $KUBECONFIG: LGT_K8S_IMAGE (any image with python3), LGT_K8S_PROXY_HOST
+    (where its pods reach this machine, whose proxy listens on 0.0.0.0), LGT_K8S_NAMESPACE."""
+    need = ("KUBECONFIG", "LGT_K8S_IMAGE", "LGT_K8S_PROXY_HOST")
+    if not all(os.environ.get(v) for v in need):
+        pytest.skip(f"needs a Kubernetes cluster: set {', '.join(need)}")
+    job = template(tmp_path, image=os.environ["LGT_K8S_IMAGE"], command=["python3", "-c", REAL_AGENT])
+    agent = AgentSpec(runner="kubernetes", job_template=job, namespace=os.environ.get("LGT_K8S_NAMESPACE",
+                                                                                       "default"),
+                      proxy_host=os.environ["LGT_K8S_PROXY_HOST"], timeout_s=300, retries=0)
+    proxy = ProxyProc(tmp_path / "store", upstream.url, "--listen-host", "0.0.0.0").start()
+    try:
+        ctl = kube_controller(proxy, tmp_path, agent)
+        results = asyncio.run(run_and_close(ctl, [({"task_id": f"t{i}"}, f"real-{i}") for i in range(2)]))
+    finally:
+        proxy.stop()
+    assert [(r.status, r.reward) for r in results] == [("ok", 1.0)] * 2
