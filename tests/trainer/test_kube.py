@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import ProxyProc
 from fake_kube import FakeKube
 from test_rollouts import AGENTS, attempts, endpoint, pid_dir, rewards  # noqa: F401 (a fixture)
 
+from conftest import ProxyProc
 from lgt.store.query import connect
 from lgt.trainer import kube
 from lgt.trainer.rollouts import AgentSpec, RolloutController, RolloutError
