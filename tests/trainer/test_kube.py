@@ -18,7 +18,6 @@ import yaml
 from fake_kube import FakeKube
 from test_rollouts import AGENTS, attempts, endpoint, pid_dir, rewards  # noqa: F401 (a fixture)
 
-from conftest import ProxyProc
 from lgt.store.query import connect
 from lgt.trainer import kube
 from lgt.trainer.rollouts import AgentSpec, RolloutController, RolloutError
@@ -335,7 +334,7 @@ print(1.0)
 
 
 @pytest.mark.k8s
-def test_a_real_cluster_runs_rollouts_as_jobs(tmp_path, upstream):
+def test_a_real_cluster_runs_rollouts_as_jobs(tmp_path, upstream, request):
     """Against the cluster in $KUBECONFIG: LGT_K8S_IMAGE (any image with python3), LGT_K8S_PROXY_HOST
     (where its pods reach this machine, whose proxy listens on 0.0.0.0), LGT_K8S_NAMESPACE."""
     need = ("KUBECONFIG", "LGT_K8S_IMAGE", "LGT_K8S_PROXY_HOST")
@@ -345,7 +344,8 @@ def test_a_real_cluster_runs_rollouts_as_jobs(tmp_path, upstream):
     agent = AgentSpec(runner="kubernetes", job_template=job, namespace=os.environ.get("LGT_K8S_NAMESPACE",
                                                                                        "default"),
                       proxy_host=os.environ["LGT_K8S_PROXY_HOST"], timeout_s=300, retries=0)
-    proxy = ProxyProc(tmp_path / "store", upstream.url, "--listen-host", "0.0.0.0").start()
+    proxy_proc = type(request.getfixturevalue("proxy"))  # tests/conftest.py's ProxyProc
+    proxy = proxy_proc(tmp_path / "store", upstream.url, "--listen-host", "0.0.0.0").start()
     try:
         ctl = kube_controller(proxy, tmp_path, agent)
         results = asyncio.run(run_and_close(ctl, [({"task_id": f"t{i}"}, f"real-{i}") for i in range(2)]))
