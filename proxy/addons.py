@@ -69,6 +69,7 @@ class Runtime:
     upstream_api_key: str | None = None
     capture_tokens: bool = False
     upstream_timeout_s: float | None = None  # see deadline.py
+    listen: tuple[str, int] | None = None  # where agents reach this proxy (GET /state says it)
     resender: Resender = field(default_factory=Resender)  # asks the upstream again (see Record)
     egress: str = "allow"  # allow | allowlist | deny
     allow_hosts: tuple[str, ...] = ()

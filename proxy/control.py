@@ -3,7 +3,7 @@
     POST /pause   {"timeout": 60}          hold new LLM calls, return once none is in flight
                                            (504 with the state if they did not finish in time)
     POST /resume  {"policy_version": 3}    release held calls; new calls run under version 3
-    GET  /state                            paused, in_flight, held, policy_version, counts
+    GET  /state                            paused, in_flight, held, policy_version, counts, listen
     GET  /metrics                          Prometheus text
     POST /rewards {"rollout_id": "r1", "value": 1.0, "attempt": 0, "call_id": null}
                                            record a reward (an evaluator's; agents use lgt.invalid)
@@ -68,6 +68,8 @@ def state(rt: Runtime) -> dict[str, Any]:
         "rows_written": rt.writer.rows_written,
         "upstream": rt.upstream,
         "served_model": rt.served_model,
+        "listen": {"host": rt.listen[0], "port": rt.listen[1]} if rt.listen else None,
+        "session": rt.writer.session,
     }
 
 

@@ -195,6 +195,7 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         resender=Resender(ca_bundle=_upstream_ca_bundle(cfg), insecure=cfg.upstream_insecure,
                           read_timeout_s=cfg.upstream_timeout),
         upstream_timeout_s=cfg.upstream_timeout,
+        listen=(cfg.listen_host, cfg.listen_port),
         gate=Gate(cfg.pause_mode, cfg.policy_version),
         upstream=cfg.upstream.rstrip("/") if cfg.upstream else None,
         served_model=cfg.served_model,

@@ -66,7 +66,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class ProxySection:
-    url: str | None = None  # a running lgt-proxy's control URL; null: start one
+    url: tuple[str, ...] | None = None  # running lgt-proxy replicas' control URLs; null: start one
     token: str | None = None  # its control token (or LGT_CONTROL_TOKEN)
     port: int = 0
     control_port: int = 0
@@ -287,8 +287,10 @@ def validate(cfg: RunConfig) -> None:
          f"tasks must be a .jsonl or .parquet file, not {cfg.tasks.name}")
     need(cfg.max_minutes is None or cfg.max_minutes > 0, "max_minutes must be positive")
     if cfg.proxy.url is not None:
-        need(cfg.proxy.url.startswith(("http://", "https://")),
-             f"proxy.url must be the control API's http(s) URL, not {cfg.proxy.url!r}")
+        bad = [u for u in cfg.proxy.url if not u.startswith(("http://", "https://"))] or \
+            ([] if cfg.proxy.url else ["nothing"])
+        need(not bad, "proxy.url must be the control API's http(s) URL (or a list of them, one per "
+                      f"replica), not {bad[:1] and bad[0]!r}")
         need(cfg.store is not None, "store is required with proxy.url: the running proxy's --store folder")
         need(cfg.proxy.upstream_timeout_s is None, "proxy.upstream_timeout_s sets a proxy the run starts; "
              "give the running proxy --upstream-timeout instead")

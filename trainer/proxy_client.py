@@ -121,12 +121,23 @@ class ProxyClient:
                          f"its log: {log_path}")
 
     @classmethod
-    def connect(cls, store: Path, control_url: str, port: int, token: str | None = None) -> ProxyClient:
+    def connect(cls, store: Path, control_url: str, port: int = 0, token: str | None = None) -> ProxyClient:
         """A running proxy; ControlError unless it answers ``GET /state`` with this token
-        (:func:`resolve_token`: ``token``, ``$LGT_CONTROL_TOKEN`` or the store's secret)."""
+        (:func:`resolve_token`: ``token``, ``$LGT_CONTROL_TOKEN`` or the store's secret). ``port``: where
+        agents reach it (0: the port its ``GET /state`` says it listens on)."""
         client = cls(store=store, port=port, api=ControlClient(control_url, resolve_token(token, store)))
-        client.state()
+        state = client.state()
+        if not port:
+            client.port = int((state.get("listen") or {}).get("port") or 0)
+            if not client.port:
+                raise ProxyError(f"the proxy at {control_url} does not say which port agents use: give "
+                                 "proxy.port")
         return client
+
+    @property
+    def host(self) -> str:
+        """Where agents reach it: the control API's host."""
+        return self.control_url.split("://", 1)[-1].rsplit(":", 1)[0]
 
     def stop(self, timeout: float = 20) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -160,6 +171,70 @@ class ProxyClient:
         if self.proc is not None and self.proc.poll() is not None:
             raise ProxyError(f"lgt-proxy exited with code {self.proc.returncode}; its log "
                              f"({self.log_path}):\n{_tail(self.log_path)}")
+
+
+class ProxyGroup:
+    """Several proxy replicas on one store, driven as one: pause holds new calls on every replica and
+    returns once all have drained; resume, flush and state act on each (state summed). A replica that
+    does not answer is named (ProxyError). Each replica writes its own files in the store, so none
+    needs the others; one restarted on the store recovers its write-ahead log."""
+
+    def __init__(self, replicas: list[ProxyClient]) -> None:
+        if not replicas:
+            raise ValueError("a proxy group needs at least one replica")
+        self.replicas = replicas
+
+    def _each(self, fn: Any, *args: Any) -> list[Any]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from lgt.proxy.client import ControlError
+
+        def call(r: ProxyClient) -> Any:
+            try:
+                return fn(r, *args)
+            except (ControlError, OSError) as e:
+                raise ProxyError(f"proxy replica {r.control_url} did not answer: {e}") from None
+
+        if len(self.replicas) == 1:
+            return [call(self.replicas[0])]
+        with ThreadPoolExecutor(len(self.replicas)) as pool:
+            return list(pool.map(call, self.replicas))
+
+    def pause(self, timeout: float = 120) -> dict[str, Any]:
+        out = self._each(ProxyClient.pause, timeout)
+        return {"drained": all(o.get("drained", True) for o in out),
+                "drain_seconds": max(o.get("drain_seconds", 0.0) for o in out),
+                "in_flight_at_pause": sum(o.get("in_flight_at_pause", 0) for o in out), "replicas": out}
+
+    def resume(self, policy_version: int) -> dict[str, Any]:
+        return {"replicas": self._each(ProxyClient.resume, policy_version)}
+
+    def flush(self) -> dict[str, Any]:
+        out = self._each(ProxyClient.flush)
+        return {"rows_written": sum(o.get("rows_written", 0) for o in out), "replicas": out}
+
+    def state(self) -> dict[str, Any]:
+        """Every replica's ``GET /state``, numbers and counts summed (``paused``: all are)."""
+        out = self._each(ProxyClient.state)
+        sums: dict[str, Any] = {}
+        for o in out:
+            for k, v in o.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    sums[k] = sums.get(k, 0) + v
+                elif isinstance(v, dict) and v and all(isinstance(x, (int, float)) for x in v.values()):
+                    acc = sums.setdefault(k, {})
+                    for kk, vv in v.items():
+                        acc[kk] = acc.get(kk, 0) + vv
+        return {**sums, "replicas": len(out), "paused": all(o.get("paused") for o in out),
+                "policy_version": min(o.get("policy_version", 0) for o in out), "each": out}
+
+    def check_alive(self) -> None:
+        for r in self.replicas:
+            r.check_alive()
+
+    def stop(self) -> None:
+        for r in self.replicas:
+            r.stop()
 
 
 def _tail(path: Path | None, n: int = 15) -> str:

@@ -62,7 +62,7 @@ from . import config as cfgmod
 from . import evaluation
 from .backend import BackendError, entry
 from .config import ConfigError, RunConfig
-from .proxy_client import ProxyClient
+from .proxy_client import ProxyClient, ProxyGroup
 from .summary import WINDOW, read_jsonl
 
 FAIL_FAST_GROUPS = 2  # groups that all failed, with no rollout ever ok, end the run
@@ -210,7 +210,7 @@ class Recipe:
         self.version = self.version_at_start = 0
         self.step = 0
         self.t0 = time.monotonic()
-        self.proxy: ProxyClient | None = None
+        self.proxy: ProxyGroup | None = None
         self.engine: Any = None
         self.backend: Any = None
         self.controller: Any = None
@@ -264,24 +264,26 @@ class Recipe:
         self.log(f"starting the vLLM engine on {serve_dir.name} ...")
         self.engine = enginemod.Engine.start(dataclasses.replace(
             cfg.engine, model=serve_dir, log_path=self.run_dir / "logs" / "engine.log", seed=cfg.seed))
-        if cfg.proxy.url:
-            self.proxy = ProxyClient.connect(self.store, cfg.proxy.url, cfg.proxy.port, cfg.proxy.token)
+        if cfg.proxy.url:  # running replicas, one or several, on the run's store
+            self.proxy = ProxyGroup([ProxyClient.connect(self.store, url, cfg.proxy.port, cfg.proxy.token)
+                                     for url in cfg.proxy.url])
             self.proxy.resume(self.version)
         else:
-            self.proxy = ProxyClient.start(
+            started = ProxyClient.start(
                 self.store, self.engine.url, log_path=self.run_dir / "logs" / "proxy.log",
                 policy_version=self.version, port=cfg.proxy.port, control_port=cfg.proxy.control_port,
                 command=list(cfg.proxy.command) if cfg.proxy.command else None,
                 upstream_timeout=cfg.proxy.upstream_timeout_s, listen_host=cfg.proxy.listen_host)
+            self.proxy = ProxyGroup([started])
         self.warm_up()
         self.next_group = self.first_free_group()
         if self.resume:
             self.recover_ready_groups()
 
-        host, _, control_port = self.proxy.control_url.removeprefix("http://").rpartition(":")
-        endpoint = rollouts.ProxyEndpoint(store=self.store, port=self.proxy.port, host=host,
-                                          control_port=int(control_port), control_token=self.proxy.token)
-        self.controller = rollouts.RolloutController(cfg.agent, endpoint, self.store, self.run_dir,
+        endpoints = [rollouts.ProxyEndpoint(store=self.store, port=p.port, host=p.host,
+                                            control_port=int(p.control_url.rsplit(":", 1)[1]),
+                                            control_token=p.token) for p in self.proxy.replicas]
+        self.controller = rollouts.RolloutController(cfg.agent, endpoints, self.store, self.run_dir,
                                                      cfg.max_inflight, batch_records=True)
 
     def setup_eval(self, checkpoint: Path | None) -> None:

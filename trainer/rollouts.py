@@ -47,7 +47,8 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Mapping
+import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -452,9 +453,9 @@ class RolloutController:
     ``retried`` (attempts that were retried).
     """
 
-    def __init__(self, agent: AgentSpec, proxy: ProxyEndpoint, store: str | os.PathLike,
-                 run_dir: str | os.PathLike, concurrency: int = 4, *, kill_grace_s: float = 5.0,
-                 batch_records: bool = False) -> None:
+    def __init__(self, agent: AgentSpec, proxy: ProxyEndpoint | Sequence[ProxyEndpoint],
+                 store: str | os.PathLike, run_dir: str | os.PathLike, concurrency: int = 4, *,
+                 kill_grace_s: float = 5.0, batch_records: bool = False) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise RolloutError(f"rollout concurrency must be a whole number ≥ 1, not {concurrency!r}")
         check_agent(agent)
@@ -473,7 +474,11 @@ class RolloutController:
         self._rows_lock = threading.Lock()
         if not self.store.is_dir():
             raise RolloutError(f"the store directory {str(self.store)!r} does not exist")
-        self.agent, self.proxy = agent, proxy
+        # several proxy replicas on one store: each rollout keeps to one (its calls, its reward)
+        self.proxies = [proxy] if isinstance(proxy, ProxyEndpoint) else list(proxy)
+        if not self.proxies:
+            raise RolloutError("the rollout controller needs at least one proxy")
+        self.agent, self.proxy = agent, self.proxies[0]
         self.run_dir = Path(run_dir).resolve()
         self.out_dir = self.run_dir / "rollouts"
         self.concurrency, self.kill_grace_s = concurrency, kill_grace_s
@@ -560,6 +565,12 @@ class RolloutController:
         await self.aclose()
 
     # -- one attempt ----------------------------------------------------------------------------------
+    def proxy_for(self, rollout_id: str) -> ProxyEndpoint:
+        """The replica a rollout's attempts go through (the same one for all of them)."""
+        if len(self.proxies) == 1:
+            return self.proxies[0]
+        return self.proxies[zlib.crc32(rollout_id.encode()) % len(self.proxies)]
+
     def paths(self, rollout_id: str, attempt: int) -> _Paths:
         """The attempt's files: ``<run_dir>/rollouts/<rollout_id>~<attempt>.out`` (``.err``,
         ``.task.json``, ``.reward``, ``.eval.out``, ``.eval.err``)."""
@@ -571,7 +582,8 @@ class RolloutController:
                     paths: _Paths, *, greedy: bool = False) -> dict[str, str]:
         """The attempt's whole environment (see the module docstring for the layers)."""
         env = {k: v for k, v in os.environ.items() if k not in STRIPPED_VARS}
-        env.update(self.proxy.rollout_env(rollout_id, attempt, self.agent.proxy_mode, greedy=greedy))
+        env.update(self.proxy_for(rollout_id).rollout_env(rollout_id, attempt, self.agent.proxy_mode,
+                                                          greedy=greedy))
         env.update(fields)
         env.update(TASK_JSON=str(paths.task_json), TASK_ID=task_id, REWARD_FILE=str(paths.reward_file))
         expanded = {k: expand(v, env, k) for k, v in self.agent.env.items()}
@@ -681,8 +693,8 @@ class RolloutController:
         if error is not None:
             return None, False, error
         assert self._kube is not None
-        proxy_env = self.proxy.rollout_env(rollout_id, attempt, self.agent.proxy_mode, greedy=greedy,
-                                           host=self.agent.proxy_host)
+        proxy_env = self.proxy_for(rollout_id).rollout_env(rollout_id, attempt, self.agent.proxy_mode,
+                                                           greedy=greedy, host=self.agent.proxy_host)
         ca = Path(proxy_env["SSL_CERT_FILE"]).read_bytes()
         plain = {k: f"{MOUNT}/ca.pem" if k in CA_VARS else v for k, v in proxy_env.items()}
         plain.update(fields)
@@ -738,7 +750,7 @@ class RolloutController:
         """(reward, source, error) from the first of ``agent.reward_sources`` that has one."""
         sources = self.agent.reward_sources
         if "proxy" in sources:
-            value = await self.proxy.reward(rollout_id, attempt)
+            value = await self.proxy_for(rollout_id).reward(rollout_id, attempt)
             if value is not None:
                 return value, "proxy", None
         if "file" in sources and paths.reward_file.exists():
