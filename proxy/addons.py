@@ -70,6 +70,7 @@ class Runtime:
     capture_tokens: bool = False
     upstream_timeout_s: float | None = None  # see deadline.py
     listen: tuple[str, int] | None = None  # where agents reach this proxy (GET /state says it)
+    remote: Any = None  # lgt.store.remote.RemoteStore when the store is on S3
     resender: Resender = field(default_factory=Resender)  # asks the upstream again (see Record)
     egress: str = "allow"  # allow | allowlist | deny
     allow_hosts: tuple[str, ...] = ()

@@ -37,9 +37,22 @@ def main() -> None:
     """
 
 
+def _store(ctx: click.Context, param: click.Parameter, value: str) -> Path:
+    """A folder, or ``s3://bucket/prefix``: then its local mirror, the remote kept for ``run``."""
+    from lgt.store.remote import resolve
+
+    try:
+        local, remote = resolve(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    ctx.meta["lgt_remote"] = remote
+    return local
+
+
 store_option = click.option(
-    "--store", required=True, type=click.Path(file_okay=False, path_type=Path),
-    help="Store directory (Parquet files; the proxy's secret and CA live in its _proxy/).",
+    "--store", required=True, callback=_store,
+    help="Store directory (Parquet files; the proxy's secret and CA live in its _proxy/), or "
+         "s3://bucket/prefix (whole Parquet files uploaded there; see docs/proxy.md).",
 )
 secret_option = click.option(
     "--secret-file", type=click.Path(dir_okay=False, path_type=Path),
@@ -83,9 +96,11 @@ secret_option = click.option(
 @click.option("--fsync", is_flag=True, help="fsync every record (survives a machine crash too).")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
-def run(log_level: str, allow_host: tuple[str, ...], retry_after: int, **kw) -> None:
+@click.pass_context
+def run(ctx: click.Context, log_level: str, allow_host: tuple[str, ...], retry_after: int, **kw) -> None:
     """Run the proxy (the default command)."""
-    cfg = ProxyConfig(allow_hosts=allow_host, retry_after_s=retry_after, **kw)
+    cfg = ProxyConfig(allow_hosts=allow_host, retry_after_s=retry_after, remote=ctx.meta.get("lgt_remote"),
+                      **kw)
     try:
         asyncio.run(serve(cfg, log_level=log_level))
     except ConfigError as e:

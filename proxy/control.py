@@ -116,6 +116,11 @@ def make_app(rt: Runtime, token: str) -> web.Application:
         for w in (rt.writer, rt.rewards, rt.egress_log):
             if w is not None:
                 await asyncio.to_thread(w.flush)
+        if rt.remote is not None:  # flushed means in the bucket too
+            try:
+                await asyncio.to_thread(rt.remote.push_all)
+            except OSError as e:
+                return _error(503, f"the store's files could not be uploaded to {rt.remote.url}: {e}")
         return web.json_response({"rows_written": rt.writer.rows_written})
 
     async def rewards(request: web.Request) -> web.Response:

@@ -9,6 +9,7 @@ import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -40,6 +41,7 @@ class ProxyConfig:
     upstream_ca: Path | None = None
     upstream_insecure: bool = False
     upstream_timeout: float | None = None  # seconds of upstream silence before a call is ended
+    remote: Any = None  # lgt.store.remote.RemoteStore: the store is on S3, ``store`` its local mirror
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
     reverse_port: int | None = None
@@ -180,11 +182,19 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
     setup_logging(log_level, [secret.decode(), ctl_token, cfg.upstream_api_key or ""])
     auth.ca_bundle(cfg.proxy_dir)  # the CA and the bundle rollouts point at
 
-    writer = TableWriter(store, "calls", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync).open()
+    upload = None
+    if cfg.remote is not None:  # the store on S3: every whole Parquet file is uploaded as it is made
+        try:
+            await asyncio.to_thread(cfg.remote.push_all)  # the migration record, and anything left over
+        except OSError as e:
+            raise ConfigError(f"--store {cfg.remote.url}: {e}") from None
+        upload = cfg.remote.push
+    writer = TableWriter(store, "calls", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync,
+                         on_file=upload).open()
     rewards = TableWriter(store, "rewards", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync,
-                          session=writer.session).open()
+                          session=writer.session, on_file=upload).open()
     egress_log = TableWriter(store, "egress", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync,
-                             session=writer.session).open()
+                             session=writer.session, on_file=upload).open()
     writers = (writer, rewards, egress_log)
     capture = cfg.capture_tokens == "on" or (cfg.capture_tokens == "auto" and cfg.upstream is not None)
     rt = Runtime(
@@ -196,6 +206,7 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
                           read_timeout_s=cfg.upstream_timeout),
         upstream_timeout_s=cfg.upstream_timeout,
         listen=(cfg.listen_host, cfg.listen_port),
+        remote=cfg.remote,
         gate=Gate(cfg.pause_mode, cfg.policy_version),
         upstream=cfg.upstream.rstrip("/") if cfg.upstream else None,
         served_model=cfg.served_model,
@@ -247,7 +258,7 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         log.info(
             "lgt-proxy listening on %s:%d (control %s:%d), upstream %s, store %s",
             cfg.listen_host, cfg.listen_port, cfg.control_host, cfg.control_port,
-            rt.upstream or "none (observe-only)", store,
+            rt.upstream or "none (observe-only)", cfg.remote.url if cfg.remote else store,
         )
         await run
     finally:

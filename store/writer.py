@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ def convert_segment(root: Path, table: str, wal_path: Path) -> Path | None:
     return dest
 
 
-def recover(root: Path, table: str) -> int:
+def recover(root: Path, table: str, on_file: Callable[[Path], None] | None = None) -> int:
     """Convert every WAL segment left behind by a process that died; returns how many.
 
     A live writer holds an exclusive ``flock`` on each of its segments until that segment is
@@ -117,8 +118,10 @@ def recover(root: Path, table: str) -> int:
             continue  # a live writer's segment
         try:
             if seg.exists():
-                convert_segment(Path(root), table, seg)
+                dest = convert_segment(Path(root), table, seg)
                 n += 1
+                if dest is not None and on_file is not None:
+                    on_file(dest)
         finally:
             os.close(fd)
     for tmp in (Path(root) / table).glob("*.parquet.tmp"):
@@ -139,6 +142,7 @@ class TableWriter:
         flush_seconds: float = 2.0,
         fsync: bool = False,
         session: str | None = None,
+        on_file: Callable[[Path], None] | None = None,
     ) -> None:
         if table not in TABLES:
             raise ValueError(f"unknown table {table!r}; the store has {sorted(TABLES)}")
@@ -148,6 +152,7 @@ class TableWriter:
         self.flush_seconds = flush_seconds
         self.fsync = fsync
         self.session = session or uuid.uuid4().hex[:8]
+        self.on_file = on_file  # each finished Parquet file, once renamed in (a remote store uploads it)
         self._ts_fields = TIMESTAMP_FIELDS[table]
         self._lock = threading.Lock()
         self._converting = threading.Lock()
@@ -166,7 +171,7 @@ class TableWriter:
     def open(self) -> TableWriter:
         (self.root / self.table).mkdir(parents=True, exist_ok=True)
         (self.root / WAL_DIR / self.table).mkdir(parents=True, exist_ok=True)
-        recovered = recover(self.root, self.table)
+        recovered = recover(self.root, self.table, self._finished)
         if recovered:
             log.info("recovered %d unconverted %s segment(s)", recovered, self.table)
         self._thread = threading.Thread(target=self._run, name=f"lgt-{self.table}-writer", daemon=True)
@@ -254,13 +259,23 @@ class TableWriter:
                         return
                     seg, fd = self._closed_segments.pop(0)
                 try:
-                    if convert_segment(self.root, self.table, seg) is not None:
+                    dest = convert_segment(self.root, self.table, seg)
+                    if dest is not None:
                         self.files_written += 1
+                        self._finished(dest)
                 except Exception:  # keep the WAL segment: the next start recovers it
                     log.exception("could not convert %s; it stays in the WAL for the next start",
                                   seg.name)
                 finally:
                     os.close(fd)  # releases the lock
+
+    def _finished(self, dest: Path) -> None:
+        if self.on_file is None:
+            return
+        try:
+            self.on_file(dest)
+        except Exception as e:  # the file is whole on disk; a later flush of the store retries it
+            log.warning("could not upload %s: %s", dest.name, e)
 
     def _run(self) -> None:
         while True:

@@ -76,9 +76,12 @@ def free_port() -> int:
 class ProxyProc:
     """``lgt-proxy`` started for real as a subprocess (``python -m lgt.proxy.cli``)."""
 
-    def __init__(self, store: Path, upstream: str | None = None, *args: str,
+    def __init__(self, store: Path | str, upstream: str | None = None, *args: str,
                  served_model: str | None = "policy") -> None:
-        self.store = Path(store)
+        from lgt.store.remote import resolve
+
+        self.store_arg = str(store)  # a folder, or s3://bucket/prefix (then .store is its local mirror)
+        self.store = resolve(store)[0]
         self.upstream = upstream
         self.port = free_port()
         self.control_port = free_port()
@@ -91,7 +94,7 @@ class ProxyProc:
         self.log_path = self.store.parent / f"proxy-{self.port}.log"
 
     def start(self, timeout: float = 30) -> ProxyProc:
-        cmd = [proxy_python(), "-m", "lgt.proxy.cli", "--store", str(self.store),
+        cmd = [proxy_python(), "-m", "lgt.proxy.cli", "--store", self.store_arg,
                "--listen-port", str(self.port), "--control-port", str(self.control_port),
                "--flush-seconds", "0.2", *self.args]
         env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}

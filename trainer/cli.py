@@ -28,10 +28,27 @@ from lgt.store.migrations import StoreVersionError
 from lgt.store.query import connect
 from lgt.store.schema import ROLLOUT_STATUSES
 
+
+def _store(ctx: click.Context, param: click.Parameter, value: str) -> Path:
+    """A store folder; or ``s3://bucket/prefix``: its local mirror, brought up to date first, and what a
+    command added to it (rewards, rollouts) uploaded when it ends."""
+    from lgt.store.remote import resolve
+
+    try:
+        local, remote = resolve(value)
+        if remote is not None:
+            remote.pull()
+            ctx.call_on_close(remote.push_all)  # rewards or rollouts a command added
+    except (ValueError, OSError) as e:
+        raise click.BadParameter(str(e)) from None
+    if not local.is_dir():
+        raise click.BadParameter(f"store directory {str(local)!r} does not exist")
+    return local
+
+
 store_option = click.option(
-    "--store", required=True, envvar="LGT_STORE", show_envvar=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="The store directory (the proxy's --store).")
+    "--store", required=True, envvar="LGT_STORE", show_envvar=True, callback=_store,
+    help="The store directory (the proxy's --store), or s3://bucket/prefix (read through a local mirror).")
 tokenizer_option = click.option(
     "--tokenizer", type=click.Path(exists=True, path_type=Path),
     help="A tokenizer.json, or a model directory holding one (decoding needs `tokenizers` only).")

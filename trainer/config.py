@@ -96,13 +96,23 @@ class RunConfig:
     max_staleness: int = 1
     max_inflight: int = 32
     seed: int = 0
-    store: Path | None = None  # default: <run_dir>/store
+    store: Path | None = None  # default: <run_dir>/store; s3://bucket/prefix: on S3 (kept as a string)
     run_dir: Path | None = None  # default: runs/<name>-<timestamp>
     checkpoint_every: int = 1
     source: Path | None = None  # the YAML file this came from
 
     def store_path(self, run_dir: Path) -> Path:
-        return self.store or run_dir / "store"
+        """The store's folder: for ``s3://…``, its local mirror (:mod:`lgt.store.remote`)."""
+        if self.store_remote() is not None:
+            from lgt.store.remote import RemoteStore
+            return RemoteStore(str(self.store)).local
+        return Path(self.store) if self.store else run_dir / "store"
+
+    def store_remote(self) -> Any:
+        """The store on S3 (:class:`lgt.store.remote.RemoteStore`), or None for a folder."""
+        from lgt.store.remote import RemoteStore, is_remote
+
+        return RemoteStore(str(self.store)) if self.store is not None and is_remote(self.store) else None
 
     def to_json(self) -> dict[str, Any]:
         return _jsonable(self)
@@ -224,6 +234,8 @@ def convert(tp: Any, value: Any, key: str, base: Path) -> Any:
     if tp is Path:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{key} must be a path (a string), not {value!r}")
+        if key == "store" and value.startswith("s3://"):  # a store on S3: see lgt.store.remote
+            return value
         p = Path(value).expanduser()
         return p if p.is_absolute() else (base / p)
     if origin is tuple:

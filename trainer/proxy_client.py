@@ -83,13 +83,18 @@ class ProxyClient:
 
     # --- lifecycle -------------------------------------------------------------------------------
     @classmethod
-    def start(cls, store: Path, upstream: str, *, log_path: Path, policy_version: int = 0,
+    def start(cls, store: Path | str, upstream: str, *, log_path: Path, policy_version: int = 0,
               port: int = 0, control_port: int = 0, command: list[str] | None = None,
               upstream_timeout: float | None = None, listen_host: str = "127.0.0.1",
               timeout: float = 60) -> ProxyClient:
+        """Start lgt-proxy on ``store`` (a folder, or ``s3://…``: the proxy uploads there and both
+        work in its local mirror)."""
+        from lgt.store.remote import resolve
+
+        store_arg, store = str(store), resolve(store)[0]
         port = port or free_port()
         control_port = control_port or free_port()
-        cmd = [*(command or find_proxy_command()), "--store", str(store), "--upstream", upstream,
+        cmd = [*(command or find_proxy_command()), "--store", store_arg, "--upstream", upstream,
                "--served-model", "policy", "--listen-port", str(port), "--control-port", str(control_port),
                "--policy-version", str(policy_version), "--flush-seconds", "0.5"]
         if listen_host != "127.0.0.1":

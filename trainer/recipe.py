@@ -190,6 +190,7 @@ class Recipe:
         self.display = display or (lambda stats, line: None)
         self.crash_at_step = crash_at_step  # fault injection for tests: die inside that step's update
         self.store = cfg.store_path(run_dir)
+        self.remote = cfg.store_remote()  # the store on S3: self.store is its local mirror
         self.limits = batchmod.Limits(cfg.mode, cfg.group_size, cfg.batch_groups, cfg.max_inflight,
                                       cfg.max_staleness)
         self.stats = StepStats()
@@ -252,6 +253,8 @@ class Recipe:
         _quiet_transformers()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.store.mkdir(parents=True, exist_ok=True)
+        if self.remote is not None:
+            self.remote.pull()  # what the bucket holds already (a resumed run, other replicas)
         _write_json(self.run_dir / "config.json", self.cfg.to_json())
 
     def serve(self, serve_dir: Path) -> None:
@@ -270,7 +273,8 @@ class Recipe:
             self.proxy.resume(self.version)
         else:
             started = ProxyClient.start(
-                self.store, self.engine.url, log_path=self.run_dir / "logs" / "proxy.log",
+                self.remote.url if self.remote is not None else self.store, self.engine.url,
+                log_path=self.run_dir / "logs" / "proxy.log",
                 policy_version=self.version, port=cfg.proxy.port, control_port=cfg.proxy.control_port,
                 command=list(cfg.proxy.command) if cfg.proxy.command else None,
                 upstream_timeout=cfg.proxy.upstream_timeout_s, listen_host=cfg.proxy.listen_host)
@@ -559,6 +563,8 @@ class Recipe:
         # the batch's groups are finished: their samples are built while the other rollouts still run
         await timed("record", self.controller.flush_records)
         await timed("flush", self.proxy.flush)
+        if self.remote is not None:  # the rollouts just recorded up; other replicas' calls down
+            await timed("store_sync", lambda: (self.remote.push_all(), self.remote.pull()))
         prepared = await timed("samples", self.samples_for, batch)
         t_paused = time.monotonic()
         metrics: dict[str, float] = {}
