@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import signal
 import socket
@@ -74,6 +75,10 @@ class ProxyConfig:
             raise ConfigError(f"--capture-tokens must be auto, on or off, not {self.capture_tokens!r}")
         if self.reverse_port is not None and self.upstream is None:
             raise ConfigError("--reverse-port needs --upstream (reverse mode forwards to it)")
+        loopback = self.control_host in ("127.0.0.1", "::1", "localhost")
+        if not loopback and not os.environ.get(auth.CONTROL_TOKEN_ENV):
+            raise ConfigError(f"--control-host {self.control_host} opens the control API beyond this "
+                              f"machine: give it its own token in ${auth.CONTROL_TOKEN_ENV}")
         if self.upstream_timeout is not None and not self.upstream_timeout > 0:
             raise ConfigError(f"--upstream-timeout must be a positive number of seconds, "
                               f"not {self.upstream_timeout}")

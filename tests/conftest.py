@@ -77,8 +77,10 @@ class ProxyProc:
     """``lgt-proxy`` started for real as a subprocess (``python -m lgt.proxy.cli``)."""
 
     def __init__(self, store: Path | str, upstream: str | None = None, *args: str,
-                 served_model: str | None = "policy") -> None:
+                 served_model: str | None = "policy", env: dict[str, str] | None = None) -> None:
         from lgt.store.remote import resolve
+
+        self.extra_env = env or {}  # on top of this process's environment minus ENV_VARS
 
         self.store_arg = str(store)  # a folder, or s3://bucket/prefix (then .store is its local mirror)
         self.store = resolve(store)[0]
@@ -97,7 +99,7 @@ class ProxyProc:
         cmd = [proxy_python(), "-m", "lgt.proxy.cli", "--store", self.store_arg,
                "--listen-port", str(self.port), "--control-port", str(self.control_port),
                "--flush-seconds", "0.2", *self.args]
-        env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+        env = {**{k: v for k, v in os.environ.items() if k not in ENV_VARS}, **self.extra_env}
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout

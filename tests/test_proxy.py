@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import ssl
 import threading
@@ -570,5 +571,28 @@ def test_listen_host_opens_the_proxy_to_pods_but_not_the_control_api(tmp_path, u
             assert c.post(f"{upstream.url}/completions", json=COMPLETION).status_code == 407
         with client(p, "pod-rollout") as c:
             assert c.post(f"{HOSTED}/completions", json=COMPLETION).status_code == 200
+    finally:
+        p.stop()
+
+
+def test_a_control_api_beyond_loopback_needs_its_own_token(tmp_path, upstream) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lgt.proxy.cli", "--store", str(tmp_path / "s"),
+                          "--control-host", "0.0.0.0"], capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if k != "LGT_CONTROL_TOKEN"})
+    assert out.returncode == 2
+    assert "--control-host 0.0.0.0 opens the control API beyond this machine: give it its own token in " \
+           "$LGT_CONTROL_TOKEN" in out.stderr
+    token = "its-own-token-" + "x" * 20
+    p = ProxyProc(tmp_path / "store", upstream.url, "--control-host", "0.0.0.0",
+                  env={"LGT_CONTROL_TOKEN": token})
+    try:
+        p.start()
+        assert listening(p.control_port) == {"00000000"}
+        assert ControlClient(p.control_url, token).state()["paused"] is False
+        with pytest.raises(ControlError):
+            ControlClient(p.control_url, "derived-or-wrong").state()
     finally:
         p.stop()
