@@ -38,7 +38,7 @@ from lgt.store.schema import (
 )
 from lgt.store.writer import TableWriter
 
-from . import deadline, dialects, wire
+from . import deadline, dialects, resources, wire
 from .auth import AuthError, Identity, parse_basic, verify
 from .deadline import Deadline
 from .gate import Gate, Metrics, Rejected
@@ -71,6 +71,8 @@ class Runtime:
     upstream_timeout_s: float | None = None  # see deadline.py
     listen: tuple[str, int] | None = None  # where agents reach this proxy (GET /state says it)
     remote: Any = None  # lgt.store.remote.RemoteStore when the store is on S3
+    # prompts the trainer delivers per rollout attempt, substituted in its requests (resources.py)
+    resources: resources.Registry = field(default_factory=lambda: resources.Registry())
     resender: Resender = field(default_factory=Resender)  # asks the upstream again (see Record)
     egress: str = "allow"  # allow | allowlist | deny
     allow_hosts: tuple[str, ...] = ()
@@ -506,8 +508,13 @@ class Record:
             )
             return
         original_host = flow.request.pretty_host
+        sent = req  # what the engine is asked: with the rollout's delivered prompt, when it has one
+        subs = rt.resources.get(identity.rollout_id, identity.attempt)
+        if subs:
+            sent, misses = resources.apply(req, subs)
+            rt.resources.misses += misses
         prepared, injected = wire.prepare_request(
-            endpoint, req,
+            endpoint, sent,
             served_model=rt.served_model if self.upstream else None,
             capture_tokens=rt.capture_tokens, greedy=identity.greedy,
         )
@@ -523,7 +530,7 @@ class Record:
             request_json=body.decode("utf-8", "replace"),
             injected=injected,
             capture=wire.Capture(endpoint),
-            request=req,
+            request=sent,
             api=api,
         )
         if agent_req is not None:

@@ -139,6 +139,12 @@ class ControlClient:
         value = self.call("GET", f"/rewards?{q}").get("value")
         return None if value is None else float(value)
 
+    def deliver(self, rollout_id: str, attempt: int, substitutions: list[dict[str, Any]]) -> dict[str, Any]:
+        """Register what this attempt's requests carry instead of the agent's prompt
+        (:mod:`lgt.proxy.resources`); before the attempt starts."""
+        return self.call("POST", "/resources", {"rollout_id": rollout_id, "attempt": attempt,
+                                                "substitutions": substitutions})
+
     def healthz(self, timeout: float = 5) -> bool:
         """Whether the proxy answers (no token needed): False while nothing listens yet."""
         try:

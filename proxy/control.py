@@ -11,6 +11,9 @@
                                            recorded since this proxy started (no store query)
     POST /flush                            make every recorded call, reward and egress row visible
                                            as Parquet
+    POST /resources {"rollout_id": "r1", "attempt": 0, "substitutions": [{"text": "...",
+                    "target": "system"} | {"text": "...", "span": ["<<P>>", "<</P>>"]}]}
+                                           the prompt this attempt's requests carry (resources.py)
     GET  /healthz                          no token needed
 
 Its client, for every caller: :mod:`lgt.proxy.client`.
@@ -25,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from . import resources
 from .addons import Runtime
 from .auth import AuthError, Identity, parse_identity
 
@@ -69,6 +73,8 @@ def state(rt: Runtime) -> dict[str, Any]:
         "upstream": rt.upstream,
         "served_model": rt.served_model,
         "listen": {"host": rt.listen[0], "port": rt.listen[1]} if rt.listen else None,
+        "resources_registered": len(rt.resources),
+        "resource_misses": rt.resources.misses,
         "session": rt.writer.session,
     }
 
@@ -144,6 +150,23 @@ def make_app(rt: Runtime, token: str) -> web.Application:
             return _error(400, str(e))
         return web.json_response(result)
 
+    async def put_resources(request: web.Request) -> web.Response:
+        body = await _body(request)
+        rid, attempt = body.get("rollout_id"), body.get("attempt", 0)
+        try:
+            who = parse_identity(rid) if isinstance(rid, str) else None
+        except AuthError:
+            who = None
+        if who is None or not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+            return _error(400, f"give a rollout_id and an attempt (a whole number), not {rid!r}, {attempt!r}")
+        try:
+            subs = resources.check(body.get("substitutions"))
+        except ValueError as e:
+            return _error(400, str(e))
+        rt.resources.put(who.rollout_id, attempt, subs)
+        return web.json_response({"rollout_id": who.rollout_id, "attempt": attempt,
+                                  "substitutions": len(subs)})
+
     async def get_reward(request: web.Request) -> web.Response:
         rid, attempt = request.query.get("rollout_id", ""), request.query.get("attempt", "0")
         try:
@@ -165,5 +188,6 @@ def make_app(rt: Runtime, token: str) -> web.Application:
     app.router.add_post("/flush", flush)
     app.router.add_post("/rewards", rewards)
     app.router.add_get("/rewards", get_reward)
+    app.router.add_post("/resources", put_resources)
     app.router.add_get("/healthz", healthz)
     return app
