@@ -29,6 +29,7 @@ from .algorithm import AlgorithmConfig, LossConfig
 from .backend import BACKENDS, TorchConfig, VerlConfig
 from .engine import EngineConfig
 from .evaluation import EvalConfig
+from .resources import ResourceSpec
 from .rollouts import AgentSpec
 
 MODES = ("sync", "async")
@@ -86,6 +87,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = AlgorithmConfig()
     proxy: ProxySection = ProxySection()
     eval: EvalConfig | None = None  # held-out evaluation (lgt.trainer.evaluation); null: none
+    resources: dict[str, ResourceSpec] = dataclasses.field(default_factory=dict)  # prompts (resources.py)
     mode: str = "async"
     group_size: int = 8
     batch_groups: int = 4
@@ -252,6 +254,8 @@ def convert(tp: Any, value: Any, key: str, base: Path) -> Any:
     if origin in (dict, collections.abc.Mapping):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping")
+        if dataclasses.is_dataclass(args[1]):  # e.g. resources: {name: {template: …}}
+            return {str(k): build(args[1], v, f"{key}.{k}.", base) for k, v in value.items()}
         return {str(k): str(v) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):

@@ -153,9 +153,12 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     try:
         backend_python(cfg)
         engine_python(cfg.engine)
+        if cfg.resources:
+            from .resources import Resources
+            Resources(cfg.resources)  # every template readable
         if cfg.proxy.url is None and not cfg.proxy.command:
             find_proxy_command()
-    except (BackendError, EngineError, ProxyError) as e:
+    except (BackendError, EngineError, ProxyError, ValueError) as e:
         raise ConfigError(str(e)) from None
     return tasks, held
 
@@ -287,8 +290,14 @@ class Recipe:
         endpoints = [rollouts.ProxyEndpoint(store=self.store, port=p.port, host=p.host,
                                             control_port=int(p.control_url.rsplit(":", 1)[1]),
                                             control_token=p.token) for p in self.proxy.replicas]
+        resources = None
+        if cfg.resources:
+            from .resources import Resources
+            resources = Resources(cfg.resources)
+            resources.save(self.run_dir)
         self.controller = rollouts.RolloutController(cfg.agent, endpoints, self.store, self.run_dir,
-                                                     cfg.max_inflight, batch_records=True)
+                                                     cfg.max_inflight, batch_records=True,
+                                                     resources=resources)
 
     def setup_eval(self, checkpoint: Path | None) -> None:
         """``lgt-train eval``: the engine serves ``checkpoint`` (or the config's model), no backend."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -63,6 +64,7 @@ from .forkserver import ForkedProcess, ForkServer, ForkServerError, python_scrip
 
 if TYPE_CHECKING:
     from .kube import KubeRunner
+    from .resources import Resources
 
 PROXY_MODES = ("https_proxy", "base_url")
 RUNNERS = ("local", "kubernetes")
@@ -317,6 +319,7 @@ class RolloutResult:
     stderr_path: Path
     error: str | None = None
     split: str = "train"  # eval: a held-out evaluation rollout (recorded, never trained)
+    resource_version: str | None = None  # the resources it ran with (lgt.trainer.resources)
 
     @property
     def ok(self) -> bool:
@@ -455,7 +458,8 @@ class RolloutController:
 
     def __init__(self, agent: AgentSpec, proxy: ProxyEndpoint | Sequence[ProxyEndpoint],
                  store: str | os.PathLike, run_dir: str | os.PathLike, concurrency: int = 4, *,
-                 kill_grace_s: float = 5.0, batch_records: bool = False) -> None:
+                 kill_grace_s: float = 5.0, batch_records: bool = False,
+                 resources: Resources | None = None) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise RolloutError(f"rollout concurrency must be a whole number ≥ 1, not {concurrency!r}")
         check_agent(agent)
@@ -488,6 +492,7 @@ class RolloutController:
         self._closed = False
         self._forkserver: ForkServer | None = None
         self._forkserver_lock = asyncio.Lock()
+        self.resources = resources  # prompts delivered to every rollout (lgt.trainer.resources)
         self._kube: KubeRunner | None = None  # runner: kubernetes (started on first use)
         self._kube_lock = asyncio.Lock()
 
@@ -522,7 +527,7 @@ class RolloutController:
         result = None
         for attempt in range(first_attempt, max(first_attempt, self.agent.retries) + 1):
             result = await self._attempt(task_json, fields, rollout_id, attempt, task_id, group_id, step,
-                                         split=split, greedy=greedy)
+                                         split=split, greedy=greedy, task=task)
             if result.ok or self._closed:
                 break
             if attempt < self.agent.retries:
@@ -592,9 +597,13 @@ class RolloutController:
 
     async def _attempt(self, task_json: bytes, fields: Mapping[str, str], rollout_id: str, attempt: int,
                        task_id: str, group_id: str | None, step: int | None, *, split: str = "train",
-                       greedy: bool = False) -> RolloutResult:
+                       greedy: bool = False, task: Mapping[str, Any] | None = None) -> RolloutResult:
         paths = self.paths(rollout_id, attempt)
+        res = self.resources  # this attempt's version, whatever a prompt optimiser sets meanwhile
+        filled = res.for_task(task or {}) if res is not None else {}
+        extra_env, files = self._resource_delivery(res, filled, rollout_id, attempt)
         env = self.environment(fields, rollout_id, attempt, task_id, paths, greedy=greedy)
+        env.update(extra_env)
         _write_atomic(paths.task_json, task_json)
         for stale in (paths.reward_file, paths.eval_out, paths.eval_err):
             stale.unlink(missing_ok=True)
@@ -605,9 +614,13 @@ class RolloutController:
                                     started, 0.0, paths, "the controller was closed before it started")
             self.running += 1
             try:
-                if self.agent.runner == "kubernetes":
+                error = await self._deliver(res, filled, rollout_id, attempt)
+                if error is not None:
+                    code, timed_out = None, False
+                elif self.agent.runner == "kubernetes":
                     code, timed_out, error = await self._execute_job(
-                        fields, rollout_id, attempt, task_id, group_id, step, task_json, paths, greedy=greedy)
+                        fields, rollout_id, attempt, task_id, group_id, step, task_json, paths, greedy=greedy,
+                        extra_env=extra_env, files=files)
                 else:
                     code, timed_out, error = await self._execute(
                         self.agent.command, env, paths.stdout, paths.stderr, forked=self._preload is not None)
@@ -630,8 +643,50 @@ class RolloutController:
                 self.running -= 1
         result = self._result(rollout_id, attempt, task_id, group_id, step, status, code, reward, source,
                               started, seconds, paths, error, ended, split)
+        if res is not None:
+            result = dataclasses.replace(result, resource_version=res.version)
         await asyncio.to_thread(self._record, result)
         return result
+
+    def _resource_delivery(self, res: Resources | None, filled: Mapping[str, str], rollout_id: str,
+                           attempt: int) -> tuple[dict[str, str], dict[str, bytes]]:
+        """The variables (``deliver: env``, and the paths of ``deliver: file``) and, for a pod, the files
+        of this attempt's resources; local files are written here."""
+        env: dict[str, str] = {}
+        files: dict[str, bytes] = {}
+        if res is None:
+            return env, files
+        from .kube import MOUNT
+        from .resources import env_name
+
+        for name, spec in res.specs.items():
+            if spec.deliver == "env":
+                env[env_name(name)] = filled[name]
+            elif spec.deliver == "file":
+                fname = f"resource-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.txt"
+                if self.agent.runner == "kubernetes":
+                    files[fname] = filled[name].encode()
+                    env[env_name(name) + "_FILE"] = f"{MOUNT}/{fname}"
+                else:
+                    path = self.out_dir / f"{rollout_id}~{attempt}.{fname}"
+                    _write_atomic(path, filled[name].encode())
+                    env[env_name(name) + "_FILE"] = str(path)
+        return env, files
+
+    async def _deliver(self, res: Resources | None, filled: Mapping[str, str], rollout_id: str,
+                       attempt: int) -> str | None:
+        """``deliver: proxy``: register the attempt's prompt with its proxy before it starts; the reason
+        when that fails (the attempt fails: it would run on the agent's own prompt)."""
+        subs = res.substitutions(filled) if res is not None else []
+        if not subs:
+            return None
+        from lgt.proxy.client import ControlError
+
+        try:
+            await asyncio.to_thread(self.proxy_for(rollout_id).client.deliver, rollout_id, attempt, subs)
+        except (ControlError, OSError) as e:
+            return f"could not deliver the resources to the proxy: {e}"
+        return None
 
     def _result(self, rollout_id: str, attempt: int, task_id: str, group_id: str | None, step: int | None,
                 status: str, code: int | None, reward: float | None, source: str | None,
@@ -684,7 +739,9 @@ class RolloutController:
 
     async def _execute_job(self, fields: Mapping[str, str], rollout_id: str, attempt: int, task_id: str,
                            group_id: str | None, step: int | None, task_json: bytes, paths: _Paths, *,
-                           greedy: bool) -> tuple[int | None, bool, str | None]:
+                           greedy: bool, extra_env: Mapping[str, str] = MappingProxyType({}),
+                           files: Mapping[str, bytes] = MappingProxyType({}),
+                           ) -> tuple[int | None, bool, str | None]:
         """One attempt as a Kubernetes Job (:mod:`lgt.trainer.kube`): the same variables as a local
         process, minus the machine's own; what carries the rollout's token goes in its Secret."""
         from .kube import MOUNT
@@ -698,15 +755,14 @@ class RolloutController:
         ca = Path(proxy_env["SSL_CERT_FILE"]).read_bytes()
         plain = {k: f"{MOUNT}/ca.pem" if k in CA_VARS else v for k, v in proxy_env.items()}
         plain.update(fields)
-        plain.update(TASK_JSON=f"{MOUNT}/task.json", TASK_ID=task_id)
+        plain.update(TASK_JSON=f"{MOUNT}/task.json", TASK_ID=task_id, **extra_env)
         plain.update({k: expand(v, plain, k) for k, v in self.agent.env.items()})
         secret = {k: plain.pop(k) for k in list(plain)
                   if k in PROXY_VARS or k == "LGT_PROXY_BASE_URL" or _carries_token(plain[k], proxy_env)}
         return await self._kube.execute(
             rollout_id=rollout_id, attempt=attempt, group_id=group_id, task_id=task_id, step=step,
-            plain_env=plain,
-            secret_env=secret, files={"ca.pem": ca, "task.json": task_json}, timeout_s=self.agent.timeout_s,
-            stdout=paths.stdout, stderr=paths.stderr)
+            plain_env=plain, secret_env=secret, files={"ca.pem": ca, "task.json": task_json, **files},
+            timeout_s=self.agent.timeout_s, stdout=paths.stdout, stderr=paths.stderr)
 
     async def _kube_runner(self) -> str | None:
         """Start the Kubernetes runner on first use; the reason when it cannot start."""
@@ -799,7 +855,8 @@ class RolloutController:
             metadata["error"] = r.error
         row = rollout_row(r.rollout_id, attempt=r.attempt, task_id=r.task_id, group_id=r.group_id,
                           step=r.step, status=r.status, exit_code=r.exit_code, started_at=r.started_at,
-                          ended_at=r.ended_at, split=r.split, metadata=metadata)
+                          ended_at=r.ended_at, split=r.split, metadata=metadata,
+                          resource_version=r.resource_version)
         reward = None
         if r.reward is not None and r.reward_source != "proxy":
             reward = attempt_reward_row(r.rollout_id, r.reward, attempt=r.attempt, source=r.reward_source)
