@@ -407,6 +407,38 @@ def eval_cmd(config_file: Path, checkpoint: Path | None, run_dir: Path | None, s
                f"{out / 'store'} (split 'eval')")
 
 
+@main.command("apo")
+@click.argument("config_file", type=click.Path(path_type=Path))
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the search writes (default runs/<name>-apo-<time>).")
+@click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Continue a search in this run directory (finished candidates are not scored again).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override any config key, e.g. --set apo.rounds=5.")
+def apo_cmd(config_file: Path, run_dir: Path | None, resume_dir: Path | None, sets: tuple[str, ...]) -> None:
+    """Optimise CONFIG_FILE's prompt resource (its apo section) with real rollouts: a critic reads the
+    worst and best traces, rewrites the prompt, and the best rewrites by validation reward go on."""
+    from lgt.trainer import apo, recipe
+    from lgt.trainer import config as cfgmod
+
+    try:
+        cfg = cfgmod.load(config_file, _overrides(sets))
+        with _display() as display:
+            out, best = recipe.optimize_prompt(cfg, run_dir=resume_dir or run_dir,
+                                               resume=resume_dir is not None, display=display)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise click.ClickException(_run_error(e)) from None
+    rows = apo.table(out)
+    click.echo(f"{'version':12s}  round  parent        train   valid.")
+    for c in rows:
+        tr = "-" if c["train_reward"] is None else f"{c['train_reward']:.3f}"
+        va = "-" if c["val_reward"] is None else f"{c['val_reward']:.3f}"
+        click.echo(f"{c['version']:12s}  {c['round']:5d}  {c['parent'] or '-':12s}  {tr:>6s}  {va:>6s}")
+    click.echo(f"best: {best['version']} (validation reward {best['val_reward']:.3f}), written to "
+               f"{out / 'apo' / 'best_prompt.txt'}; {best['critic_calls']} critic calls "
+               f"({best['critic_failures']} unusable); all candidates in {out / 'apo' / 'candidates.jsonl'}")
+
+
 @contextmanager
 def _display() -> Iterator[Any]:
     """The run's progress display (a live line on a terminal), stopped however the run ends."""

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from .algorithm import AlgorithmConfig, LossConfig
+from .apo import ApoConfig
 from .backend import BACKENDS, TorchConfig, VerlConfig
 from .engine import EngineConfig
 from .evaluation import EvalConfig
@@ -88,6 +89,7 @@ class RunConfig:
     proxy: ProxySection = ProxySection()
     eval: EvalConfig | None = None  # held-out evaluation (lgt.trainer.evaluation); null: none
     resources: dict[str, ResourceSpec] = dataclasses.field(default_factory=dict)  # prompts (resources.py)
+    apo: ApoConfig | None = None  # lgt-train apo: which resource, the optimiser, the critic (apo.py)
     mode: str = "async"
     group_size: int = 8
     batch_groups: int = 4
@@ -310,6 +312,9 @@ def validate(cfg: RunConfig) -> None:
         need(cfg.store is not None, "store is required with proxy.url: the running proxy's --store folder")
         need(cfg.proxy.upstream_timeout_s is None, "proxy.upstream_timeout_s sets a proxy the run starts; "
              "give the running proxy --upstream-timeout instead")
+    if cfg.apo is not None:
+        need(cfg.apo.resource in cfg.resources, f"apo.resource {cfg.apo.resource!r} is not one of the run's "
+             f"resources ({', '.join(cfg.resources) or 'it has none: add a resources section'})")
     t = cfg.proxy.upstream_timeout_s
     need(t is None or t > 0, f"proxy.upstream_timeout_s must be a positive number of seconds, not {t}")
 

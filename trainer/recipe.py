@@ -744,6 +744,40 @@ def evaluate(cfg: RunConfig, *, checkpoint: Path | None = None, run_dir: Path | 
         r.cleanup()
 
 
+def optimize_prompt(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False,
+                    display: Callable[[StepStats, str], None] | None = None) -> tuple[Path, dict[str, Any]]:
+    """``lgt-train apo``: the run's ``apo.resource`` optimised with real rollouts (:mod:`lgt.trainer.apo`)
+    on the config's model; the best candidate, and the run directory (``apo/`` in it)."""
+    from . import apo
+
+    if cfg.apo is None:
+        raise ConfigError("the run config has no apo section: add e.g. apo: {resource: system_prompt}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = (run_dir or Path.cwd() / "runs" / f"{cfg.name}-apo-{stamp}").resolve()
+    r = Recipe(cfg, run_dir, resume=resume, display=display)
+    try:
+        r.setup_eval(None)
+        train = list(r.tasks)
+        val = list(r.eval_tasks)[:cfg.apo.val_size] or train[-cfg.apo.val_size:]
+        if not r.eval_tasks:  # no held-out split: the last val_size tasks validate, the rest train
+            train = train[:-cfg.apo.val_size] or train
+        critic = apo.Critic(cfg.apo.critic, f"{r.engine.url}")
+        run = apo.make_runner(r.controller, r.store, cfg.apo.samples)
+
+        async def go() -> dict[str, Any]:
+            try:
+                return await apo.beam(cfg.apo, r.controller.resources, run, train, val, critic, run_dir,
+                                      log=r.log)
+            finally:
+                await r.aclose()
+
+        best = asyncio.run(go())
+        apo.plot(run_dir)
+        return run_dir, {**best, "critic_calls": critic.calls, "critic_failures": critic.failures}
+    finally:
+        r.cleanup()
+
+
 def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
     """The run's metrics.jsonl rows (a last line cut off by a crash is left out)."""
     return read_jsonl(run_dir / "metrics.jsonl")

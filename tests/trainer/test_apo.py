@@ -1,0 +1,137 @@
+"""lgt-train apo's beam search (trainer/apo.py) with real rollouts through the proxy and a scripted
+critic on 127.0.0.1: it finds the instruction the agent's reward needs, placeholders survive, a critic
+that answers garbage, drops a placeholder or times out costs one candidate, and a restart scores no
+finished candidate again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from test_rollouts import AGENTS, endpoint
+
+from lgt.trainer import apo
+from lgt.trainer.resources import Resources, ResourceSpec
+from lgt.trainer.rollouts import AgentSpec, RolloutController
+
+SEED = "Solve {question}."
+# the scripted critic's rewrites, in order: "" is an empty answer, DROP loses {question}, SLOW times out
+RULES = ["Be polite.", "DROP", "Use metric units.", "", "SLOW", "Answer in one word."]
+
+
+class Critic(BaseHTTPRequestHandler):
+    rewrites = 0
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        question = body["messages"][-1]["content"]
+        if "CRITIQUE:" in question:
+            text = "The prompt never says how the answer should look."
+        else:
+            current = re.search(r"<prompt>\n(.*?)\n</prompt>", question, re.S)[1]
+            rule = RULES[Critic.rewrites % len(RULES)]
+            Critic.rewrites += 1
+            if rule == "SLOW":
+                time.sleep(2)
+            text = "" if rule == "" else (f"<prompt>{current.replace('{question}', 'it')}</prompt>"
+                                          if rule == "DROP" else f"<prompt>{current} {rule}</prompt>")
+        out = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
+        try:
+            self._answer(out)
+        except BrokenPipeError:  # the SLOW answer: the critic gave up first
+            pass
+
+    def _answer(self, out: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out.encode())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def critic():
+    Critic.rewrites = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Critic)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield apo.Critic(apo.CriticConfig(timeout_s=0.5), f"http://127.0.0.1:{server.server_port}/v1")
+    server.shutdown()
+
+
+def tasks(n: int, prefix: str) -> list[dict]:
+    return [{"task_id": f"{prefix}{i}", "question": f"What is {i} plus {i}?"} for i in range(n)]
+
+
+def test_beam_finds_the_instruction_and_resumes_without_scoring_again(tmp_path, proxy, critic):
+    (tmp_path / "prompt.txt").write_text(SEED)
+    start = Resources({"system_prompt": ResourceSpec(tmp_path / "prompt.txt", "env")})
+    agent = AgentSpec(command=(sys.executable, str(AGENTS / "prompt_agent.py")), timeout_s=60, retries=0)
+    ctl = RolloutController(agent, endpoint(proxy), proxy.store, tmp_path / "run", 8, batch_records=True)
+    run = apo.make_runner(ctl, proxy.store)
+    train, val = tasks(4, "tr"), tasks(3, "va")
+    cfg = apo.ApoConfig(rounds=1, beam_width=2, branch_factor=2, batch_size=3, val_size=3, target_reward=1.0)
+
+    async def go(c: apo.ApoConfig):
+        return await apo.beam(c, start, run, train, val, critic, tmp_path / "run", log=lambda _: None)
+
+    try:
+        first = asyncio.run(go(cfg))  # one round, then "killed": a restart continues the search
+        assert first["val_reward"] == 0.0
+        scored_before = sum(1 for r in apo.Ledger(tmp_path / "run").rows if r["event"] == "score"
+                            and r["split"] == "val")
+        best = asyncio.run(go(apo.ApoConfig(**{**cfg.__dict__, "rounds": 3})))
+    finally:
+        asyncio.run(ctl.aclose())
+    assert best["val_reward"] == 1.0 and best["round"] == 2
+    assert best["text"] == "Solve {question}. Be polite. Answer in one word."  # the placeholder kept
+    assert (tmp_path / "run" / "apo" / "best_prompt.txt").read_text() == best["text"]
+    rows = apo.Ledger(tmp_path / "run").rows
+    val_scores = [r["version"] for r in rows if r["event"] == "score" and r["split"] == "val"]
+    assert len(val_scores) == len(set(val_scores)) and scored_before == 2  # nothing scored twice
+    reasons = sorted(r["reason"] for r in rows if r["event"] == "rejected")
+    assert reasons == ["the critic gave no usable answer", "the critic gave no usable answer",
+                       "the rewrite drops the placeholder(s) {question}"]  # empty, timed out, DROP
+    assert critic.failures == 2
+    table = apo.table(tmp_path / "run")
+    assert [c["val_reward"] for c in table][:1] == [1.0] and {c["round"] for c in table} == {0, 1, 2}
+    svg = apo.plot(tmp_path / "run").read_text()
+    assert svg.startswith("<svg") and "validation reward per round" in svg
+
+
+@pytest.mark.slow
+def test_lgt_train_apo_end_to_end(tmp_path, arith_model_dir, critic):
+    """``lgt-train apo``: vLLM serving the model, the real proxy, the agent's prompt a resource, the
+    scripted critic — the table, the best prompt and the plot; a second call with --resume scores
+    nothing again."""
+    import yaml
+    from test_run import lgt_train_cmd
+
+    (tmp_path / "prompt.txt").write_text(SEED)
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks(12, "t")))
+    cfg = {"name": "apo", "model": {"path": str(arith_model_dir)}, "tasks": str(tmp_path / "tasks.jsonl"),
+           "agent": {"command": [sys.executable, str(AGENTS / "prompt_agent.py")], "timeout_s": 60,
+                     "retries": 0},
+           "resources": {"system_prompt": {"template": str(tmp_path / "prompt.txt"), "deliver": "env"}},
+           "apo": {"rounds": 2, "beam_width": 2, "branch_factor": 2, "batch_size": 4, "val_size": 4,
+                   "critic": {"base_url": critic.base_url, "timeout_s": 0.5}},
+           "engine": {"max_model_len": 256}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    out = lgt_train_cmd("apo", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run"), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "best: " in out.stdout and "validation reward 1.000" in out.stdout, out.stdout
+    assert (tmp_path / "run" / "apo" / "best_prompt.txt").read_text() == \
+        "Solve {question}. Be polite. Answer in one word."
+    assert (tmp_path / "run" / "apo" / "rounds.svg").exists()
+    scores = sum(1 for r in apo.Ledger(tmp_path / "run").rows if r["event"] == "score")
+    again = lgt_train_cmd("apo", str(tmp_path / "run.yaml"), "--resume", str(tmp_path / "run"), timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert sum(1 for r in apo.Ledger(tmp_path / "run").rows if r["event"] == "score") == scores
