@@ -39,7 +39,7 @@ fi
 build_venv .venv-proxy "$py" -e ".[proxy,inspect,test,clients]" "${proxy_extra[@]}"
 
 if [ "${LGT_SKIP_ENGINE:-0}" != 1 ]; then
-  build_venv .venv "$(find_python 3.11)" -e ".[engine,train,k8s,test]"
+  build_venv .venv "$(find_python 3.11)" -e ".[engine,train,k8s,apo,test]"
   # PyPI's torchvision/torchaudio/torchcodec break vLLM's import next to the CPU torch wheel
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi

@@ -27,7 +27,7 @@ from typing import Any
 
 from .resources import Resources, check_rewrite
 
-OPTIMIZERS = ("beam",)
+OPTIMIZERS = ("beam", "gepa")
 TRACES_SHOWN = 2  # worst and best rollouts the critic reads, each
 CRITIQUE = """You improve the instructions (the prompt) an AI agent is given.
 
@@ -79,7 +79,15 @@ class ApoConfig:
     val_size: int = 16  # validation tasks per score (the held-out split when the run has one)
     samples: int = 1  # rollouts per task
     target_reward: float | None = None  # stop once a candidate's validation reward reaches it
+    max_rollouts: int | None = None  # gepa's budget; default: what the beam search could spend
     critic: CriticConfig = field(default_factory=CriticConfig)
+
+    def budget(self, val: int) -> int:
+        """Rollouts a search may spend: ``max_rollouts``, or the beam search's worst case."""
+        if self.max_rollouts is not None:
+            return self.max_rollouts
+        per_round = self.beam_width * (self.batch_size + self.branch_factor * min(self.val_size, val))
+        return self.samples * (min(self.val_size, val) + self.rounds * per_round)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -266,6 +274,87 @@ async def beam(cfg: ApoConfig, start: Resources, run: Runner, train: Sequence[Ma
     best = max(cands.values(), key=lambda c: (c["val_reward"], -c["round"]))
     (Path(run_dir) / "apo" / "best_prompt.txt").write_text(best["text"])
     return best
+
+
+async def gepa_search(cfg: ApoConfig, start: Resources, run: Runner, train: Sequence[Mapping[str, Any]],
+                      val: Sequence[Mapping[str, Any]], critic: Critic, run_dir: Path,
+                      log: Callable[[str], None] = print) -> dict[str, Any]:
+    """GEPA's reflective Pareto search (the ``gepa`` library) with lgt rollouts: an adapter scores its
+    candidates by real rollouts and builds its reflective dataset from their traces; the critic is its
+    reflection model. Candidates and scores go to the same ``candidates.jsonl``; GEPA keeps its own
+    state in ``apo/gepa`` (``--resume`` continues from it)."""
+    import gepa
+    from gepa.core.adapter import EvaluationBatch
+
+    loop = asyncio.get_running_loop()
+    ledger = Ledger(run_dir)
+    name = cfg.resource
+    val_ids = {id(t) for t in val}
+    order: dict[str, int] = {c["version"]: c["round"] for c in ledger.candidates().values()}
+
+    class Adapter:
+        propose_new_texts = None  # GEPA's own proposer, with the critic as its reflection model
+
+        def evaluate(self, batch: list[Any], candidate: dict[str, str], capture_traces: bool = False) -> Any:
+            text = candidate[name]
+            split = "val" if len(batch) == len(val) and all(id(t) in val_ids for t in batch) else "train"
+            try:
+                res = start.with_texts({**start.texts, name: text})
+            except ValueError as e:  # a placeholder lost: this candidate scores nothing
+                ledger.add(event="rejected", key=f"gepa:{len(ledger.rows)}", reason=str(e), text=text)
+                traj = [{"task": t, "trace": f"rejected: {e}", "reward": 0.0} for t in batch]
+                return EvaluationBatch(outputs=[""] * len(batch), scores=[0.0] * len(batch),
+                                       trajectories=traj if capture_traces else None)
+            if res.version not in order:
+                order[res.version] = len(order)
+                ledger.add(event="candidate", key=f"gepa:{res.version}", version=res.version, text=text,
+                           parent=None, round=order[res.version])
+            results = asyncio.run_coroutine_threadsafe(run(res, batch, "g"), loop).result()
+            scores = [r if r is not None else 0.0 for r, _ in results]
+            ledger.add(event="score", version=res.version, split=split, n=len(scores),
+                       reward=sum(scores) / max(len(scores), 1))
+            traj = [{"task": t, "trace": tr, "reward": sc} for t, (_, tr), sc in zip(batch, results, scores)]
+            return EvaluationBatch(outputs=[tr for _, tr in results], scores=scores,
+                                   trajectories=traj if capture_traces else None)
+
+        def make_reflective_dataset(self, candidate: dict[str, str], eval_batch: Any,
+                                    components_to_update: list[str]) -> dict[str, list[dict[str, Any]]]:
+            records = [{"Inputs": {"task": json.dumps(dict(t["task"]), ensure_ascii=False)[:600]},
+                        "Generated Outputs": t["trace"],
+                        "Feedback": f"reward {t['reward']:.2f} (1 is a success, 0 a failure)"}
+                       for t in eval_batch.trajectories or ()]
+            return {c: records for c in components_to_update}
+
+    class Logger:
+        def log(self, message: str) -> None:
+            log(f"apo (gepa): {message}")
+
+    def reflect(prompt: Any) -> str:
+        return critic.ask(prompt if isinstance(prompt, str) else json.dumps(prompt)) or ""
+
+    def reached(state: Any) -> bool:  # apo.target_reward: stop as the beam search does
+        scores = state.program_full_scores_val_set
+        return cfg.target_reward is not None and bool(scores) and max(scores) >= cfg.target_reward
+
+    result = await asyncio.to_thread(
+        gepa.optimize, stop_callbacks=[reached], seed_candidate={name: start.texts[name]},
+        trainset=list(train), valset=list(val),
+        adapter=Adapter(), reflection_lm=reflect, max_metric_calls=cfg.budget(len(val)),
+        reflection_minibatch_size=min(cfg.batch_size, len(train)), seed=0, logger=Logger(),
+        run_dir=str(Path(run_dir) / "apo" / "gepa"), raise_on_exception=False, display_progress_bar=False)
+    text = result.best_candidate[name]
+    version = start.with_texts({**start.texts, name: text}).version
+    (Path(run_dir) / "apo" / "best_prompt.txt").write_text(text)
+    best = ledger.candidates().get(version) or {"version": version, "text": text, "round": 0, "parent": None}
+    return {**best, "val_reward": float(result.val_aggregate_scores[result.best_idx])}
+
+
+async def optimize(cfg: ApoConfig, start: Resources, run: Runner, train: Sequence[Mapping[str, Any]],
+                   val: Sequence[Mapping[str, Any]], critic: Critic, run_dir: Path,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The configured optimiser (``beam`` or ``gepa``)."""
+    search = beam if cfg.optimizer == "beam" else gepa_search
+    return await search(cfg, start, run, train, val, critic, run_dir, log)
 
 
 def _placeholders(text: str) -> set[str]:

@@ -766,8 +766,8 @@ def optimize_prompt(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool
 
         async def go() -> dict[str, Any]:
             try:
-                return await apo.beam(cfg.apo, r.controller.resources, run, train, val, critic, run_dir,
-                                      log=r.log)
+                return await apo.optimize(cfg.apo, r.controller.resources, run, train, val, critic, run_dir,
+                                          log=r.log)
             finally:
                 await r.aclose()
 

@@ -31,16 +31,18 @@ class Critic(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         question = body["messages"][-1]["content"]
+        gepa = "Provide the new instructions within ``` blocks" in question  # GEPA's reflection prompt
         if "CRITIQUE:" in question:
             text = "The prompt never says how the answer should look."
         else:
-            current = re.search(r"<prompt>\n(.*?)\n</prompt>", question, re.S)[1]
+            current = re.search(r"for me:\n```\n(.*?)\n```" if gepa else r"<prompt>\n(.*?)\n</prompt>",
+                                question, re.S)[1]
             rule = RULES[Critic.rewrites % len(RULES)]
             Critic.rewrites += 1
             if rule == "SLOW":
                 time.sleep(2)
-            text = "" if rule == "" else (f"<prompt>{current.replace('{question}', 'it')}</prompt>"
-                                          if rule == "DROP" else f"<prompt>{current} {rule}</prompt>")
+            new = current.replace("{question}", "it") if rule == "DROP" else f"{current} {rule}"
+            text = "" if rule == "" else (f"```\n{new}\n```" if gepa else f"<prompt>{new}</prompt>")
         out = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
         try:
             self._answer(out)
@@ -105,6 +107,29 @@ def test_beam_finds_the_instruction_and_resumes_without_scoring_again(tmp_path, 
     assert [c["val_reward"] for c in table][:1] == [1.0] and {c["round"] for c in table} == {0, 1, 2}
     svg = apo.plot(tmp_path / "run").read_text()
     assert svg.startswith("<svg") and "validation reward per round" in svg
+
+
+def test_gepa_finds_it_too_through_the_gepa_library(tmp_path, proxy, critic):
+    (tmp_path / "prompt.txt").write_text(SEED)
+    start = Resources({"system_prompt": ResourceSpec(tmp_path / "prompt.txt", "env")})
+    agent = AgentSpec(command=(sys.executable, str(AGENTS / "prompt_agent.py")), timeout_s=60, retries=0)
+    ctl = RolloutController(agent, endpoint(proxy), proxy.store, tmp_path / "run", 8, batch_records=True)
+    cfg = apo.ApoConfig(optimizer="gepa", rounds=3, beam_width=2, branch_factor=2, batch_size=3, val_size=3,
+                        target_reward=1.0)
+
+    async def go():
+        try:
+            return await apo.optimize(cfg, start, apo.make_runner(ctl, proxy.store), tasks(4, "tr"),
+                                      tasks(3, "va"), critic, tmp_path / "run", log=lambda _: None)
+        finally:
+            await ctl.aclose()
+
+    best = asyncio.run(go())
+    assert best["val_reward"] == 1.0 and best["text"] == "Solve {question}. Answer in one word."
+    rows = apo.Ledger(tmp_path / "run").rows
+    assert any("drops the placeholder" in r.get("reason", "") for r in rows if r["event"] == "rejected")
+    assert critic.failures >= 1  # the empty and the timed-out answers cost their candidates only
+    assert (tmp_path / "run" / "apo" / "best_prompt.txt").read_text() == best["text"]
 
 
 @pytest.mark.slow
