@@ -435,3 +435,33 @@ def plot(run_dir: Path) -> Path:
     path = Path(run_dir) / "apo" / "rounds.svg"
     _atomic_write(path, svg)
     return path
+
+
+def write_report(run_dir: Path) -> Path:
+    """``<run>/report.html`` for an ``lgt-train apo`` run: the reward per round, the candidates, the best
+    prompt."""
+    import html
+
+    run_dir = Path(run_dir)
+    svg_path = run_dir / "apo" / "rounds.svg"
+    svg = svg_path.read_text() if svg_path.exists() else ""
+    rows = table(run_dir)
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    cells = "".join(
+        f"<tr><td><code>{c['version']}</code></td><td>{c['round']}</td>"
+        f"<td><code>{c['parent'] or '-'}</code></td><td>{num(c['train_reward'])}</td>"
+        f"<td>{num(c['val_reward'])}</td><td><pre>{html.escape(c['text'])}</pre></td></tr>" for c in rows)
+    best = rows[0]["text"] if rows else ""
+    title = f"{html.escape(run_dir.name)}: prompt optimisation"
+    page = (f"<!doctype html><meta charset=utf-8><title>{title}</title>"
+            "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}td,th{padding:4px 8px;"
+            "vertical-align:top;border-bottom:1px solid #ddd}pre{white-space:pre-wrap;margin:0}</style>"
+            f"<h1>{html.escape(run_dir.name)}</h1><h2>Prompt optimisation</h2>{svg}"
+            f"<h3>Best prompt</h3><pre>{html.escape(best)}</pre><h3>Candidates (best first)</h3>"
+            "<table><tr><th>version</th><th>round</th><th>parent</th><th>train</th><th>validation</th>"
+            f"<th>text</th></tr>{cells}</table>")
+    path = run_dir / "report.html"
+    path.write_text(page)
+    return path

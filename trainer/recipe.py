@@ -773,6 +773,7 @@ def optimize_prompt(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool
 
         best = asyncio.run(go())
         apo.plot(run_dir)
+        apo.write_report(run_dir)
         return run_dir, {**best, "critic_calls": critic.calls, "critic_failures": critic.failures}
     finally:
         r.cleanup()

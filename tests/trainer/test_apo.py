@@ -7,66 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import sys
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from scripted_critic import SEED, ScriptedCritic
 from test_rollouts import AGENTS, endpoint
 
 from lgt.trainer import apo
 from lgt.trainer.resources import Resources, ResourceSpec
 from lgt.trainer.rollouts import AgentSpec, RolloutController
 
-SEED = "Solve {question}."
-# the scripted critic's rewrites, in order: "" is an empty answer, DROP loses {question}, SLOW times out
-RULES = ["Be polite.", "DROP", "Use metric units.", "", "SLOW", "Answer in one word."]
-
-
-class Critic(BaseHTTPRequestHandler):
-    rewrites = 0
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        question = body["messages"][-1]["content"]
-        gepa = "Provide the new instructions within ``` blocks" in question  # GEPA's reflection prompt
-        if "CRITIQUE:" in question:
-            text = "The prompt never says how the answer should look."
-        else:
-            current = re.search(r"for me:\n```\n(.*?)\n```" if gepa else r"<prompt>\n(.*?)\n</prompt>",
-                                question, re.S)[1]
-            rule = RULES[Critic.rewrites % len(RULES)]
-            Critic.rewrites += 1
-            if rule == "SLOW":
-                time.sleep(2)
-            new = current.replace("{question}", "it") if rule == "DROP" else f"{current} {rule}"
-            text = "" if rule == "" else (f"```\n{new}\n```" if gepa else f"<prompt>{new}</prompt>")
-        out = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
-        try:
-            self._answer(out)
-        except BrokenPipeError:  # the SLOW answer: the critic gave up first
-            pass
-
-    def _answer(self, out: str) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out.encode())
-
-    def log_message(self, *args) -> None:
-        pass
-
 
 @pytest.fixture
 def critic():
-    Critic.rewrites = 0
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Critic)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield apo.Critic(apo.CriticConfig(timeout_s=0.5), f"http://127.0.0.1:{server.server_port}/v1")
-    server.shutdown()
+    with ScriptedCritic() as url:
+        yield apo.Critic(apo.CriticConfig(timeout_s=0.5), url)
 
 
 def tasks(n: int, prefix: str) -> list[dict]:
@@ -156,6 +111,8 @@ def test_lgt_train_apo_end_to_end(tmp_path, arith_model_dir, critic):
     assert (tmp_path / "run" / "apo" / "best_prompt.txt").read_text() == \
         "Solve {question}. Be polite. Answer in one word."
     assert (tmp_path / "run" / "apo" / "rounds.svg").exists()
+    report = (tmp_path / "run" / "report.html").read_text()
+    assert "Prompt optimisation" in report and "Answer in one word." in report and "<svg" in report
     scores = sum(1 for r in apo.Ledger(tmp_path / "run").rows if r["event"] == "score")
     again = lgt_train_cmd("apo", str(tmp_path / "run.yaml"), "--resume", str(tmp_path / "run"), timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
