@@ -413,9 +413,12 @@ def eval_cmd(config_file: Path, checkpoint: Path | None, run_dir: Path | None, s
               help="Where the search writes (default runs/<name>-apo-<time>).")
 @click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Continue a search in this run directory (finished candidates are not scored again).")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="An RL run's checkpoints/step-N folder to serve (default: the config's model).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override any config key, e.g. --set apo.rounds=5.")
-def apo_cmd(config_file: Path, run_dir: Path | None, resume_dir: Path | None, sets: tuple[str, ...]) -> None:
+def apo_cmd(config_file: Path, run_dir: Path | None, resume_dir: Path | None, checkpoint: Path | None,
+            sets: tuple[str, ...]) -> None:
     """Optimise CONFIG_FILE's prompt resource (its apo section) with real rollouts: a critic reads the
     worst and best traces, rewrites the prompt, and the best rewrites by validation reward go on."""
     from lgt.trainer import apo, recipe
@@ -424,7 +427,7 @@ def apo_cmd(config_file: Path, run_dir: Path | None, resume_dir: Path | None, se
     try:
         cfg = cfgmod.load(config_file, _overrides(sets))
         with _display() as display:
-            out, best = recipe.optimize_prompt(cfg, run_dir=resume_dir or run_dir,
+            out, best = recipe.optimize_prompt(cfg, run_dir=resume_dir or run_dir, checkpoint=checkpoint,
                                                resume=resume_dir is not None, display=display)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(_run_error(e)) from None

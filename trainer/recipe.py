@@ -745,9 +745,11 @@ def evaluate(cfg: RunConfig, *, checkpoint: Path | None = None, run_dir: Path | 
 
 
 def optimize_prompt(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False,
+                    checkpoint: Path | None = None,
                     display: Callable[[StepStats, str], None] | None = None) -> tuple[Path, dict[str, Any]]:
     """``lgt-train apo``: the run's ``apo.resource`` optimised with real rollouts (:mod:`lgt.trainer.apo`)
-    on the config's model; the best candidate, and the run directory (``apo/`` in it)."""
+    on the config's model or ``checkpoint`` (an RL run's checkpoints/step-N); the best candidate, and the
+    run directory (``apo/`` in it)."""
     from . import apo
 
     if cfg.apo is None:
@@ -756,7 +758,7 @@ def optimize_prompt(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool
     run_dir = (run_dir or Path.cwd() / "runs" / f"{cfg.name}-apo-{stamp}").resolve()
     r = Recipe(cfg, run_dir, resume=resume, display=display)
     try:
-        r.setup_eval(None)
+        r.setup_eval(checkpoint)
         train = list(r.tasks)
         val = list(r.eval_tasks)[:cfg.apo.val_size] or train[-cfg.apo.val_size:]
         if not r.eval_tasks:  # no held-out split: the last val_size tasks validate, the rest train
