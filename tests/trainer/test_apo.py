@@ -64,6 +64,35 @@ def test_beam_finds_the_instruction_and_resumes_without_scoring_again(tmp_path, 
     assert svg.startswith("<svg") and "validation reward per round" in svg
 
 
+def test_a_search_killed_mid_round_resumes_without_scoring_again(tmp_path, proxy, critic):
+    (tmp_path / "prompt.txt").write_text(SEED)
+    start = Resources({"system_prompt": ResourceSpec(tmp_path / "prompt.txt", "env")})
+    agent = AgentSpec(command=(sys.executable, str(AGENTS / "prompt_agent.py")), timeout_s=60, retries=0)
+    ctl = RolloutController(agent, endpoint(proxy), proxy.store, tmp_path / "run", 8, batch_records=True)
+    run = apo.make_runner(ctl, proxy.store)
+    calls = {"n": 0}
+
+    async def dies_on_the_fifth_batch(res, batch, tag):
+        calls["n"] += 1
+        if calls["n"] == 5:  # round 2, after its first critique's rollouts were scored: "kill -9"
+            raise KeyboardInterrupt
+        return await run(res, batch, tag)
+
+    cfg = apo.ApoConfig(rounds=3, beam_width=2, branch_factor=2, batch_size=3, val_size=3, target_reward=1.0)
+    args = (tasks(4, "tr"), tasks(3, "va"), critic, tmp_path / "run")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(apo.beam(cfg, start, dies_on_the_fifth_batch, *args, log=lambda _: None))
+        before = [r for r in apo.Ledger(tmp_path / "run").rows if r["event"] == "score"]
+        best = asyncio.run(apo.beam(cfg, start, run, *args, log=lambda _: None))
+    finally:
+        asyncio.run(ctl.aclose())
+    assert best["val_reward"] == 1.0
+    val = [r["version"] for r in apo.Ledger(tmp_path / "run").rows if r["event"] == "score"
+           and r["split"] == "val"]
+    assert len(val) == len(set(val)) and len(before) >= 3  # each candidate validated once, across the kill
+
+
 def test_gepa_finds_it_too_through_the_gepa_library(tmp_path, proxy, critic):
     (tmp_path / "prompt.txt").write_text(SEED)
     start = Resources({"system_prompt": ResourceSpec(tmp_path / "prompt.txt", "env")})
