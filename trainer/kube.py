@@ -399,10 +399,13 @@ class KubeRunner:
     async def execute(self, *, rollout_id: str, attempt: int, group_id: str | None, task_id: str,
                       step: int | None, plain_env: Mapping[str, str], secret_env: Mapping[str, str],
                       files: Mapping[str, bytes], timeout_s: float, stdout: Path,
-                      stderr: Path) -> tuple[int | None, bool, str | None]:
+                      stderr: Path, command: list[str] | None = None,
+                      role: str = "agent") -> tuple[int | None, bool, str | None]:
         """Run one attempt as a Job (or adopt the one that exists); (exit code, timed out, error)
-        as :meth:`lgt.trainer.rollouts.RolloutController._execute` returns them."""
-        name = self.job_name(rollout_id, attempt)
+        as :meth:`lgt.trainer.rollouts.RolloutController._execute` returns them. ``role="evaluator"``:
+        the attempt's evaluator Job, ``command`` replacing the template container's."""
+        name = self.job_name(rollout_id, attempt) if role == "agent" else \
+            dns_name("lgt", self.key, rollout_id, str(attempt), role)
         t0 = time.monotonic()
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.waiters[name] = fut
@@ -414,8 +417,10 @@ class KubeRunner:
                 await self.rate.acquire()
                 labels = {f"{LABEL}/run": self.key, f"{LABEL}/rollout": label_value(rollout_id),
                           f"{LABEL}/attempt": str(attempt), f"{LABEL}/group": label_value(group_id or "none"),
-                          f"{LABEL}/task": label_value(task_id), f"{LABEL}/step": str(step or 0)}
-                error = await self._call(self._create, name, labels, plain_env, secret_env, files, timeout_s)
+                          f"{LABEL}/task": label_value(task_id), f"{LABEL}/step": str(step or 0),
+                          f"{LABEL}/role": role}
+                error = await self._call(self._create, name, labels, plain_env, secret_env, files, timeout_s,
+                                         command)
                 if error is not None:
                     return None, False, error
             outcome = self._outcome_now(name)
@@ -447,7 +452,8 @@ class KubeRunner:
         return None
 
     def _create(self, name: str, labels: dict[str, str], plain_env: Mapping[str, str],
-                secret_env: Mapping[str, str], files: Mapping[str, bytes], timeout_s: float) -> str | None:
+                secret_env: Mapping[str, str], files: Mapping[str, bytes], timeout_s: float,
+                command: list[str] | None = None) -> str | None:
         from kubernetes.client.exceptions import ApiException
 
         assert self.parent is not None
@@ -468,7 +474,7 @@ class KubeRunner:
             return f"cannot create the rollout's Secret {name}: {_reason(e)}"
         try:
             self.batch.create_namespaced_job(self.namespace, self.job(name, labels, plain_env, secret_env,
-                                                                      files, timeout_s))
+                                                                      files, timeout_s, command))
         except ApiException as e:
             with contextlib.suppress(ApiException):
                 self.core.delete_namespaced_secret(name, self.namespace)
@@ -476,7 +482,8 @@ class KubeRunner:
         return None
 
     def job(self, name: str, labels: dict[str, str], plain_env: Mapping[str, str],
-            secret_env: Mapping[str, str], files: Mapping[str, bytes], timeout_s: float) -> dict[str, Any]:
+            secret_env: Mapping[str, str], files: Mapping[str, bytes], timeout_s: float,
+            command: list[str] | None = None) -> dict[str, Any]:
         """The Job for one attempt: the template plus what the controller owns."""
         assert self.parent is not None
         job = copy.deepcopy(self.template)
@@ -496,6 +503,9 @@ class KubeRunner:
         pod["restartPolicy"] = "Never"
         pod.setdefault("volumes", []).append({"name": "lgt-rollout", "secret": {"secretName": name}})
         c = pod["containers"][0]
+        if command is not None:  # an evaluator Job: the same image, its own command
+            c["command"] = list(command)
+            c.pop("args", None)
         ours = {*plain_env, *secret_env}
         env = [e for e in c.get("env") or () if e.get("name") not in ours]
         env += [{"name": k, "value": v} for k, v in plain_env.items()]

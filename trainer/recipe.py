@@ -485,6 +485,8 @@ class Recipe:
         jobs = await self.controller.existing_jobs()
         by_group: dict[str, list[dict[str, str]]] = {}
         for j in jobs:
+            if j.get("role", "agent") != "agent":
+                continue  # an evaluator Job: its rollout's attempt is run (or adopted) again with it
             if j.get("group", "").startswith("g") and j["group"][1:].isdigit():
                 by_group.setdefault(j["group"], []).append(j)
         if not by_group:

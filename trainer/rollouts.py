@@ -229,7 +229,7 @@ def check_agent(agent: AgentSpec, environ: Mapping[str, str] | None = None) -> N
         raise RolloutError(f"the agent's working directory {str(agent.cwd)!r} does not exist")
     if agent.runner == "local":
         resolve_executable(agent.command[0], agent.cwd, environ.get("PATH"), "agent command")
-    if agent.evaluator is not None:
+    if agent.evaluator is not None and agent.runner == "local":  # a pod runs its own
         resolve_executable(agent.evaluator[0], agent.cwd, environ.get("PATH"), "evaluator command")
     known = set(environ) | ROLLOUT_VARS | set(RESERVED_VARS)
     for key, value in agent.env.items():
@@ -832,8 +832,11 @@ class RolloutController:
         eval_env.update({k: v for k, v in env.items()
                          if k.startswith(self.agent.task_env_prefix) or k in RESERVED_VARS
                          or k in ("LGT_ROLLOUT_ID", "LGT_ATTEMPT")})
-        argv = (*self.agent.evaluator, str(paths.task_json), str(paths.stdout))
-        code, timed_out, error = await self._execute(argv, eval_env, paths.eval_out, paths.eval_err)
+        if self.agent.runner == "kubernetes":  # an evaluator Job: the same image, the agent's output
+            code, timed_out, error = await self._evaluate_job(eval_env, paths)
+        else:
+            argv = (*self.agent.evaluator, str(paths.task_json), str(paths.stdout))
+            code, timed_out, error = await self._execute(argv, eval_env, paths.eval_out, paths.eval_err)
         if error is not None:
             return None, None, f"the evaluator {error.removeprefix('could not start ')}"
         if timed_out:
@@ -847,6 +850,24 @@ class RolloutController:
             return parse_reward(line), "evaluator", None
         except ValueError as e:
             return None, None, f"the evaluator's last stdout line is unusable: {e}"
+
+    async def _evaluate_job(self, eval_env: Mapping[str, str],
+                            paths: _Paths) -> tuple[int | None, bool, str | None]:
+        """runner: kubernetes — the evaluator as a Job from the agent's template (its image, the task
+        and the agent's output mounted), given ``TASK_JSON AGENT_OUTPUT`` like a local evaluator."""
+        from .kube import MOUNT
+
+        assert self._kube is not None and self.agent.evaluator is not None
+        plain = {k: v for k, v in eval_env.items() if k.startswith(self.agent.task_env_prefix)
+                 or k in ("TASK_ID", "LGT_ROLLOUT_ID", "LGT_ATTEMPT")}
+        plain["TASK_JSON"] = f"{MOUNT}/task.json"
+        task_json = paths.task_json.read_bytes()
+        return await self._kube.execute(
+            rollout_id=eval_env["LGT_ROLLOUT_ID"], attempt=int(eval_env["LGT_ATTEMPT"]), group_id=None,
+            task_id=eval_env.get("TASK_ID", ""), step=None, plain_env=plain, secret_env={},
+            files={"task.json": task_json, "agent-output.txt": paths.stdout.read_bytes()},
+            timeout_s=self.agent.timeout_s, stdout=paths.eval_out, stderr=paths.eval_err, role="evaluator",
+            command=[*self.agent.evaluator, f"{MOUNT}/task.json", f"{MOUNT}/agent-output.txt"])
 
     def _record(self, r: RolloutResult) -> None:
         """The attempt's rollouts row, then its reward row unless the proxy recorded it already."""

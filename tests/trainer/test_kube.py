@@ -171,6 +171,27 @@ def test_rollouts_run_as_jobs_with_their_credentials_only_in_a_secret(tmp_path, 
     assert cluster.processes_running() == 0
 
 
+def test_an_evaluator_runs_as_its_own_job_on_the_agents_output(tmp_path, proxy, cluster):
+    agent = spec(tmp_path, cluster, evaluator=(sys.executable, str(AGENTS / "evaluator.py")),
+                 reward_sources=("evaluator",))
+    ctl = kube_controller(proxy, tmp_path, agent)
+
+    async def go():
+        r = await ctl.run({"task_id": "e1", "eval_reward": 0.75}, "judged", "g000001", 0)
+        jobs = cluster.objects("jobs", "rl")
+        await ctl.aclose()
+        return r, jobs
+
+    r, jobs = asyncio.run(go())
+    assert (r.status, r.reward, r.reward_source) == ("ok", 0.75, "evaluator")
+    assert "evaluating judged" in Path(r.stdout_path.with_name("judged~0.eval.out")).read_text()
+    roles = sorted(j["metadata"]["labels"]["lgt/role"] for j in jobs)
+    assert roles == ["agent", "evaluator"]  # a Job each, from the same template
+    [ev] = [j for j in jobs if j["metadata"]["labels"]["lgt/role"] == "evaluator"]
+    assert ev["spec"]["template"]["spec"]["containers"][0]["command"][-2:] == [
+        f"{kube.MOUNT}/task.json", f"{kube.MOUNT}/agent-output.txt"]
+
+
 @pytest.mark.parametrize("image,reason", [
     ("registry.invalid/pull-error:1", "the agent's container cannot start: ErrImagePull"),
     ("registry.invalid/unschedulable:1", "the pod cannot be scheduled: 0/1 nodes are available"),
