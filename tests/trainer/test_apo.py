@@ -24,16 +24,22 @@ def critic():
         yield apo.Critic(apo.CriticConfig(timeout_s=0.5), url)
 
 
+def search(tmp_path, proxy) -> tuple[Resources, RolloutController, apo.Runner]:
+    """The starting prompt (a ``deliver: env`` resource), the controller running prompt_agent.py, and
+    the optimiser's rollout runner."""
+    (tmp_path / "prompt.txt").write_text(SEED)
+    start = Resources({"system_prompt": ResourceSpec(tmp_path / "prompt.txt", "env")})
+    agent = AgentSpec(command=(sys.executable, str(AGENTS / "prompt_agent.py")), timeout_s=60, retries=0)
+    ctl = RolloutController(agent, endpoint(proxy), proxy.store, tmp_path / "run", 8, batch_records=True)
+    return start, ctl, apo.make_runner(ctl, proxy.store)
+
+
 def tasks(n: int, prefix: str) -> list[dict]:
     return [{"task_id": f"{prefix}{i}", "question": f"What is {i} plus {i}?"} for i in range(n)]
 
 
 def test_beam_finds_the_instruction_and_resumes_without_scoring_again(tmp_path, proxy, critic):
-    (tmp_path / "prompt.txt").write_text(SEED)
-    start = Resources({"system_prompt": ResourceSpec(tmp_path / "prompt.txt", "env")})
-    agent = AgentSpec(command=(sys.executable, str(AGENTS / "prompt_agent.py")), timeout_s=60, retries=0)
-    ctl = RolloutController(agent, endpoint(proxy), proxy.store, tmp_path / "run", 8, batch_records=True)
-    run = apo.make_runner(ctl, proxy.store)
+    start, ctl, run = search(tmp_path, proxy)
     train, val = tasks(4, "tr"), tasks(3, "va")
     cfg = apo.ApoConfig(rounds=1, beam_width=2, branch_factor=2, batch_size=3, val_size=3, target_reward=1.0)
 
@@ -65,11 +71,7 @@ def test_beam_finds_the_instruction_and_resumes_without_scoring_again(tmp_path, 
 
 
 def test_a_search_killed_mid_round_resumes_without_scoring_again(tmp_path, proxy, critic):
-    (tmp_path / "prompt.txt").write_text(SEED)
-    start = Resources({"system_prompt": ResourceSpec(tmp_path / "prompt.txt", "env")})
-    agent = AgentSpec(command=(sys.executable, str(AGENTS / "prompt_agent.py")), timeout_s=60, retries=0)
-    ctl = RolloutController(agent, endpoint(proxy), proxy.store, tmp_path / "run", 8, batch_records=True)
-    run = apo.make_runner(ctl, proxy.store)
+    start, ctl, run = search(tmp_path, proxy)
     calls = {"n": 0}
 
     async def dies_on_the_fifth_batch(res, batch, tag):
@@ -94,16 +96,13 @@ def test_a_search_killed_mid_round_resumes_without_scoring_again(tmp_path, proxy
 
 
 def test_gepa_finds_it_too_through_the_gepa_library(tmp_path, proxy, critic):
-    (tmp_path / "prompt.txt").write_text(SEED)
-    start = Resources({"system_prompt": ResourceSpec(tmp_path / "prompt.txt", "env")})
-    agent = AgentSpec(command=(sys.executable, str(AGENTS / "prompt_agent.py")), timeout_s=60, retries=0)
-    ctl = RolloutController(agent, endpoint(proxy), proxy.store, tmp_path / "run", 8, batch_records=True)
+    start, ctl, run = search(tmp_path, proxy)
     cfg = apo.ApoConfig(optimizer="gepa", rounds=3, beam_width=2, branch_factor=2, batch_size=3, val_size=3,
                         target_reward=1.0)
 
     async def go():
         try:
-            return await apo.optimize(cfg, start, apo.make_runner(ctl, proxy.store), tasks(4, "tr"),
+            return await apo.optimize(cfg, start, run, tasks(4, "tr"),
                                       tasks(3, "va"), critic, tmp_path / "run", log=lambda _: None)
         finally:
             await ctl.aclose()

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_rollouts import AGENTS, endpoint, rows
+from test_rollouts import AGENTS, endpoint, rows, run_all
 
 from lgt.trainer import config
 from lgt.trainer.resources import (
@@ -64,13 +64,7 @@ def test_rollouts_get_their_resources_and_record_the_version(tmp_path, proxy, up
     tasks = [({"task_id": f"p{i}", "question": f"{i}+1", "report_dir": str(tmp_path),
                "rewards": {"stdout": i / 2}}, f"res-{i}") for i in range(2)]
 
-    async def go():
-        try:
-            return await asyncio.gather(*(ctl.run(t, rid, "g000001", 0) for t, rid in tasks))
-        finally:
-            await ctl.aclose()
-
-    results = asyncio.run(go())
+    results = asyncio.run(run_all(ctl, tasks, "g000001"))
     assert [r.status for r in results] == ["ok", "ok"]
     assert {r.resource_version for r in results} == {res.version}
     systems = [r.body["messages"][0] for r in upstream.requests if r.body["messages"][-1]["content"] in

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 import pytest
-from test_rollouts import AGENTS, rows
+from test_rollouts import AGENTS, rows, run_all
 
 from lgt.trainer.proxy_client import ProxyClient, ProxyError, ProxyGroup
 from lgt.trainer.rollouts import AgentSpec, ProxyEndpoint, RolloutController
@@ -42,13 +42,7 @@ def test_rollouts_spread_over_replicas_each_keeping_to_one(tmp_path, replicas):
     tasks = [({"task_id": f"t{i}", "question": "What is 2+3?", "rewards": {"proxy": i / 10}}, f"rep-{i}")
              for i in range(8)]
 
-    async def go():
-        try:
-            return await asyncio.gather(*(ctl.run(t, rid, "g000001", 0) for t, rid in tasks))
-        finally:
-            await ctl.aclose()
-
-    results = asyncio.run(go())
+    results = asyncio.run(run_all(ctl, tasks, "g000001"))
     # each reward was asked of the replica its agent posted it to
     assert [(r.status, r.reward, r.reward_source) for r in results] == \
         [("ok", i / 10, "proxy") for i in range(8)]
