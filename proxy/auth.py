@@ -26,6 +26,8 @@ from pathlib import Path
 
 SECRET_ENV = "LGT_PROXY_SECRET"
 CONTROL_TOKEN_ENV = "LGT_CONTROL_TOKEN"
+# the variables a rollout's environment points at the CA bundle with (one per client family)
+CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")
 PROXY_DIR = "_proxy"
 ROLLOUT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CA_NAME = "mitmproxy"  # mitmproxy's file prefix inside its confdir
@@ -219,7 +221,7 @@ def rollout_env(
         env[var] = url
     for var in ("NO_PROXY", "no_proxy"):
         env[var] = ""
-    for var in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS"):
+    for var in CA_VARS:
         env[var] = bundle
     env["LGT_ROLLOUT_ID"] = identity.rollout_id
     env["LGT_ATTEMPT"] = str(identity.attempt)

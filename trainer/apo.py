@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .resources import Resources, check_rewrite
+from .resources import Resources, check_rewrite, placeholders
 
 OPTIMIZERS = ("beam", "gepa")
 TRACES_SHOWN = 2  # worst and best rollouts the critic reads, each
@@ -249,7 +249,7 @@ async def beam(cfg: ApoConfig, start: Resources, run: Runner, train: Sequence[Ma
                     continue
                 new = None
                 if critique:
-                    holders = ", ".join("{" + p + "}" for p in sorted(_placeholders(texts[pv]))) or "none"
+                    holders = ", ".join("{" + p + "}" for p in sorted(placeholders(texts[pv]))) or "none"
                     answer = await asyncio.to_thread(critic.ask, REWRITE.format(
                         prompt=texts[pv], critique=critique, variant=b + 1, placeholders=holders))
                     new = extract_prompt(answer) if answer else None
@@ -355,11 +355,6 @@ async def optimize(cfg: ApoConfig, start: Resources, run: Runner, train: Sequenc
     """The configured optimiser (``beam`` or ``gepa``)."""
     search = beam if cfg.optimizer == "beam" else gepa_search
     return await search(cfg, start, run, train, val, critic, run_dir, log)
-
-
-def _placeholders(text: str) -> set[str]:
-    from .resources import placeholders
-    return placeholders(text)
 
 
 def table(run_dir: Path) -> list[dict[str, Any]]:

@@ -69,18 +69,16 @@ if TYPE_CHECKING:
 PROXY_MODES = ("https_proxy", "base_url")
 RUNNERS = ("local", "kubernetes")
 PROXY_VARS = ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy")
-CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")
 # Taken out of the machine's environment before a rollout's are added: proxy and CA settings the
 # machine sets globally (they would send the agent elsewhere or distrust the proxy's CA), and the
 # proxy's secrets (an agent holding them could mint other rollouts' credentials).
 STRIPPED_VARS = frozenset((
-    *PROXY_VARS, "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy",
-    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
+    *PROXY_VARS, "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy", *auth.CA_VARS, "SSL_CERT_DIR",
     auth.SECRET_ENV, auth.CONTROL_TOKEN_ENV,
 ))
 ROLLOUT_VARS = frozenset((
-    *PROXY_VARS, "NO_PROXY", "no_proxy", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-    "NODE_EXTRA_CA_CERTS", "LGT_ROLLOUT_ID", "LGT_ATTEMPT", "LGT_PROXY_BASE_URL", "LGT_REWARD_URL",
+    *PROXY_VARS, "NO_PROXY", "no_proxy", *auth.CA_VARS, "LGT_ROLLOUT_ID", "LGT_ATTEMPT",
+    "LGT_PROXY_BASE_URL", "LGT_REWARD_URL",
 ))
 RESERVED_VARS = ("TASK_JSON", "TASK_ID", "REWARD_FILE")
 REWARD_SOURCES = ("proxy", "file", "stdout", "evaluator")  # in order of preference
@@ -753,7 +751,7 @@ class RolloutController:
         proxy_env = self.proxy_for(rollout_id).rollout_env(rollout_id, attempt, self.agent.proxy_mode,
                                                            greedy=greedy, host=self.agent.proxy_host)
         ca = Path(proxy_env["SSL_CERT_FILE"]).read_bytes()
-        plain = {k: f"{MOUNT}/ca.pem" if k in CA_VARS else v for k, v in proxy_env.items()}
+        plain = {k: f"{MOUNT}/ca.pem" if k in auth.CA_VARS else v for k, v in proxy_env.items()}
         plain.update(fields)
         plain.update(TASK_JSON=f"{MOUNT}/task.json", TASK_ID=task_id, **extra_env)
         plain.update({k: expand(v, plain, k) for k, v in self.agent.env.items()})
