@@ -80,7 +80,7 @@ def test_sql_errors_are_one_line(store: Path) -> None:
 
 def test_a_missing_store_is_a_usage_error(tmp_path: Path) -> None:
     r = lgt_train("sql", "--store", tmp_path / "nope", "SELECT 1", ok=False, code=2)
-    assert "Directory" in r.stderr and "does not exist" in r.stderr
+    assert f"store directory '{tmp_path / 'nope'}' does not exist" in r.stderr
 
 
 def test_an_empty_store_answers_with_nothing(tmp_path: Path) -> None:
