@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import socket
 import time
 import uuid
 import weakref
@@ -824,10 +825,16 @@ class Egress:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         up = urlsplit(rt.upstream) if rt.upstream else None
-        self.upstream_host = up.hostname if up else None
+        # the engine's own address (host and port: not every service on its machine)
+        self.upstream = (up.hostname, up.port or (443 if up.scheme == "https" else 80)) if up else None
+        # mitmproxy opens a TCP flow's server connection after tcp_start whatever the hook did (a
+        # killed flow included): a blocked one is pointed here instead, a bound port that does not
+        # listen, so the connection is refused at once and nothing reaches the host
+        self._sink = socket.socket()
+        self._sink.bind(("127.0.0.1", 0))
 
-    def allowed(self, host: str) -> bool:
-        if self.rt.egress == "allow" or host == self.upstream_host:
+    def allowed(self, host: str, port: int | None) -> bool:
+        if self.rt.egress == "allow" or (host, port) == self.upstream:
             return True
         if self.rt.egress == "deny":
             return False
@@ -860,7 +867,7 @@ class Egress:
         if CALL in flow.metadata or flow.metadata.get(ROUTED):
             return
         host = flow.request.pretty_host
-        allowed = self.allowed(host)
+        allowed = self.allowed(host, flow.request.port)
         flow.metadata[EGRESS] = (_now_us(), allowed)
         if not allowed:
             self._blocked(identity, f"{flow.request.method} {flow.request.scheme}://{host}"
@@ -892,14 +899,15 @@ class Egress:
     def tcp_start(self, flow: Any) -> None:
         host, port = flow.server_conn.address or ("", None)
         identity = self.rt.tunnels.get(flow.client_conn)
-        allowed = self.allowed(host)
+        allowed = self.allowed(host, port)
         if identity is not None:
-            flow.metadata[EGRESS] = (_now_us(), allowed)
+            flow.metadata[EGRESS] = (_now_us(), allowed, host, port)
             if not allowed:
                 self._blocked(identity, f"TCP {host}:{port}")
         if not allowed:
             if identity is None:
                 self.rt.metrics.blocked_egress += 1
+            flow.server_conn.address = self._sink.getsockname()
             flow.kill()
 
     def _tcp_row(self, flow: Any) -> None:
@@ -907,7 +915,7 @@ class Egress:
         identity = self.rt.tunnels.get(flow.client_conn)
         if mark is None or identity is None:
             return
-        host, port = flow.server_conn.address or ("", None)
+        host, port = mark[2], mark[3]  # where the agent aimed (a blocked flow was pointed elsewhere)
         sent = sum(len(m.content) for m in flow.messages if m.from_client)
         got = sum(len(m.content) for m in flow.messages if not m.from_client)
         self._write(identity, mark[0], EGRESS_TCP, host, port, mark[1], request_bytes=sent,
@@ -925,5 +933,5 @@ class Egress:
             return
         host, port = data.context.server.address or ("", None)
         host = data.context.client.sni or host
-        self._write(identity, _now_us(), EGRESS_TLS_FAILED, host, port, self.allowed(host),
+        self._write(identity, _now_us(), EGRESS_TLS_FAILED, host, port, self.allowed(host, port),
                     error=data.conn.error or "the agent refused the proxy's TLS certificate")
