@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import socket
 import time
@@ -46,6 +47,7 @@ from .gate import Gate, Metrics, Rejected
 from .resend import Resender
 
 log = logging.getLogger("lgt.proxy")
+STORE_HEADROOM = 1 << 20  # free bytes the store needs before a full one takes calls again
 
 IDENT = "lgt.identity"
 REVERSE = "lgt.reverse"
@@ -72,6 +74,10 @@ class Runtime:
     upstream_timeout_s: float | None = None  # see deadline.py
     listen: tuple[str, int] | None = None  # where agents reach this proxy (GET /state says it)
     remote: Any = None  # lgt.store.remote.RemoteStore when the store is on S3
+    # why the store cannot be written (a full disk, a read-only one): new LLM calls are refused with
+    # it until a probe finds the store writable again (store_writable)
+    store_error: str | None = None
+    store_probed: float = 0.0
     # prompts the trainer delivers per rollout attempt, substituted in its requests (resources.py)
     resources: resources.Registry = field(default_factory=lambda: resources.Registry())
     resender: Resender = field(default_factory=Resender)  # asks the upstream again (see Record)
@@ -88,6 +94,25 @@ class Runtime:
     conversations: Conversations = field(default_factory=lambda: Conversations())
     # model names agents asked for (the latest 100), listed by GET …/v1/models with the served model
     model_names: dict[str, None] = field(default_factory=dict)
+
+    def store_writable(self) -> bool:
+        """False while the store cannot be written; re-checked at most once a second (free space and
+        a writable filesystem), so the proxy takes calls again by itself when space returns."""
+        if self.store_error is None:
+            return True
+        now = time.monotonic()
+        if now - self.store_probed < 1.0:
+            return False
+        self.store_probed = now
+        try:
+            st = os.statvfs(self.writer.root)
+        except OSError:
+            return False
+        if st.f_flag & os.ST_RDONLY or st.f_bavail * st.f_frsize < STORE_HEADROOM:
+            return False
+        log.info("the store is writable again: taking LLM calls")
+        self.store_error = None
+        return True
 
     def saw_model(self, name: Any) -> None:
         if isinstance(name, str) and name and name not in self.model_names:
@@ -499,6 +524,12 @@ class Record:
             if self.upstream is not None or flow.metadata.get(REVERSE):
                 return self._bad(flow, 400, str(e), api)
             return  # observe-only: not an LLM call we understand; ordinary traffic
+        if not rt.store_writable():  # never answer a call that could not be recorded
+            rt.metrics.rejected += 1
+            flow.response = _json_response(
+                503, f"lgt-proxy: {rt.store_error}; no LLM call is taken until it can be", "server_error",
+                {"Retry-After": str(rt.retry_after_s)}, api=api)
+            return
         try:
             version = await rt.gate.enter()
         except Rejected:
@@ -789,9 +820,15 @@ class Record:
             rt.metrics.ttfb.observe((first_byte - call.started_us) / 1e6)
         try:
             rt.writer.append(row)
-        except Exception:
+        except Exception as e:
             rt.metrics.record_failures += 1
-            log.exception("could not record call %s of rollout %s", call.call_id, call.identity.name)
+            if isinstance(e, OSError):  # a full or read-only disk: refuse new calls until it is writable
+                rt.store_error = f"the store cannot be written ({e.strerror or e})"
+                rt.store_probed = time.monotonic()
+                log.error("could not record call %s of rollout %s: %s; new LLM calls are refused until "
+                          "the store can be written", call.call_id, call.identity.name, rt.store_error)
+            else:
+                log.exception("could not record call %s of rollout %s", call.call_id, call.identity.name)
             return False
         if call.history is not None and call.translator is not None and status == STATUS_OK:
             rt.conversations.put(call.identity, call.translator.response_id,

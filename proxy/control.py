@@ -73,6 +73,7 @@ def state(rt: Runtime) -> dict[str, Any]:
         "upstream": rt.upstream,
         "served_model": rt.served_model,
         "listen": {"host": rt.listen[0], "port": rt.listen[1]} if rt.listen else None,
+        "store_error": rt.store_error,
         "resources_registered": len(rt.resources),
         "resource_misses": rt.resources.misses,
         "session": rt.writer.session,

@@ -17,6 +17,7 @@ Layout under the store root::
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -213,12 +214,18 @@ class TableWriter:
             if self._fd is None:
                 self._open_segment_locked()
             assert self._fd is not None
+            start = os.lseek(self._fd, 0, os.SEEK_END)
             view = memoryview(line)
-            while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
-            if self.fsync:
-                os.fsync(self._fd)
+            try:
+                while view:
+                    written = os.write(self._fd, view)
+                    view = view[written:]
+                if self.fsync:
+                    os.fsync(self._fd)
+            except OSError:  # a full or failing disk: no half line stays behind this row's place
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, start)
+                raise
             self._seg_rows += 1
             self.rows_written += 1
             if self._seg_rows >= self.flush_rows:

@@ -93,6 +93,10 @@ class RolloutError(ValueError):
     """Bad input to the rollout controller (agent spec, task, rollout id); one sentence naming it."""
 
 
+class StoreWriteError(RuntimeError):
+    """The store cannot be written (a full or read-only disk); one sentence."""
+
+
 class ProxyControlError(RuntimeError):
     """The proxy is not ready for rollouts (its CA is not in the store yet). The control API's own
     failures are :class:`lgt.proxy.client.ControlError`."""
@@ -887,11 +891,19 @@ class RolloutController:
             self.flush_records()
 
     def flush_records(self) -> int:
-        """Write the rows of attempts finished since the last call (one file per table); their count."""
+        """Write the rows of attempts finished since the last call (one file per table); their count.
+        A store that cannot be written (a full disk) keeps the rows for the next call and raises
+        :class:`StoreWriteError`, one sentence."""
         with self._rows_lock:
             rollouts, rewards = self._rows
             self._rows = ([], [])
-        add_rows(self.store, rollouts, rewards)
+        try:
+            add_rows(self.store, rollouts, rewards)
+        except OSError as e:
+            with self._rows_lock:  # nothing lost: the next flush writes them
+                self._rows = (rollouts + self._rows[0], rewards + self._rows[1])
+            raise StoreWriteError(f"the store {self.store} cannot be written ({e.strerror or e}): free space "
+                                  "there, then continue the run with lgt-train run --resume") from None
         return len(rollouts)
 
 

@@ -421,3 +421,39 @@ def test_python_preload_forks_warm_agents(tmp_path, proxy, pid_dir):
         AgentSpec(command=("true",), python_preload=("openai",))
     with pytest.raises(RolloutError, match="python_preload must list module names"):
         AgentSpec(command=("python", "a.py"), python_preload=("not a module",))
+
+
+def test_a_full_store_keeps_the_records_and_says_so(tmp_path, proxy):
+    """Records that cannot be written (a full disk: a small tmpfs) stay for the next flush, and the
+    error is one sentence."""
+    import subprocess
+
+    from lgt.trainer.rollouts import StoreWriteError
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        store = disk / "store"
+        store.mkdir()
+        ctl = RolloutController(agent(), endpoint(proxy), store, tmp_path / "run", 2, batch_records=True)
+        [r] = asyncio.run(run_all(ctl, [({"task_id": "t", "rewards": {"stdout": 1}}, "full-1")]))
+        assert r.ok  # its row written when the run closed
+        ctl._record(r)  # the next attempt's row, waiting for a flush
+        filler = disk / "filler"
+        with open(filler, "wb") as f, pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * (64 << 10))
+                f.flush()
+        message = r"the store .* cannot be written \(No space left on device\): free space there, then"
+        with pytest.raises(StoreWriteError, match=message):
+            ctl.flush_records()
+        filler.unlink()
+        assert ctl.flush_records() == 1  # kept, then written
+        con = connect(store)
+        assert con.execute("SELECT count(*) FROM rollouts_log WHERE rollout_id = 'full-1'").fetchone() == (2,)
+        con.close()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
