@@ -15,6 +15,7 @@
                     "target": "system"} | {"text": "...", "span": ["<<P>>", "<</P>>"]}]}
                                            the prompt this attempt's requests carry (resources.py)
     GET  /healthz                          no token needed
+    GET  /openapi.json                     this API as OpenAPI 3.1 (no token needed; proxy/openapi.py)
 
 Its client, for every caller: :mod:`lgt.proxy.client`.
 """
@@ -28,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import resources
+from . import openapi, resources
 from .addons import Runtime
 from .auth import AuthError, Identity, parse_identity
 
@@ -51,6 +52,14 @@ async def _body(request: web.Request) -> dict[str, Any]:
         raise web.HTTPBadRequest(text=json.dumps({"error": "the request body must be a JSON object"}),
                                  content_type="application/json")
     return body
+
+
+def _whole(value: Any) -> Any:
+    """A JSON whole number as an int (``3.0`` is one, as JSON Schema's ``integer`` says); anything else
+    as it is, for the caller to refuse."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def state(rt: Runtime) -> dict[str, Any]:
@@ -83,7 +92,7 @@ def state(rt: Runtime) -> dict[str, Any]:
 def make_app(rt: Runtime, token: str) -> web.Application:
     @web.middleware
     async def bearer(request: web.Request, handler):
-        if request.path != "/healthz":
+        if request.path not in ("/healthz", "/openapi.json"):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 return _error(401, "control API: missing or wrong bearer token")
@@ -104,7 +113,7 @@ def make_app(rt: Runtime, token: str) -> web.Application:
 
     async def resume(request: web.Request) -> web.Response:
         body = await _body(request)
-        version = body.get("policy_version")
+        version = _whole(body.get("policy_version"))
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)
                                     or version < 0):
             return _error(400, f"policy_version must be a non-negative integer, not {version!r}")
@@ -132,7 +141,7 @@ def make_app(rt: Runtime, token: str) -> web.Application:
 
     async def rewards(request: web.Request) -> web.Response:
         body = await _body(request)
-        rid, attempt = body.get("rollout_id"), body.get("attempt")
+        rid, attempt = body.get("rollout_id"), _whole(body.get("attempt"))
         try:
             who = parse_identity(rid) if isinstance(rid, str) else None
         except AuthError:
@@ -153,7 +162,7 @@ def make_app(rt: Runtime, token: str) -> web.Application:
 
     async def put_resources(request: web.Request) -> web.Response:
         body = await _body(request)
-        rid, attempt = body.get("rollout_id"), body.get("attempt", 0)
+        rid, attempt = body.get("rollout_id"), _whole(body.get("attempt", 0))
         try:
             who = parse_identity(rid) if isinstance(rid, str) else None
         except AuthError:
@@ -180,6 +189,9 @@ def make_app(rt: Runtime, token: str) -> web.Application:
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
+    async def openapi_json(request: web.Request) -> web.Response:
+        return web.json_response(openapi.document())
+
     app = web.Application(middlewares=[bearer])
     app[RT_KEY] = rt
     app.router.add_post("/pause", pause)
@@ -191,4 +203,5 @@ def make_app(rt: Runtime, token: str) -> web.Application:
     app.router.add_get("/rewards", get_reward)
     app.router.add_post("/resources", put_resources)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/openapi.json", openapi_json)
     return app
