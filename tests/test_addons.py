@@ -139,9 +139,14 @@ def test_egress_policies(rt: Runtime) -> None:
             assert (f.response.status_code if f.response else None) == expect, (mode, hosts)
             up = tflow.tflow()
             up.metadata[IDENT] = auth.Identity("r1")
-            up.request.host = "127.0.0.1"  # the upstream is always reachable
+            up.request.host, up.request.port = "127.0.0.1", 9  # the upstream is always reachable ...
             addon.request(up)
             assert up.response is None
+            other = tflow.tflow()
+            other.metadata[IDENT] = auth.Identity("r1")
+            other.request.host, other.request.port = "127.0.0.1", 22  # ... not every port of its machine
+            addon.request(other)
+            assert other.response is not None and other.response.status_code == 403, (mode, hosts)
 
 
 @pytest.mark.parametrize("name,identity", [
