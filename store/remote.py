@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -46,8 +45,6 @@ class RemoteStore:
         self.local = (root / self.base).resolve()
         self.local.mkdir(parents=True, exist_ok=True)
         self._fs = None
-        self._lock = threading.Lock()
-        self._remote_files: set[str] = set()  # relative paths known to be uploaded
 
     @property
     def fs(self):  # noqa: ANN201 - pyarrow.fs.S3FileSystem
@@ -88,8 +85,6 @@ class RemoteStore:
         with open(path, "rb") as src, self.fs.open_output_stream(f"{self.base}/{rel}") as dst:
             while chunk := src.read(8 << 20):
                 dst.write(chunk)
-        with self._lock:
-            self._remote_files.add(rel)
 
     def push_all(self) -> int:
         """Upload every local file the bucket lacks (or holds at another size); how many."""
