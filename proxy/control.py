@@ -62,6 +62,14 @@ def _whole(value: Any) -> Any:
     return value
 
 
+def _identity(rid: Any) -> Identity | None:
+    """The identity a body's ``rollout_id`` names, or None when it names none."""
+    try:
+        return parse_identity(rid) if isinstance(rid, str) else None
+    except AuthError:
+        return None
+
+
 def state(rt: Runtime) -> dict[str, Any]:
     g = rt.gate
     return {
@@ -142,10 +150,7 @@ def make_app(rt: Runtime, token: str) -> web.Application:
     async def rewards(request: web.Request) -> web.Response:
         body = await _body(request)
         rid, attempt = body.get("rollout_id"), _whole(body.get("attempt"))
-        try:
-            who = parse_identity(rid) if isinstance(rid, str) else None
-        except AuthError:
-            who = None
+        who = _identity(rid)
         if who is None:
             return _error(400, f"rollout_id {rid!r} is not a rollout id")
         attempts = [a for (r, a) in rt.seqs if r == who.rollout_id]
@@ -163,10 +168,7 @@ def make_app(rt: Runtime, token: str) -> web.Application:
     async def put_resources(request: web.Request) -> web.Response:
         body = await _body(request)
         rid, attempt = body.get("rollout_id"), _whole(body.get("attempt", 0))
-        try:
-            who = parse_identity(rid) if isinstance(rid, str) else None
-        except AuthError:
-            who = None
+        who = _identity(rid)
         if who is None or not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
             return _error(400, f"give a rollout_id and an attempt (a whole number), not {rid!r}, {attempt!r}")
         try:
