@@ -77,6 +77,7 @@ def state(rt: Runtime) -> dict[str, Any]:
         "pause_mode": g.mode,
         "in_flight": g.in_flight,
         "held": g.held,
+        "held_total": g.hold.n,
         "policy_version": g.policy_version,
         "pauses": g.pauses,
         "calls": dict(rt.metrics.calls),

@@ -40,6 +40,7 @@ class Gate:
         self._idle.set()
         self.paused_at: float | None = None
         self.pauses = 0
+        self.hold = Histogram()  # seconds each held call waited for the resume
 
     @property
     def paused(self) -> bool:
@@ -47,14 +48,18 @@ class Gate:
 
     async def enter(self) -> int:
         """Wait while paused (or raise Rejected); returns the policy version the call runs under."""
+        waited_since = None
         while not self._open.is_set():
             if self.mode == REJECT:
                 raise Rejected()
+            waited_since = waited_since or time.monotonic()
             self.held += 1
             try:
                 await self._open.wait()
             finally:
                 self.held -= 1
+        if waited_since is not None:
+            self.hold.observe(time.monotonic() - waited_since)
         self.in_flight += 1
         self._idle.clear()
         return self.policy_version
@@ -169,6 +174,7 @@ class Metrics:
             ("lgt_proxy_latency_seconds", self.latency, "LLM call latency."),
             ("lgt_proxy_ttfb_seconds", self.ttfb, "Time to the upstream's first response byte."),
             ("lgt_proxy_drain_seconds", self.drain, "Seconds a pause waited for in-flight calls."),
+            ("lgt_proxy_hold_seconds", gate.hold, "Seconds a call held by a pause waited for the resume."),
         ):
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *hist.lines(name)]
         return "\n".join(lines) + "\n"

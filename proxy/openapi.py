@@ -7,7 +7,8 @@ from typing import Any
 _ERROR = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
 _STATE = {"type": "object", "properties": {
     "paused": {"type": "boolean"}, "in_flight": {"type": "integer"}, "held": {"type": "integer"},
-    "policy_version": {"type": "integer"}, "calls": {"type": "object"}, "rows_written": {"type": "integer"},
+    "held_total": {"type": "integer"}, "policy_version": {"type": "integer"}, "calls": {"type": "object"},
+    "rows_written": {"type": "integer"},
     "store_error": {"type": ["string", "null"]}}, "required": ["paused", "in_flight", "policy_version"]}
 
 

@@ -325,6 +325,13 @@ def _in_thread(fn) -> tuple[threading.Thread, dict]:
     return t, out
 
 
+def _hold_seconds(proxy: ProxyProc) -> float:
+    """lgt_proxy_hold_seconds_sum: seconds held calls have waited for a resume, all told."""
+    found = re.search(r"^lgt_proxy_hold_seconds_sum ([0-9.]+)$", proxy.client.metrics(), re.M)
+    assert found, "no hold-seconds histogram in /metrics"
+    return float(found[1])
+
+
 def test_pause_drains_in_flight_holds_new_calls_and_resume_sets_the_version(
     proxy: ProxyProc, rollout: str
 ) -> None:
@@ -342,10 +349,13 @@ def test_pause_drains_in_flight_holds_new_calls_and_resume_sets_the_version(
         assert t2.is_alive() and not r2  # held open, not failed
         state = proxy.client.state()
         assert state["paused"] is True and state["held"] == 1 and state["in_flight"] == 0
+        held_before, waited_before = state["held_total"], _hold_seconds(proxy)
         resumed = proxy.client.resume(policy_version=7)
         assert resumed["paused"] is False and resumed["policy_version"] == 7
         t2.join(5)
         assert r2["result"].status_code == 200
+    assert proxy.client.state()["held_total"] == held_before + 1  # counted when it was let through
+    assert _hold_seconds(proxy) - waited_before >= 0.4  # it waited at least the 0.5 s the pause held it
     rows = proxy.calls("rollout_id = ?", [rollout])
     assert [r["policy_version"] for r in rows] == [0, 7]
     proxy.client.resume(policy_version=0)
