@@ -103,6 +103,7 @@ class RunConfig:
     store: Path | None = None  # default: <run_dir>/store; s3://bucket/prefix: on S3 (kept as a string)
     run_dir: Path | None = None  # default: runs/<name>-<timestamp>
     checkpoint_every: int = 1
+    restarts: int = 3  # a dead engine (or a proxy the run started) is started again this often per run
     source: Path | None = None  # the YAML file this came from
 
     def store_path(self, run_dir: Path) -> Path:
@@ -299,6 +300,8 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.max_inflight >= cfg.group_size,
          f"max_inflight ({cfg.max_inflight}) must hold at least one group ({cfg.group_size} rollouts)")
     need(cfg.checkpoint_every >= 1, f"checkpoint_every must be at least 1, not {cfg.checkpoint_every}")
+    need(isinstance(cfg.restarts, int) and not isinstance(cfg.restarts, bool) and cfg.restarts >= 0,
+         f"restarts must be a whole number ≥ 0, not {cfg.restarts!r}")
     need(cfg.engine.max_model_len is None or cfg.engine.max_model_len >= 16,
          "engine.max_model_len must be at least 16")
     need(cfg.tasks.suffix in (".jsonl", ".json", ".parquet"),

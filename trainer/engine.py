@@ -484,6 +484,11 @@ class Engine:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def died(self) -> bool:
+        """Its process exited without being stopped (``check_alive`` raises then)."""
+        return self._dead is not None or (not self._stopped and self.proc.poll() is not None)
+
     def check_alive(self) -> None:
         """Raise EngineError when the engine was stopped or its process has exited."""
         if self._dead is None and not self._stopped and self.proc.poll() is not None:

@@ -72,6 +72,7 @@ class ProxyClient:
     api: ControlClient
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    argv: list[str] | None = None  # how this process started it (restart() starts it again)
 
     @property
     def control_url(self) -> str:
@@ -101,29 +102,53 @@ class ProxyClient:
             cmd += ["--listen-host", listen_host]
         if upstream_timeout is not None:
             cmd += ["--upstream-timeout", str(upstream_timeout)]
+        client = cls(store=store, port=port, api=ControlClient(f"http://127.0.0.1:{control_port}", ""),
+                     log_path=log_path, argv=cmd)
+        client._launch(timeout)
+        return client
+
+    def _launch(self, timeout: float) -> None:
+        """Run ``argv`` and wait until its control API answers."""
+        assert self.argv is not None and self.log_path is not None
         env = {k: v for k, v in os.environ.items()
                if k.upper() not in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "NO_PROXY")}
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(log_path, "ab")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
         try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=die_with_parent)
+            self.proc = proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                preexec_fn=die_with_parent)
         finally:
             log.close()
-        url = f"http://127.0.0.1:{control_port}"
-        client = cls(store=store, port=port, api=ControlClient(url, ""), proc=proc, log_path=log_path)
+        url = self.api.url
+        self.api = ControlClient(url, "")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise ProxyError(f"lgt-proxy exited with code {proc.returncode} while starting; "
-                                 f"its log ({log_path}):\n{_tail(log_path)}")
-            if client.api.healthz(timeout=1):  # the proxy has made its secret: the token can be read
-                client.api = ControlClient(url, resolve_token(store=store))
-                return client
+                                 f"its log ({self.log_path}):\n{_tail(self.log_path)}")
+            if self.api.healthz(timeout=1):  # the proxy has made its secret: the token can be read
+                self.api = ControlClient(url, resolve_token(store=self.store))
+                return
             time.sleep(0.1)
-        client.stop()
+        self.stop()
         raise ProxyError(f"lgt-proxy did not answer on its control port within {timeout:.0f} s; "
-                         f"its log: {log_path}")
+                         f"its log: {self.log_path}")
+
+    @property
+    def died(self) -> bool:
+        """This process started it and it has exited."""
+        return self.proc is not None and self.proc.poll() is not None
+
+    def restart(self, policy_version: int, timeout: float = 60) -> None:
+        """Start the proxy this process started again, on the same ports and store (it recovers its
+        write-ahead log), serving ``policy_version``."""
+        if self.argv is None:
+            raise ProxyError(f"the proxy at {self.control_url} was not started by this run: it cannot be "
+                             "restarted from here")
+        argv = list(self.argv)
+        argv[argv.index("--policy-version") + 1] = str(policy_version)
+        self.argv = argv
+        self._launch(timeout)
 
     @classmethod
     def connect(cls, store: Path, control_url: str, port: int = 0, token: str | None = None) -> ProxyClient:
@@ -236,6 +261,13 @@ class ProxyGroup:
     def check_alive(self) -> None:
         for r in self.replicas:
             r.check_alive()
+
+    def restart_dead(self, policy_version: int) -> list[str]:
+        """Start again every replica this process started that has exited; their control URLs."""
+        dead = [r for r in self.replicas if r.died]
+        for r in dead:
+            r.restart(policy_version)
+        return [r.control_url for r in dead]
 
     def stop(self) -> None:
         for r in self.replicas:

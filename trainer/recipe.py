@@ -62,7 +62,7 @@ from . import config as cfgmod
 from . import evaluation
 from .backend import BackendError, entry
 from .config import ConfigError, RunConfig
-from .proxy_client import ProxyClient, ProxyGroup
+from .proxy_client import ProxyClient, ProxyError, ProxyGroup
 from .summary import WINDOW, read_jsonl
 
 FAIL_FAST_GROUPS = 2  # groups that all failed, with no rollout ever ok, end the run
@@ -208,6 +208,7 @@ class Recipe:
         self.ok_rollouts = 0  # rollouts that ended ok in this process
         self.failed_groups = 0  # groups whose every rollout failed, before any rollout was ok
         self.fatal: str | None = None  # set when the run cannot go on; train() raises it
+        self.restarts = 0  # engine and proxy restarts in this process (cfg.restarts bounds them)
         self.trained_groups: set[str] = set()
         self.trained_samples = 0
         self.next_group = self.first_group_this_run = 0
@@ -397,8 +398,7 @@ class Recipe:
                     or self.evaluating:  # no update while an evaluation runs: one policy version
                 if self.fatal:
                     raise RuntimeError(self.fatal)
-                self.engine.check_alive()
-                self.proxy.check_alive()
+                await self.keep_alive()
                 self._wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=1.0)
@@ -415,6 +415,73 @@ class Recipe:
                          f"reached the target {cfg.target_reward}")
                 self.stopped = "reached the target"
                 break
+
+    # ------------------------------------------------------------------------------- restarts
+    async def keep_alive(self, *, paused: bool = False) -> None:
+        """Start again a vLLM engine that died, or a proxy this run started that died (at most
+        ``cfg.restarts`` times in all; one more death ends the run with its error). The engine comes
+        back on its port with the current policy's weights; the proxy on its ports and store (its
+        write-ahead log recovered). Calls that were in flight failed: their agents' SDKs retry them,
+        or the attempt fails and is retried; new calls are held while the engine starts."""
+        from .engine import EngineError
+
+        try:
+            self.engine.check_alive()
+        except EngineError as e:
+            if not self.engine.died:
+                raise
+            await self._restart("the vLLM engine", e, self._restart_engine, paused)
+        try:
+            self.proxy.check_alive()
+        except ProxyError as e:
+            await self._restart("lgt-proxy", e, self._restart_proxy, paused)
+
+    async def _restart(self, what: str, err: Exception, restart: Callable[[bool], Any], paused: bool) -> None:
+        first = str(err).splitlines()[0].split("; its log")[0]  # "… exited with code -9"
+        if self.restarts >= self.cfg.restarts:
+            raise RuntimeError(f"{first} — and the run has restarted its engine or proxy {self.restarts} "
+                               f"times already (restarts: {self.cfg.restarts}); resume it with --resume "
+                               "once the cause is fixed") from None
+        self.restarts += 1
+        self.log(f"{first}; starting it again at policy version {self.version} "
+                 f"(restart {self.restarts} of {self.cfg.restarts})")
+        t = time.monotonic()
+        await restart(paused)
+        self.log(f"{what} is back after {time.monotonic() - t:.1f} s")
+
+    async def _restart_engine(self, paused: bool) -> None:
+        from . import engine as enginemod
+
+        old = self.engine
+        if not paused:  # hold new calls while the engine starts (in-flight ones have failed)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.proxy.pause, 10)
+        self.engine = await asyncio.to_thread(enginemod.Engine.start,
+                                              dataclasses.replace(old.cfg, port=old.port))
+        if self.version > self.version_at_start or self.resume:  # the policy moved past what it serves
+            await asyncio.to_thread(self.backend.push_weights, self.engine)
+        if not paused:
+            await asyncio.to_thread(self.proxy.resume, self.version)
+
+    async def _restart_proxy(self, paused: bool) -> None:
+        restarted = await asyncio.to_thread(self.proxy.restart_dead, self.version)
+        if not restarted:  # the error was not a replica this run started dying: nothing to restart
+            raise RuntimeError("lgt-proxy stopped answering and it was not started by this run")
+        if paused:
+            await asyncio.to_thread(self.proxy.pause, 10)
+
+    async def _alive(self, fn: Callable[[], Any], *, paused: bool) -> Any:
+        """``fn()`` in a thread; when it fails because the engine or proxy died, both are checked (and
+        restarted) and it runs once more."""
+        from .engine import EngineError
+
+        try:
+            return await asyncio.to_thread(fn)
+        except (EngineError, ProxyError):
+            if not (self.engine.died or any(r.died for r in self.proxy.replicas)):
+                raise
+        await self.keep_alive(paused=paused)
+        return await asyncio.to_thread(fn)
 
     # ------------------------------------------------------------------------------------- eval
     @property
@@ -565,15 +632,18 @@ class Recipe:
         t_update = time.monotonic()
         perf: dict[str, float] = {}
 
-        async def timed(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        async def timed(name: str, fn: Callable[..., Any], *args: Any, paused: bool | None = None) -> Any:
             t = time.monotonic()
-            out = await asyncio.to_thread(fn, *args)
+            if paused is None:
+                out = await asyncio.to_thread(fn, *args)
+            else:  # the engine or proxy dying under it is restarted (keep_alive), then fn runs again
+                out = await self._alive(lambda: fn(*args), paused=paused)
             perf[f"perf/{name}_s"] = round(time.monotonic() - t, 4)
             return out
 
         # the batch's groups are finished: their samples are built while the other rollouts still run
         await timed("record", self.controller.flush_records)
-        await timed("flush", self.proxy.flush)
+        await timed("flush", lambda: self.proxy.flush(), paused=False)
         if self.remote is not None:  # the rollouts just recorded up; other replicas' calls down
             await timed("store_sync", lambda: (self.remote.push_all(), self.remote.pull()))
         prepared = await timed("samples", self.samples_for, batch)
@@ -583,7 +653,7 @@ class Recipe:
             perf[f"perf/{name}_s"] = 0.0
         # new calls are held from here; the calls in flight finish on the current weights (training
         # beside the drain was measured slower on CPU: the backend's threads and the engine's contend)
-        pause = await timed("pause", self.proxy.pause)
+        pause = await timed("pause", lambda: self.proxy.pause(), paused=True)
         if self.crash_at_step is not None and self.step + 1 == self.crash_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die mid-step
         if prepared.samples.num_rows:
@@ -593,7 +663,7 @@ class Recipe:
             metrics = await timed("train", self.train_on, prepared.samples)
             if asleep:
                 await timed("wake", self.engine.wake_up)
-            await timed("sync", self.backend.push_weights, self.engine)
+            await timed("sync", lambda: self.backend.push_weights(self.engine), paused=True)
         self.version += 1
         self.step += 1
         for g in batch:
@@ -602,7 +672,7 @@ class Recipe:
         self.trained_samples += prepared.samples.num_rows
         if self.step % cfg.checkpoint_every == 0 or self.step >= cfg.steps:
             await timed("checkpoint", self.save_checkpoint)
-        await timed("resume", self.proxy.resume, self.version)
+        await timed("resume", lambda: self.proxy.resume(self.version), paused=True)
         results = [r for g in batch for r in g.results if r is not None]
         info = {"groups": len(batch), **prepared.metrics(),
                 "rollout/failed": sum(1 for r in results if r.status == "failed"),

@@ -71,6 +71,7 @@ def test_overrides(tmp_path: Path) -> None:
     ("engine: 3\n", "engine must be a mapping"),
     ("proxy: {url: 'localhost:1'}\n", "proxy.url must be the control API's http(s) URL"),
     ("proxy: {upstream_timeout_s: 0}\n", "proxy.upstream_timeout_s must be a positive number of seconds"),
+    ("restarts: -1\n", "restarts must be a whole number ≥ 0, not -1"),
     ("algorithm: {std_normalize: 'yes'}\n", "algorithm.std_normalize must be true or false"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, extra: str, message: str) -> None:

@@ -11,8 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -156,6 +158,73 @@ def test_killed_mid_step_resumes_without_training_a_sample_twice(tmp_path: Path,
     assert pending <= trained_groups, "finished groups from before the crash were lost"
     state = json.loads((run_dir / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
     assert set(state["extra"]["trained_groups"]) == trained_groups
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, log: Path, timeout: float = 400) -> None:
+    deadline = time.monotonic() + timeout
+    while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= step):
+        assert proc.poll() is None, f"lgt-train exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no step {step} after {timeout:.0f} s"
+        time.sleep(0.2)
+
+
+def _child(proc: subprocess.Popen, marker: str) -> psutil.Process:
+    found = [p for p in psutil.Process(proc.pid).children(recursive=True)
+             if any(marker in part for part in p.cmdline())]
+    assert found, f"no process of lgt-train has {marker!r} in its command line"
+    return min(found, key=lambda p: p.pid)  # the first started: the engine's API server, not its core
+
+
+def test_engine_and_proxy_killed_mid_run_are_started_again(tmp_path: Path, arith_model_dir: Path) -> None:
+    run_dir, log = tmp_path / "run", tmp_path / "lgt-train.log"
+    cfg = write_config(tmp_path, arith_model_dir, steps=4, restarts=2)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "lgt.trainer.cli", "run", str(cfg), "--run-dir",
+                                 str(run_dir)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_for_step(run_dir, 1, proc, log)
+        engine = _child(proc, "vllm.entrypoints.openai.api_server")
+        engine.kill()  # kill -9, while agents are calling it
+        _wait_for_step(run_dir, 2, proc, log)
+        proxy = _child(proc, "--flush-seconds")  # lgt-proxy as the run starts it
+        proxy.kill()
+        assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = " ".join(log.read_text().split())
+    assert f"the vLLM engine (pid {engine.pid}) exited with code -9; starting it again" in text
+    assert "lgt-proxy exited with code -9; starting it again" in text
+    assert "(restart 2 of 2)" in text and "is back after" in text
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    assert not engine.is_running() and not proxy.is_running()
+    con = connect(run_dir / "store")
+    calls = con.execute("SELECT status, policy_version, len(response_token_ids), len(response_logprobs) "
+                        "FROM calls").fetchall()
+    con.close()
+    assert calls and all(n > 0 and n == m for status, _, n, m in calls if status == "ok")  # none half-written
+    assert max(v for _, v, _, _ in calls) >= 3  # the restarted engine and proxy served the later policies
+
+
+def test_restarts_are_bounded_then_the_run_stops_with_one_sentence(tmp_path: Path,
+                                                                   arith_model_dir: Path) -> None:
+    run_dir, log = tmp_path / "run", tmp_path / "lgt-train.log"
+    cfg = write_config(tmp_path, arith_model_dir, steps=20, restarts=0)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "lgt.trainer.cli", "run", str(cfg), "--run-dir",
+                                 str(run_dir)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_for_step(run_dir, 1, proc, log)
+        _child(proc, "vllm.entrypoints.openai.api_server").kill()
+        assert proc.wait(timeout=120) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = " ".join(log.read_text().split())
+    assert "exited with code -9 — and the run has restarted its engine or proxy 0 times already " \
+           "(restarts: 0); resume it with --resume once the cause is fixed" in text, text[-3000:]
 
 
 def test_sync_mode_trains_each_batch_of_the_current_policy(tmp_path: Path, arith_model_dir: Path) -> None:
