@@ -74,6 +74,11 @@ secret_option = click.option(
               help="Seconds an LLM call's upstream may stay silent (before its answer begins, or between "
                    "two pieces of a stream); past it the call is ended (504, or an error event in a "
                    "stream) and recorded as upstream_timeout. Default: no limit.")
+@click.option("--idle-timeout", default=600, show_default=True, type=int,
+              help="Seconds a connection (an agent's, or one to the upstream) may move no byte before it is "
+                   "closed: an agent that stops sending its request or stops reading its answer lets go of "
+                   "what it holds. A non-streamed answer the upstream takes longer than this to begin is cut "
+                   "too; raise it for very long generations.")
 @click.option("--listen-host", default="127.0.0.1", show_default=True)
 @click.option("--listen-port", default=8080, show_default=True, type=int)
 @click.option("--reverse-port", type=int, help="Also run mitmproxy's reverse mode on this port.")

@@ -42,6 +42,7 @@ class ProxyConfig:
     upstream_ca: Path | None = None
     upstream_insecure: bool = False
     upstream_timeout: float | None = None  # seconds of upstream silence before a call is ended
+    idle_timeout: int = 600  # seconds a connection may move no byte before it closes (tcp_timeout)
     remote: Any = None  # lgt.store.remote.RemoteStore: the store is on S3, ``store`` its local mirror
     listen_host: str = "127.0.0.1"
     listen_port: int = 8080
@@ -82,6 +83,8 @@ class ProxyConfig:
         if self.upstream_timeout is not None and not self.upstream_timeout > 0:
             raise ConfigError(f"--upstream-timeout must be a positive number of seconds, "
                               f"not {self.upstream_timeout}")
+        if not self.idle_timeout > 0:
+            raise ConfigError(f"--idle-timeout must be a positive number of seconds, not {self.idle_timeout}")
         if self.upstream_ca is not None and not Path(self.upstream_ca).is_file():
             raise ConfigError(f"--upstream-ca {self.upstream_ca} is not a file")
         ports = [p for p in (self.listen_port, self.control_port, self.reverse_port) if p]
@@ -235,6 +238,7 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         mode=modes,
         confdir=str(cfg.proxy_dir),
         connection_strategy="lazy",  # never contact the host an agent aimed at before routing
+        tcp_timeout=cfg.idle_timeout,  # a stalled client (slow body, unread answer) is let go
         ssl_insecure=cfg.upstream_insecure,
     )
     if rt.resender.ca_bundle:
