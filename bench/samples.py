@@ -17,6 +17,13 @@ Python lists from ``to_pylist``). The loop runs on the first ``--loop-rollouts``
 that is fewer than all; its time is then extrapolated linearly (the work is per rollout) and
 labelled so. The loop's samples are checked against build_samples' on the rollouts both built.
 
+``--memory`` measures instead what memory a build of the whole store needs as the store grows: on
+part of the store (its first files: a quarter, at most 100k rollouts) and on all of it,
+``lgt-train samples`` (``stream_samples``: a chunk of whole groups at a time, each chunk's samples
+written to the Parquet file as it is built) next to the whole build in memory (``build_samples``,
+only up to 100k rollouts: ~7.4 GB there), each in its own process, peak RSS and seconds.
+``--memory --rollouts 1000000`` writes ~15 GiB of synthetic store.
+
 ``--step-groups N`` measures instead what a trainer does each step: the samples of the newest N
 groups, built by ``build_group_samples`` (reads only their calls files) against a whole build
 filtered to them (what the trainer did before); the first scoped build of the process reads every
@@ -29,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -270,9 +276,32 @@ def step_groups(root: Path, n: int) -> None:
           f"samples {'identical' if same else 'DIFFER'}")
 
 
+def peak_mb() -> float:
+    """This process's peak RSS (VmHWM: its own address space's; ru_maxrss would carry over the RSS the
+    parent had when it forked this process)."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) / 1024
+
+
+def stream_side(root: Path, out: Path) -> int:
+    """``lgt-train samples --store ROOT --out OUT``, in this process; the number of samples written."""
+    from lgt.trainer.cli import main as lgt_train
+
+    try:
+        lgt_train(["samples", "--store", str(root), "--out", str(out)], standalone_mode=False)
+    finally:
+        sys.stdout.flush()
+    return pq.ParquetFile(out).metadata.num_rows
+
+
 def child(side: str, root: Path, rollouts: int | None, check_out: Path | None) -> None:
     """Run one side and print {seconds, peak_mb, samples, calls} as JSON (the parent reads it)."""
     t0 = time.perf_counter()
+    if side == "stream":
+        n = stream_side(root, check_out)
+        print(json.dumps({"seconds": time.perf_counter() - t0, "samples": n,
+                          "peak_mb": peak_mb()}))
+        return
     if side == "sql":
         samples = sql_side(root)
         n = samples.num_rows
@@ -280,7 +309,7 @@ def child(side: str, root: Path, rollouts: int | None, check_out: Path | None) -
         samples = python_loop(root, rollouts)
         n = len(samples)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_mb()
     if check_out is not None:  # the first samples of each side, for the parent to compare
         if side == "sql":
             first = samples.filter(pa.compute.less(samples.column("rollout_id"), f"r{rollouts:07d}"))
@@ -322,6 +351,40 @@ def run_child(side: str, root: Path, rollouts: int | None, check_out: Path | Non
     return json.loads(out.strip().splitlines()[-1])
 
 
+WHOLE_BUILD_MAX = 100_000  # the whole build holds every sample in memory: ~7.4 GB at 100k rollouts
+
+
+def memory(root: Path, tmp: Path, rollouts: int) -> None:
+    """Peak RSS of ``lgt-train samples`` on part of the store (a quarter, at most 100k rollouts: its
+    first files) and on all of it, next to the whole build in memory where that fits (≤ 100k)."""
+    files = sorted((root / "calls").glob("*.parquet"))
+    k = max(1, min(len(files) // 4, WHOLE_BUILD_MAX // CHUNK))
+    part = tmp / "part"
+    for table in ("calls", "rollouts", "rewards"):  # the first k files of each table: whole groups
+        (part / table).mkdir(parents=True, exist_ok=True)
+        for f in sorted((root / table).glob("*.parquet"))[:k]:
+            (part / table / f.name).symlink_to(f)
+    rows = []
+    for store, n in ((part, min(rollouts, k * CHUNK)), (root, rollouts)):
+        whole = run_child("sql", store, None, None) if n <= WHOLE_BUILD_MAX else None
+        stream = run_child("stream", store, None, tmp / f"samples-{n}.parquet")
+        (tmp / f"samples-{n}.parquet").unlink()
+        same = "" if whole is None else "same" if whole["samples"] == stream["samples"] else "DIFFER"
+        rows.append((n, whole, stream, same))
+        print(f"  {n} rollouts: lgt-train samples {stream['peak_mb']:.0f} MB, {stream['seconds']:.1f} s",
+              flush=True)
+    print(f"\n{'rollouts':>9} {'whole build':>22} {'lgt-train samples':>24} {'samples':>18}")
+    print(f"{'':>9} {'peak MB':>11} {'seconds':>10} {'peak MB':>12} {'seconds':>11}")
+    for n, whole, stream, same in rows:
+        w = f"{whole['peak_mb']:11.0f} {whole['seconds']:10.1f}" if whole else f"{'—':>11} {'—':>10}"
+        print(f"{n:9d} {w} {stream['peak_mb']:12.0f} {stream['seconds']:11.1f} {stream['samples']:9d} {same}")
+    (n0, w0, s0, _), (n1, w1, s1, _) = rows
+    grow = f"whole build's peak x{w1['peak_mb'] / w0['peak_mb']:.2f}, " if w0 and w1 else ""
+    print(f"\nstore x{n1 / n0:g}: {grow}lgt-train samples' peak x{s1['peak_mb'] / s0['peak_mb']:.2f}")
+    ok = s1["peak_mb"] <= 1.25 * s0["peak_mb"]
+    print(f"{'PASS' if ok else 'MISS'}: lgt-train samples' memory does not grow with the store (within 25%)")
+
+
 # --- the report -----------------------------------------------------------------------------------
 
 def main() -> None:
@@ -333,7 +396,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-groups", type=int, metavar="N",
                     help="time a trainer's step instead: the newest N groups' samples (see above)")
-    ap.add_argument("--child", choices=["sql", "loop"], help=argparse.SUPPRESS)
+    ap.add_argument("--memory", action="store_true",
+                    help="peak memory of the whole build and of lgt-train samples, 1/4 and all of the store")
+    ap.add_argument("--child", choices=["sql", "loop", "stream"], help=argparse.SUPPRESS)
     ap.add_argument("--check-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -349,6 +414,8 @@ def main() -> None:
             print(f"wrote the synthetic store in {time.perf_counter() - t0:.0f} s: {root}")
         if args.step_groups:
             return step_groups(root, args.step_groups)
+        if args.memory:
+            return memory(root, tmp, args.rollouts)
         n_calls, n_prompt, n_final = duckdb.connect().execute(f"""
             SELECT count(*), sum(len(prompt_token_ids)), sum(len(prompt_token_ids) + len(response_token_ids))
                    FILTER (WHERE seq = {CALLS_PER_ROLLOUT - 1})

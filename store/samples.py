@@ -159,6 +159,80 @@ def build_group_samples(store: str | Path, group_ids: Iterable[str], *, mode: st
     return SampleBuild(samples, breaks, built.report)
 
 
+STREAM_ROLLOUTS = 4096  # rollout attempts per chunk of a streamed build (~300 MB of samples at 3-4k tokens)
+
+
+def stream_samples(store: str | Path, *, mode: str = "exact", tokenizer: Any = None,
+                   chunk_rollouts: int = STREAM_ROLLOUTS) -> Iterator[SampleBuild]:
+    """:func:`build_samples` of the whole store, a chunk of whole groups at a time (about
+    ``chunk_rollouts`` rollout attempts, more when one group is larger), so that memory holds one
+    chunk's samples however large the store is. Each chunk is :func:`build_group_samples` of its
+    groups; the chunks' samples together are the whole build's rows (groups in the order of the
+    calls files that hold them, so that a chunk reads few files). Use :func:`trained_rollouts` for
+    the loss weights' R, and :func:`merge_reports` for the report of the whole store."""
+    if chunk_rollouts < 1:
+        raise ValueError(f"chunk_rollouts must be at least 1, not {chunk_rollouts}")
+    root = Path(store).resolve()
+    con = connect(root)
+    try:  # groups in the order of the calls files that hold them: each chunk reads few files
+        first = "(SELECT NULL AS rollout_id, NULL AS f)"
+        if next((root / "calls").glob("*.parquet"), None) is not None:
+            first = ("(SELECT rollout_id, min(filename) AS f FROM read_parquet('calls/*.parquet', "
+                     "filename = true) GROUP BY ALL)")
+        groups = con.execute(f"""
+            SELECT coalesce(r.group_id, r.rollout_id || '~' || r.attempt) AS g, count(*)
+            FROM rollouts r LEFT JOIN {first} c USING (rollout_id)
+            GROUP BY g ORDER BY min(c.f) NULLS LAST, g""").fetchall()
+    finally:
+        con.close()
+    chunk: list[str] = []
+    size = 0
+    for group, n in groups:
+        if chunk and size + n > chunk_rollouts:
+            yield build_group_samples(root, chunk, mode=mode, tokenizer=tokenizer)
+            chunk, size = [], 0
+        chunk.append(group)
+        size += n
+    if chunk:
+        yield build_group_samples(root, chunk, mode=mode, tokenizer=tokenizer)
+
+
+def trained_rollouts(store: str | Path) -> int:
+    """How many rollout attempts a build of the whole store trains (R, the loss weights'
+    denominator), from scalar SQL: candidate attempts with generated tokens in a usable call."""
+    con = connect(Path(store).resolve())
+    try:
+        install(con)
+        return int(con.execute("""
+            SELECT count(*) FROM (
+                SELECT rollout_id, attempt
+                FROM sample_calls SEMI JOIN sample_candidates USING (rollout_id, attempt)
+                WHERE excluded IS NULL GROUP BY ALL HAVING sum(len(response_token_ids)) > 0)
+            """).fetchone()[0])
+    finally:
+        con.close()
+
+
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report of a whole build from its chunks' (:func:`stream_samples`): counts added up."""
+    def add(a: Any, b: Any) -> Any:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return {k: add(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in a | b}
+        return a + b if isinstance(a, int | float) and not isinstance(a, bool) else a
+
+    out: dict[str, Any] = {}
+    for r in reports:
+        out = add(out, {k: v for k, v in r.items() if k != "why_empty"})
+    if "samples_per_rollout" in out:
+        out["samples_per_rollout"] = dict(sorted(out["samples_per_rollout"].items(),
+                                                 key=lambda kv: int(kv[0])))
+    if not out.get("rollouts", {}).get("trained"):
+        excluded = Counter(out.get("rollouts", {}).get("excluded", {}))
+        out["why_empty"] = why_empty(sum(excluded.values()), excluded,
+                                     Counter(out.get("calls", {}).get("excluded", {})))
+    return out
+
+
 def check_args(mode: str, tokenizer: Any) -> Callable[[list[int]], str] | None:
     """The tokenizer's decode function (None without one); a ValueError for a bad argument."""
     if mode not in MODES:

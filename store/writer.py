@@ -66,6 +66,11 @@ def write_parquet_atomic(table: pa.Table, dest: Path) -> None:
     """Write ``table`` to ``dest`` whole: temp file, fsync, rename, fsync of the directory."""
     tmp = dest.with_name(dest.name + ".tmp")
     pq.write_table(table, tmp, compression="zstd")
+    publish(tmp, dest)
+
+
+def publish(tmp: Path, dest: Path) -> None:
+    """Make the finished file ``tmp`` appear as ``dest`` whole: fsync, rename, fsync of the directory."""
     fd = os.open(tmp, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -31,7 +32,11 @@ from lgt.store.samples import (
     call_order,
     install,
     merge_calls,
+    merge_reports,
     realign_offset,
+    store_root,
+    stream_samples,
+    trained_rollouts,
 )
 from lgt.store.writer import to_arrow, write_parquet_atomic
 
@@ -564,6 +569,41 @@ def test_group_build_equals_the_whole_build_of_those_groups(tmp_path: Path, tok:
         assert r == whole[sid]
     assert sorted(b["rollout_id"] for b in some.merge_breaks.to_pylist()) == ["g1-r2", "g4-r2"]
     assert some.report["rollouts"] == {"trained": 7, "excluded": {}}
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 100])
+def test_a_streamed_build_is_the_whole_build_a_chunk_at_a_time(tmp_path: Path, tok: Tokenizer,
+                                                               chunk: int) -> None:
+    from lgt.trainer.algorithm import AlgorithmConfig, assign
+
+    root = groups_store(tmp_path, tok)
+    whole = build_samples(connect(root))
+    chunks = list(stream_samples(root, chunk_rollouts=chunk))
+    assert len(chunks) == {1: 7, 4: 6, 7: 3, 100: 1}[chunk]  # whole groups of 3 (and r9 alone), never split
+    got = pa.concat_tables([c.samples for c in chunks])
+    assert sorted(got.to_pylist(), key=lambda r: r["sample_id"]) == \
+        sorted(whole.samples.to_pylist(), key=lambda r: r["sample_id"])
+    assert merge_reports([c.report for c in chunks]) == whole.report
+    # the loss weights: each rollout once among all R, as if built whole
+    cfg = AlgorithmConfig()
+    r = trained_rollouts(root)
+    assert r == len({(x["rollout_id"], x["attempt"]) for x in whole.samples.to_pylist()}) == 19
+    want = {x["sample_id"]: x for x in assign(whole.samples, cfg).to_pylist()}
+    for c in chunks:
+        for x in assign(c.samples, cfg, rollouts=r).to_pylist():
+            assert x["loss_weight"] == pytest.approx(want[x["sample_id"]]["loss_weight"], rel=1e-12)
+            assert x["advantage"] == pytest.approx(want[x["sample_id"]]["advantage"], abs=1e-12)
+
+
+def test_a_streamed_build_of_nothing_trainable_says_why(tmp_path: Path, tok: Tokenizer) -> None:
+    agent = Agent(tok)
+    calls = agent.run("r1", [Turn("hi", "hello.")]) + agent.run("r2", [Turn("hi", "", status="http_error")])
+    con = store_of(tmp_path, calls, rollouts=[rollout("r1", "a", status="failed"), rollout("r2", "b")],
+                   rewards=[reward("r1", 1.0), reward("r2", 0.0)])
+    whole = build_samples(con)
+    chunks = list(stream_samples(store_root(con), chunk_rollouts=1))
+    assert len(chunks) == 2 and trained_rollouts(store_root(con)) == 0
+    assert merge_reports([c.report for c in chunks]) == whole.report
 
 
 def test_a_scoped_connection_sees_and_reads_only_its_rollouts(tmp_path: Path, tok: Tokenizer) -> None:

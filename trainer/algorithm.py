@@ -202,11 +202,12 @@ def rollout_keys(samples: pa.Table) -> pa.ChunkedArray:
     return pc.binary_join_element_wise(samples["rollout_id"], pc.cast(samples["attempt"], pa.string()), "~")
 
 
-def assign(samples: pa.Table, cfg: AlgorithmConfig) -> pa.Table:
+def assign(samples: pa.Table, cfg: AlgorithmConfig, *, rollouts: int | None = None) -> pa.Table:
     """``samples`` (rows of the store's SAMPLES: ``rollout_id``, ``attempt``, ``group_id``, ``reward``,
     ``rollout_tokens``) with :data:`TRAINING_COLUMNS` set: each rollout's advantage over the rollouts
-    of its group in ``samples``, its loss weight over the R rollouts in ``samples``, its group's size
-    and whether the group's rewards are all equal. Columns already there are replaced."""
+    of its group in ``samples``, its loss weight over the R rollouts in ``samples`` (or ``rollouts``:
+    R when ``samples`` is one chunk of a larger set of whole groups), its group's size and whether
+    the group's rewards are all equal. Columns already there are replaced."""
     for name, _ in TRAINING_COLUMNS:
         if name in samples.column_names:
             samples = samples.drop_columns([name])
@@ -224,7 +225,7 @@ def assign(samples: pa.Table, cfg: AlgorithmConfig) -> pa.Table:
     adv = advantages(rewards, group_of, cfg)
     stats = GroupStats.of(rewards, group_of)
     tokens = samples["rollout_tokens"].to_numpy(zero_copy_only=False).astype(np.float64)
-    weights = 1.0 / (len(first) * np.maximum(tokens, 1.0))
+    weights = 1.0 / ((rollouts or len(first)) * np.maximum(tokens, 1.0))
     return samples.append_column("advantage", pa.array(adv[rollout_of], pa.float64())) \
         .append_column("loss_weight", pa.array(weights, pa.float64())) \
         .append_column("group_size", pa.array(stats.size[group_of][rollout_of].astype(np.int64))) \

@@ -274,30 +274,84 @@ def rollout(store: Path, rollout_id: str, task_id: str, group_id: str, step: int
 @click.option("--no-std", is_flag=True, help="grpo: advantages r - mean(group), not divided by the std.")
 def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator: str, no_std: bool) -> None:
     """Build the training samples the trainer would train on, and say how they came out."""
-    from lgt.store.writer import write_parquet_atomic
+    import pyarrow.parquet as pq
+
+    from lgt.store.samples import trained_rollouts
+    from lgt.store.writer import publish
     from lgt.trainer import algorithm
 
-    _, build = build_for(store, out, mode, tokenizer)
     cfg = algorithm.AlgorithmConfig(estimator=estimator, std_normalize=not no_std, sample_mode=mode)
-    write_parquet_atomic(algorithm.assign(build.samples, cfg), out)
+    check_out(out, mode, tokenizer)
+    with user_errors():
+        r = trained_rollouts(store)  # every chunk's loss weights count each rollout once among all R
+    tmp = out.with_name(out.name + ".tmp")
+    writer: pq.ParquetWriter | None = None
+
+    def write(chunk: Any) -> None:  # one chunk of whole groups at a time: memory holds one chunk
+        nonlocal writer
+        table = algorithm.assign(chunk, cfg, rollouts=r)
+        if writer is None:
+            writer = pq.ParquetWriter(tmp, table.schema, compression="zstd")
+        writer.write_table(table)
+
+    try:
+        _, build = build_streamed(store, mode, tokenizer, write)
+        if writer is None:  # a store without rollouts: the file is written all the same, empty
+            write(_no_samples())
+        assert writer is not None
+        writer.close()
+        trained = len(set(zip(build.samples["rollout_id"].to_pylist(), build.samples["attempt"].to_pylist())))
+        if trained != r:
+            raise click.ClickException(f"the store changed during the build ({r} rollouts to train when it "
+                                       f"began, {trained} built); run it again")
+        publish(tmp, out)
+    finally:
+        if writer is not None:
+            writer.close()
+        tmp.unlink(missing_ok=True)
     for line in show_mod.render_build(build):
         click.echo(line)
     click.echo(f"wrote {show_mod.plural(build.samples.num_rows, 'sample')} to {out}")
 
 
-def build_for(store: Path, out: Path, mode: str,
-              tokenizer: Path | None) -> tuple[duckdb.DuckDBPyConnection, Any]:
-    """Check ``--out`` and ``--mode``, then build the store's samples: (connection, SampleBuild)."""
+def _no_samples() -> Any:
+    from lgt.store.samples import SAMPLES
+
+    return SAMPLES.empty_table()
+
+
+def check_out(out: Path, mode: str, tokenizer: Path | None) -> None:
     if not out.parent.is_dir():
         raise click.UsageError(f"--out {out}: directory {out.parent} does not exist")
     if mode == "realign" and tokenizer is None:
         raise click.UsageError("--mode realign needs --tokenizer (it compares decoded text)")
-    from lgt.store.samples import build_samples  # the sample builder, only when asked for
+
+
+def build_streamed(store: Path, mode: str, tokenizer: Path | None,
+                   each: Any = None) -> tuple[duckdb.DuckDBPyConnection, Any]:
+    """The store's samples, built a chunk of whole groups at a time (``lgt.store.samples.stream_samples``:
+    memory holds one chunk, whatever the store's size); ``each`` gets every chunk's samples table.
+    Returns the connection and a SampleBuild of the whole store whose ``samples`` keep only
+    ``rollout_id`` and ``attempt`` (what the summary counts)."""
+    import pyarrow as pa
+
+    from lgt.store.samples import MERGE_BREAKS, SAMPLES, SampleBuild, merge_reports, stream_samples
 
     con = open_store(store)
+    kept, breaks, reports = [], [], []
     with user_errors():
         tok = show_mod.load_tokenizer(tokenizer) if tokenizer else None
-        return con, build_samples(con, mode=mode, tokenizer=tok)
+        chunks = stream_samples(store, mode=mode, tokenizer=tok)
+        while (chunk := next(chunks, None)) is not None:
+            if each is not None:
+                each(chunk.samples)
+            kept.append(chunk.samples.select(["rollout_id", "attempt"]))
+            breaks.append(chunk.merge_breaks)
+            reports.append(chunk.report)
+            chunk = None  # noqa: PLW2901 - not alive while the next one is built: one chunk in memory
+    ids = pa.concat_tables(kept) if kept else SAMPLES.empty_table().select(["rollout_id", "attempt"])
+    return con, SampleBuild(ids, pa.concat_tables(breaks) if breaks else MERGE_BREAKS.empty_table(),
+                            {"mode": mode, **merge_reports(reports)})
 
 
 @main.command("show")
@@ -328,7 +382,8 @@ def report(store: Path, out: Path, title: str | None, mode: str, tokenizer: Path
     """Write an HTML page: reward per step, samples per rollout, merge breaks, staleness."""
     from lgt.store.report import write_report
 
-    con, build = build_for(store, out, mode, tokenizer)
+    check_out(out, mode, tokenizer)
+    con, build = build_streamed(store, mode, tokenizer)
     data = write_report(con, out, title=title or f"lgt store {store}", build=build)
     t = data["totals"]
     click.echo(f"wrote {out}: {t['calls']} calls, {t['rollouts']} rollout attempts, "
