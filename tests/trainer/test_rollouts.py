@@ -309,6 +309,22 @@ def test_timeout_kills_the_whole_process_group(tmp_path, proxy, pid_dir):
         assert [(a["status"], a["attempt"]) for a in attempts(proxy, rid)] == [("timeout", 0)]
 
 
+def test_an_agent_that_ignores_sigterm_is_killed_and_its_rollout_retried(tmp_path, proxy, pid_dir):
+    ctl = controller(proxy, tmp_path / "run", agent("sleeper_agent.py", timeout_s=1.0, retries=1),
+                     kill_grace_s=0.3)
+
+    async def main():
+        [result] = await run_all(ctl, [({"pid_dir": str(tmp_path), "ignore_term": True}, "stubborn")])
+        children = [int((tmp_path / f"stubborn~{a}.child").read_text()) for a in (0, 1)]
+        return result, [await wait_gone(pid) for pid in children]
+
+    result, gone = asyncio.run(main())
+    assert (result.status, result.attempt, result.exit_code) == ("timeout", 1, -9)  # retried, killed again
+    assert ctl.retried == 1 and gone == [True, True]  # each attempt's whole process group is gone
+    recorded = [(a["status"], a["attempt"]) for a in attempts(proxy, "stubborn")]
+    assert recorded == [("timeout", 0), ("timeout", 1)]
+
+
 def test_aclose_stops_running_rollouts(tmp_path, proxy, pid_dir):
     ctl = controller(proxy, tmp_path / "run", agent("sleeper_agent.py", retries=3), kill_grace_s=0.2)
     child_file = tmp_path / "closing~0.child"
