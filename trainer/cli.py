@@ -276,7 +276,7 @@ def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator
     """Build the training samples the trainer would train on, and say how they came out."""
     import pyarrow.parquet as pq
 
-    from lgt.store.samples import trained_rollouts
+    from lgt.store.samples import SAMPLES, trained_rollouts
     from lgt.store.writer import publish
     from lgt.trainer import algorithm
 
@@ -297,7 +297,7 @@ def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator
     try:
         _, build = build_streamed(store, mode, tokenizer, write)
         if writer is None:  # a store without rollouts: the file is written all the same, empty
-            write(_no_samples())
+            write(SAMPLES.empty_table())
         assert writer is not None
         writer.close()
         trained = len(set(zip(build.samples["rollout_id"].to_pylist(), build.samples["attempt"].to_pylist())))
@@ -306,18 +306,12 @@ def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator
                                        f"began, {trained} built); run it again")
         publish(tmp, out)
     finally:
-        if writer is not None:
+        if writer is not None and writer.is_open:  # the build failed: nothing half-written is left
             writer.close()
         tmp.unlink(missing_ok=True)
     for line in show_mod.render_build(build):
         click.echo(line)
     click.echo(f"wrote {show_mod.plural(build.samples.num_rows, 'sample')} to {out}")
-
-
-def _no_samples() -> Any:
-    from lgt.store.samples import SAMPLES
-
-    return SAMPLES.empty_table()
 
 
 def check_out(out: Path, mode: str, tokenizer: Path | None) -> None:

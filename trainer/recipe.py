@@ -458,7 +458,7 @@ class Recipe:
                 await asyncio.to_thread(self.proxy.pause, 10)
         self.engine = await asyncio.to_thread(enginemod.Engine.start,
                                               dataclasses.replace(old.cfg, port=old.port))
-        if self.version > self.version_at_start or self.resume:  # the policy moved past what it serves
+        if self.version != self.version_at_start:  # it serves the weights the run started from
             await asyncio.to_thread(self.backend.push_weights, self.engine)
         if not paused:
             await asyncio.to_thread(self.proxy.resume, self.version)
@@ -643,7 +643,7 @@ class Recipe:
 
         # the batch's groups are finished: their samples are built while the other rollouts still run
         await timed("record", self.controller.flush_records)
-        await timed("flush", lambda: self.proxy.flush(), paused=False)
+        await timed("flush", self.proxy.flush, paused=False)
         if self.remote is not None:  # the rollouts just recorded up; other replicas' calls down
             await timed("store_sync", lambda: (self.remote.push_all(), self.remote.pull()))
         prepared = await timed("samples", self.samples_for, batch)
@@ -653,7 +653,7 @@ class Recipe:
             perf[f"perf/{name}_s"] = 0.0
         # new calls are held from here; the calls in flight finish on the current weights (training
         # beside the drain was measured slower on CPU: the backend's threads and the engine's contend)
-        pause = await timed("pause", lambda: self.proxy.pause(), paused=True)
+        pause = await timed("pause", self.proxy.pause, paused=True)
         if self.crash_at_step is not None and self.step + 1 == self.crash_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die mid-step
         if prepared.samples.num_rows:
@@ -663,7 +663,7 @@ class Recipe:
             metrics = await timed("train", self.train_on, prepared.samples)
             if asleep:
                 await timed("wake", self.engine.wake_up)
-            await timed("sync", lambda: self.backend.push_weights(self.engine), paused=True)
+            await timed("sync", lambda: self.backend.push_weights(self.engine), paused=True)  # a new engine
         self.version += 1
         self.step += 1
         for g in batch:
@@ -672,7 +672,7 @@ class Recipe:
         self.trained_samples += prepared.samples.num_rows
         if self.step % cfg.checkpoint_every == 0 or self.step >= cfg.steps:
             await timed("checkpoint", self.save_checkpoint)
-        await timed("resume", lambda: self.proxy.resume(self.version), paused=True)
+        await timed("resume", self.proxy.resume, self.version, paused=True)
         results = [r for g in batch for r in g.results if r is not None]
         info = {"groups": len(batch), **prepared.metrics(),
                 "rollout/failed": sum(1 for r in results if r.status == "failed"),
