@@ -206,7 +206,8 @@ class Recipe:
         self.ready: list[Group] = []
         self.recent_rewards: list[float] = []  # mean reward of the last steps (target_reward)
         self.ok_rollouts = 0  # rollouts that ended ok in this process
-        self.failed_groups = 0  # groups whose every rollout failed, before any rollout was ok
+        self.failed_groups = 0  # groups whose every rollout failed, in this process (never trained)
+        self.failed_groups_reported = 0  # of them, counted in a step's metrics already
         self.fatal: str | None = None  # set when the run cannot go on; train() raises it
         self.restarts = 0  # engine and proxy restarts in this process (cfg.restarts bounds them)
         self.trained_groups: set[str] = set()
@@ -531,7 +532,9 @@ class Recipe:
         while batchmod.may_launch(
                 self.limits, running_rollouts=sum(g.pending for g in self.groups.values()),
                 unfinished_groups=self.unfinished_groups(), ready_groups=len(self.ready),
-                launched_this_run=self.next_group - self.first_group_this_run,
+                # a group whose every rollout failed is never trained: it leaves the staleness
+                # window, or a burst of failures (an engine or proxy restart) would stop all launches
+                launched_this_run=self.next_group - self.first_group_this_run - self.failed_groups,
                 updates_this_run=self.version - self.version_at_start):
             self.start_group()
 
@@ -620,6 +623,7 @@ class Recipe:
                 self.ready.append(g)
             else:
                 self.log(f"group {g.group_id}: every rollout failed; see {self.run_dir / 'rollouts'}")
+                self.groups.pop(g.group_id, None)
                 self.failed_groups += 1
                 if self.fatal is None and self.ok_rollouts == 0 and self.failed_groups >= FAIL_FAST_GROUPS:
                     self.fatal = agent_broken(self.failed_groups, [r for r in g.results if r is not None])
@@ -674,10 +678,13 @@ class Recipe:
             await timed("checkpoint", self.save_checkpoint)
         await timed("resume", self.proxy.resume, self.version, paused=True)
         results = [r for g in batch for r in g.results if r is not None]
+        groups_failed, self.failed_groups_reported = self.failed_groups - self.failed_groups_reported, \
+            self.failed_groups
         info = {"groups": len(batch), **prepared.metrics(),
                 "rollout/failed": sum(1 for r in results if r.status == "failed"),
                 "rollout/timeout": sum(1 for r in results if r.status == "timeout"),
                 "rollout/retried": sum(1 for r in results if r.attempt > 0),
+                "rollout/groups_failed": groups_failed,  # since the last step: none of its rollouts ok
                 "rollout/duration_mean": round(sum(r.seconds for r in results) / max(len(results), 1), 3),
                 "sample_ids": prepared.samples["sample_id"].to_pylist()}
         row = {

@@ -102,6 +102,7 @@ def summarize(run_dir: Path, *, stopped: str | None = None) -> dict[str, Any]:
         "stale_dropped": total("rollout/stale_dropped"),
         "failed": total("rollout/failed", "rollout/timeout"),
         "retried": total("rollout/retried"),
+        "groups_failed": total("rollout/groups_failed"),  # none of its rollouts ok: never trained
     }
 
 
@@ -147,7 +148,8 @@ def render(summary: dict[str, Any]) -> str:
         f"rollouts{minutes})",
         _eval_line(s.get("eval_before"), s.get("eval_after")),
         f"  dropped stale {s.get('stale_dropped', 0)} · failed {s.get('failed', 0)} · "
-        f"retried {s.get('retried', 0)}",
+        f"retried {s.get('retried', 0)}"
+        + (f" · groups that failed whole (not trained) {n}" if (n := s.get("groups_failed")) else ""),
         f"  run directory    {s.get('run_dir')}  (report.html, plots/, metrics.csv, checkpoints/)",
     ]
     return "\n".join(line for line in lines if line is not None)

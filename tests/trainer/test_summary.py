@@ -48,7 +48,7 @@ def test_figures_of_a_run_that_reaches_its_target(tmp_path: Path) -> None:
         "reward_first10": 0.5, "reward_last10": 1.0, "steps_to_target": 14, "seconds_to_target": 84.0,
         "eval_before": {"step": 0, "greedy": 0.2, "sampled": 0.1},
         "eval_after": {"step": 20, "greedy": 0.95, "sampled": 0.8},
-        "stale_dropped": 4, "failed": 3, "retried": 1,
+        "stale_dropped": 4, "failed": 3, "retried": 1, "groups_failed": 0,
     }
     text = summary.render(s)
     assert text.splitlines()[0] == \
@@ -124,3 +124,12 @@ def test_trailing_means() -> None:
     means = summary.trailing_means([1.0, None, 3.0, 5.0], window=2)
     assert means == [(1.0, 1), (1.0, 1), (2.0, 2), (4.0, 2)]
     assert summary.trailing_means([None]) == [(None, 0)]
+
+
+def test_groups_that_failed_whole_are_counted_and_said(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", RISING, extra={2: {"rollout/groups_failed": 1},
+                                                    5: {"rollout/groups_failed": 3}})
+    s = summary.summarize(run)
+    assert s["groups_failed"] == 4
+    assert "groups that failed whole (not trained) 4" in summary.render(s)
+    assert "failed whole" not in summary.render(summary.summarize(make_run(tmp_path / "ok", RISING)))
