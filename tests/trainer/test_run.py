@@ -160,6 +160,14 @@ def test_killed_mid_step_resumes_without_training_a_sample_twice(tmp_path: Path,
     assert set(state["extra"]["trained_groups"]) == trained_groups
 
 
+def start_run(cfg: Path, run_dir: Path, log: Path) -> subprocess.Popen:
+    """``lgt-train run`` in the background, its output in ``log``."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "lgt.trainer.cli", "run", str(cfg), "--run-dir",
+                                 str(run_dir)], stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
 def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, log: Path, timeout: float = 400) -> None:
     deadline = time.monotonic() + timeout
     while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= step):
@@ -178,10 +186,7 @@ def _child(proc: subprocess.Popen, marker: str) -> psutil.Process:
 def test_engine_and_proxy_killed_mid_run_are_started_again(tmp_path: Path, arith_model_dir: Path) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "lgt-train.log"
     cfg = write_config(tmp_path, arith_model_dir, steps=4, restarts=2)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "lgt.trainer.cli", "run", str(cfg), "--run-dir",
-                                 str(run_dir)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    proc = start_run(cfg, run_dir, log)
     try:
         _wait_for_step(run_dir, 1, proc, log)
         engine = _child(proc, "vllm.entrypoints.openai.api_server")
@@ -213,10 +218,7 @@ def test_restarts_are_bounded_then_the_run_stops_with_one_sentence(tmp_path: Pat
                                                                    arith_model_dir: Path) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "lgt-train.log"
     cfg = write_config(tmp_path, arith_model_dir, steps=20, restarts=0)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "lgt.trainer.cli", "run", str(cfg), "--run-dir",
-                                 str(run_dir)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    proc = start_run(cfg, run_dir, log)
     try:
         _wait_for_step(run_dir, 1, proc, log)
         _child(proc, "vllm.entrypoints.openai.api_server").kill()
