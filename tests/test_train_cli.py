@@ -89,6 +89,15 @@ def test_an_empty_store_answers_with_nothing(tmp_path: Path) -> None:
     assert json.loads(out) == []
 
 
+def test_samples_of_an_empty_store_are_an_empty_file_and_say_why(tmp_path: Path) -> None:
+    pytest.importorskip("lgt.store.samples")
+    store, out = tmp_path / "store", tmp_path / "samples.parquet"
+    store.mkdir()
+    r = lgt_train("samples", "--store", store, "--out", out)
+    assert "why empty: the store has no rollouts and no calls" in r.stdout
+    assert pq.read_table(out).num_rows == 0
+
+
 def test_a_corrupt_file_is_named(fresh: Path) -> None:
     data = next((fresh / "calls").glob("*.parquet")).read_bytes()
     (fresh / "calls" / "torn.parquet").write_bytes(data[:100])

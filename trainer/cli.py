@@ -300,7 +300,7 @@ def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator
             write(SAMPLES.empty_table())
         assert writer is not None
         writer.close()
-        trained = len(set(zip(build.samples["rollout_id"].to_pylist(), build.samples["attempt"].to_pylist())))
+        trained = build.report.get("rollouts", {}).get("trained", 0)  # the chunks' trained rollouts, summed
         if trained != r:
             raise click.ClickException(f"the store changed during the build ({r} rollouts to train when it "
                                        f"began, {trained} built); run it again")
