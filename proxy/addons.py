@@ -94,6 +94,13 @@ class Runtime:
     conversations: Conversations = field(default_factory=lambda: Conversations())
     # model names agents asked for (the latest 100), listed by GET …/v1/models with the served model
     model_names: dict[str, None] = field(default_factory=dict)
+    # LLM calls under way (forwarded, not yet recorded), by call id: (Call, its flow); GET /state
+    # names the oldest, and a pause does not wait for those whose agent has gone (orphaned)
+    live: dict[str, tuple[Any, http.HTTPFlow]] = field(default_factory=dict)
+
+    def orphaned(self) -> int:
+        """In-flight calls whose agent has closed its connection: nobody waits for their answer."""
+        return sum(1 for _, flow in self.live.values() if flow.client_conn.timestamp_end is not None)
 
     def store_writable(self) -> bool:
         """False while the store cannot be written; re-checked at most once a second (free space and
@@ -539,6 +546,24 @@ class Record:
                 {"Retry-After": str(rt.retry_after_s)}, api=api,
             )
             return
+        try:
+            call = self._start_call(flow, identity, api, endpoint, req, agent_req, body, version)
+        except BaseException as e:  # the call never got under way: it must not stay counted in flight
+            rt.gate.exit()
+            flow.metadata.pop(CALL, None)
+            if not isinstance(e, Exception):
+                raise
+            log.exception("a call of rollout %s could not be forwarded", identity.name)
+            flow.response = _json_response(500, f"lgt-proxy could not forward this call: {e}", "server_error",
+                                           api=api)
+            return
+        rt.live[call.call_id] = (call, flow)
+
+    def _start_call(self, flow: http.HTTPFlow, identity: Identity, api: str | None, endpoint: str,
+                    req: dict[str, Any], agent_req: dict[str, Any] | None, body: bytes,
+                    version: int) -> Call:
+        """The call's record begun and its request routed upstream (the gate already counts it)."""
+        rt = self.rt
         original_host = flow.request.pretty_host
         sent = req  # what the engine is asked: with the rollout's delivered prompt, when it has one
         subs = rt.resources.get(identity.rollout_id, identity.attempt)
@@ -579,6 +604,7 @@ class Record:
             flow.request.content = wire.dumps(prepared)
         if rt.upstream_timeout_s:
             call.deadline = Deadline(rt.upstream_timeout_s, lambda: self._expire(flow, call))
+        return call
 
     def _expire(self, flow: http.HTTPFlow, call: Call) -> None:
         if call.recorded or call.timed_out:
@@ -636,6 +662,10 @@ class Record:
         if flow.response.status_code in INJECTION_SUSPECT and call.injected.captures:
             await self._ask_again(flow, call)
             if call.recorded:  # the new answer was a stream, recorded as it was read
+                return
+            if flow.client_conn.timestamp_end is not None:  # the agent left while it was asked again
+                self._record(call, STATUS_CLIENT_DISCONNECT, flow.response.status_code,
+                             "the agent closed its connection before the answer came", response_json=None)
                 return
         resp = flow.response
         if not 200 <= resp.status_code < 300:
@@ -754,6 +784,7 @@ class Record:
         call.recorded = True
         rt = self.rt
         rt.gate.exit()
+        rt.live.pop(call.call_id, None)
         if call.deadline is not None:
             call.deadline.cancel()
         if call.timed_out:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 from typing import Any
 
 from aiohttp import web
@@ -95,7 +96,20 @@ def state(rt: Runtime) -> dict[str, Any]:
         "resources_registered": len(rt.resources),
         "resource_misses": rt.resources.misses,
         "session": rt.writer.session,
+        "orphaned": rt.orphaned(),  # of in_flight: calls whose agent has gone (a pause does not wait)
+        "oldest_in_flight": oldest_in_flight(rt),
     }
+
+
+def oldest_in_flight(rt: Runtime) -> dict[str, Any] | None:
+    """The LLM call longest under way (what a pause that does not drain is waiting for), or None."""
+    if not rt.live:
+        return None
+    call, flow = min(rt.live.values(), key=lambda cf: cf[0].t0)
+    return {"rollout_id": call.identity.rollout_id, "attempt": call.identity.attempt,
+            "call_id": call.call_id, "seconds": round(time.monotonic() - call.t0, 3),
+            "answer_begun": call.first_byte_us is not None,
+            "agent_gone": flow.client_conn.timestamp_end is not None}
 
 
 def make_app(rt: Runtime, token: str) -> web.Application:
@@ -114,7 +128,7 @@ def make_app(rt: Runtime, token: str) -> web.Application:
             timeout = float(timeout)
         except (TypeError, ValueError):
             return _error(400, f"timeout must be a number of seconds, not {timeout!r}")
-        drained, at_pause, seconds = await rt.gate.pause(timeout)
+        drained, at_pause, seconds = await rt.gate.pause(timeout, orphaned=rt.orphaned)
         rt.metrics.drain.observe(seconds)
         result = {**state(rt), "drained": drained, "in_flight_at_pause": at_pause,
                   "drain_seconds": seconds}

@@ -6,11 +6,14 @@ Everything here runs on the proxy's single asyncio loop, so plain counters need 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 HOLD = "hold"
 REJECT = "reject"
+ORPHAN_CHECK_S = 0.25  # how often a pause looks for in-flight calls whose agent has gone
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -70,19 +73,31 @@ class Gate:
             self.in_flight = 0
             self._idle.set()
 
-    async def pause(self, timeout: float | None = None) -> tuple[bool, int, float]:
-        """Close the gate and wait for in-flight calls: (drained, in_flight_at_pause, seconds)."""
+    async def pause(self, timeout: float | None = None,
+                    orphaned: Callable[[], int] | None = None) -> tuple[bool, int, float]:
+        """Close the gate and wait for in-flight calls: (drained, in_flight_at_pause, seconds).
+        ``orphaned()`` counts calls whose agent has gone (its connection closed): nobody waits for
+        their answer, so once only those are left the pause is drained (they are recorded when they end)."""
         if not self.paused:
             self._open.clear()
             self.paused_at = time.monotonic()
             self.pauses += 1
         at_pause = self.in_flight
         t0 = time.monotonic()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            drained = True
-        except TimeoutError:
-            drained = False
+        deadline = None if timeout is None else t0 + timeout
+        drained = False
+        while True:
+            if self.in_flight == 0 or (orphaned is not None and self.in_flight <= orphaned()):
+                drained = True
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            wait = ORPHAN_CHECK_S if orphaned is not None else left
+            if left is not None and wait is not None:
+                wait = min(wait, left)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), wait)
         return drained, at_pause, time.monotonic() - t0
 
     def resume(self, policy_version: int | None = None) -> None:

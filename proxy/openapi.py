@@ -9,7 +9,13 @@ _STATE = {"type": "object", "properties": {
     "paused": {"type": "boolean"}, "in_flight": {"type": "integer"}, "held": {"type": "integer"},
     "held_total": {"type": "integer"}, "policy_version": {"type": "integer"}, "calls": {"type": "object"},
     "rows_written": {"type": "integer"},
-    "store_error": {"type": ["string", "null"]}}, "required": ["paused", "in_flight", "policy_version"]}
+    "store_error": {"type": ["string", "null"]},
+    "oldest_in_flight": {"type": ["object", "null"], "properties": {
+        "rollout_id": {"type": "string"}, "attempt": {"type": "integer"}, "call_id": {"type": "string"},
+        "seconds": {"type": "number"}, "answer_begun": {"type": "boolean"},
+        "agent_gone": {"type": "boolean"}}},
+    "orphaned": {"type": "integer"}},
+    "required": ["paused", "in_flight", "policy_version"]}
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:

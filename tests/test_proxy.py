@@ -371,9 +371,37 @@ def test_pause_times_out_with_504_while_a_call_is_still_running(
         with pytest.raises(ControlError, match="answered POST /pause with 504") as e:
             proxy.client.pause(timeout=0.2)
         assert e.value.status == 504 and e.value.body["drained"] is False and e.value.body["in_flight"] == 1
+        oldest = e.value.body["oldest_in_flight"]  # what the pause waited for
+        assert oldest["rollout_id"] == rollout and oldest["seconds"] >= 0.4
+        assert oldest["answer_begun"] is False
         proxy.client.resume()
         t.join(5)
         assert r["result"].status_code == 200
+    assert proxy.client.state()["oldest_in_flight"] is None
+
+
+def test_a_pause_does_not_wait_for_a_call_whose_agent_has_gone(proxy: ProxyProc, rollout: str) -> None:
+    """A call the proxy is still working on (here: asked again without its injected token ids, and
+    the upstream slow to answer that) whose agent has closed its connection: nobody waits for its
+    answer, so a pause drains without it; it is recorded when it ends."""
+    stuck = {"model": "m", "messages": [{"role": "user", "content": "__reject_token_ids__ __sleep:4__ hi"}]}
+    c = client(proxy, rollout, timeout=1.0)
+    with pytest.raises(httpx.ReadTimeout):  # the agent gives up and closes its connection
+        c.post(f"{HOSTED}/chat/completions", json=stuck)
+    c.close()
+    state = proxy.client.state()
+    assert state["in_flight"] == 1
+    t0 = time.monotonic()
+    paused = proxy.client.pause(timeout=10)
+    proxy.client.resume()
+    assert paused["drained"] is True and paused["in_flight_at_pause"] == 1
+    assert paused["orphaned"] == 1 and paused["oldest_in_flight"]["agent_gone"] is True
+    assert time.monotonic() - t0 < 2.5  # not the ~3 s left of the upstream's answer
+    deadline = time.monotonic() + 10
+    while proxy.client.state()["in_flight"]:  # recorded when it ends
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert [r["status"] for r in proxy.calls("rollout_id = ?", [rollout])] == ["client_disconnect"]
 
 
 def test_reject_mode_answers_429_with_retry_after(
