@@ -181,9 +181,18 @@ class ProxyClient:
 
     # --- control API -----------------------------------------------------------------------------
     def pause(self, timeout: float = 120) -> dict[str, Any]:
-        """Hold new calls and wait until in-flight ones finish: ``drain_seconds``, ``in_flight_at_pause``."""
+        """Hold new calls and wait until in-flight ones finish: ``drain_seconds``, ``in_flight_at_pause``.
+        Calls still running after ``timeout`` s do not make it fail: the state comes back with
+        ``drained`` false (the proxy stays paused; ``oldest_in_flight`` names the call waited for)."""
+        from lgt.proxy.client import ControlError
+
         self.check_alive()
-        return self.api.pause(timeout)
+        try:
+            return self.api.pause(timeout)
+        except ControlError as e:
+            if e.status == 504 and isinstance(e.body, dict) and e.body.get("paused"):
+                return {**e.body, "drained": False}
+            raise
 
     def resume(self, policy_version: int) -> dict[str, Any]:
         self.check_alive()
@@ -233,6 +242,9 @@ class ProxyGroup:
     def pause(self, timeout: float = 120) -> dict[str, Any]:
         out = self._each(ProxyClient.pause, timeout)
         return {"drained": all(o.get("drained", True) for o in out),
+                "in_flight": sum(o.get("in_flight", 0) for o in out),
+                "oldest_in_flight": max((o["oldest_in_flight"] for o in out if o.get("oldest_in_flight")),
+                                        key=lambda c: c.get("seconds", 0), default=None),
                 "drain_seconds": max(o.get("drain_seconds", 0.0) for o in out),
                 "in_flight_at_pause": sum(o.get("in_flight_at_pause", 0) for o in out), "replicas": out}
 

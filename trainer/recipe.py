@@ -47,7 +47,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -427,7 +427,7 @@ class Recipe:
         from .engine import EngineError
 
         try:
-            self.engine.check_alive()
+            await asyncio.to_thread(self.engine.check_alive)  # a dead one's group is stopped: seconds
         except EngineError as e:
             if not self.engine.died:
                 raise
@@ -645,6 +645,7 @@ class Recipe:
             perf[f"perf/{name}_s"] = round(time.monotonic() - t, 4)
             return out
 
+        await self.keep_alive()  # an engine that died since the last look is back before the pause
         # the batch's groups are finished: their samples are built while the other rollouts still run
         await timed("record", self.controller.flush_records)
         await timed("flush", self.proxy.flush, paused=False)
@@ -658,6 +659,8 @@ class Recipe:
         # new calls are held from here; the calls in flight finish on the current weights (training
         # beside the drain was measured slower on CPU: the backend's threads and the engine's contend)
         pause = await timed("pause", self.proxy.pause, paused=True)
+        if not pause.get("drained", True):
+            self.log(undrained(pause, self.version))
         if self.crash_at_step is not None and self.step + 1 == self.crash_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die mid-step
         if prepared.samples.num_rows:
@@ -693,6 +696,7 @@ class Recipe:
             "rollout/running": sum(g.pending for g in self.groups.values()),
             "perf/drain_s": pause.get("drain_seconds", 0.0),
             "perf/in_flight_at_pause": pause.get("in_flight_at_pause", 0),
+            "perf/undrained_calls": 0 if pause.get("drained", True) else pause.get("in_flight", 0),
             **perf, "perf/update_s": round(time.monotonic() - t_update, 4),
             "perf/paused_s": round(time.monotonic() - t_paused, 4),
             **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
@@ -863,6 +867,20 @@ def optimize_prompt(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool
 def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
     """The run's metrics.jsonl rows (a last line cut off by a crash is left out)."""
     return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def undrained(pause: Mapping[str, Any], version: int) -> str:
+    """What a pause that timed out says: the update goes on without the calls still running."""
+    n = pause.get("in_flight", 0)
+    line = (f"{n} LLM call{'s' if n != 1 else ''} still running after {pause.get('drain_seconds', 0):.0f} s "
+            f"of the pause: updating without waiting for {'them' if n != 1 else 'it'} (recorded at policy "
+            f"version {version}, though tokens made after the weight sync come from the next)")
+    oldest = pause.get("oldest_in_flight")
+    if oldest:
+        doing = "reading its answer" if oldest.get("answer_begun") else "with no answer yet"
+        line += (f"; the oldest, of rollout {oldest['rollout_id']} attempt {oldest['attempt']}, has run "
+                 f"{oldest['seconds']:.0f} s {doing}")
+    return line
 
 
 def agent_broken(n_groups: int, results: list[Any]) -> str:

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
+import time
 from typing import Any
 
+import httpx
 import pytest
 from test_rollouts import AGENTS, rows, run_all
 
 from lgt.trainer.proxy_client import ProxyClient, ProxyError, ProxyGroup
+from lgt.trainer.recipe import undrained
 from lgt.trainer.rollouts import AgentSpec, ProxyEndpoint, RolloutController
 
 
@@ -70,6 +74,43 @@ def test_a_pause_holds_every_replica_and_a_dead_one_is_named(tmp_path, replicas)
         g.pause(timeout=5)
     assert replicas[0].client.state()["paused"]  # the live one did pause; the trainer stops here
     replicas[0].client.resume(4)
+
+
+def test_a_pause_that_does_not_drain_comes_back_naming_the_call_it_waited_for(tmp_path, replicas):
+    """A call still running at the pause's timeout does not end the run: the pause comes back undrained
+    (the replicas stay paused) with the oldest call under way, and the trainer says so and updates."""
+    slow = {"model": "m", "messages": [{"role": "user", "content": "__sleep:3__ slow"}]}
+    env = replicas[1].env("slow-one")
+    out: dict[str, Any] = {}
+
+    def call() -> None:
+        with httpx.Client(proxy=env["HTTPS_PROXY"], verify=env["SSL_CERT_FILE"], timeout=30) as c:
+            out["status"] = c.post("https://api.openai.invalid/v1/chat/completions", json=slow).status_code
+
+    t = threading.Thread(target=call)
+    t.start()
+    g = group(replicas)
+    deadline = time.monotonic() + 10
+    while g.state()["in_flight"] == 0:
+        assert time.monotonic() < deadline, "the slow call never started"
+        time.sleep(0.05)
+    paused = g.pause(timeout=0.5)
+    assert paused["drained"] is False and paused["in_flight"] == 1
+    oldest = paused["oldest_in_flight"]
+    assert oldest["rollout_id"] == "slow-one" and oldest["attempt"] == 0
+    assert oldest["seconds"] >= 0.5 and oldest["answer_begun"] is False
+    assert all(e["paused"] for e in g.state()["each"])
+    line = undrained(paused, 7)
+    assert line.startswith("1 LLM call still running after 1 s of the pause: updating without waiting "
+                           "for it (recorded at policy version 7, though tokens made after the weight sync "
+                           "come from the next); the oldest, of rollout slow-one attempt 0, has run"), line
+    g.resume(8)
+    t.join(10)
+    state = g.state()
+    assert out["status"] == 200 and state["in_flight"] == 0
+    assert [e["oldest_in_flight"] for e in state["each"]] == [None, None]
+    assert [r["policy_version"] for r in rows(replicas[1], "SELECT policy_version FROM calls "
+                                                           "WHERE rollout_id = 'slow-one'")] == [0]
 
 
 def test_a_replica_restarted_on_the_store_recovers_what_it_recorded(tmp_path, replicas, upstream):
