@@ -100,7 +100,7 @@ class Runtime:
 
     def orphaned(self) -> int:
         """In-flight calls whose agent has closed its connection: nobody waits for their answer."""
-        return sum(1 for _, flow in self.live.values() if flow.client_conn.timestamp_end is not None)
+        return sum(1 for _, flow in self.live.values() if agent_gone(flow))
 
     def store_writable(self) -> bool:
         """False while the store cannot be written; re-checked at most once a second (free space and
@@ -179,6 +179,11 @@ class Conversations:
 
 RECENT_REWARDS = 200_000  # rewards GET /rewards answers from memory (older ones: query the store)
 REWARD_HOST = "lgt.invalid"  # agents report rewards to http://lgt.invalid/reward through the proxy
+
+
+def agent_gone(flow: http.HTTPFlow) -> bool:
+    """The agent has closed the connection this call came on: nobody will read its answer."""
+    return flow.client_conn.timestamp_end is not None
 
 
 def reward_row(identity: Identity, body: Any, source: str) -> dict[str, Any]:
@@ -663,7 +668,7 @@ class Record:
             await self._ask_again(flow, call)
             if call.recorded:  # the new answer was a stream, recorded as it was read
                 return
-            if flow.client_conn.timestamp_end is not None:  # the agent left while it was asked again
+            if agent_gone(flow):  # the agent left while it was asked again
                 self._record(call, STATUS_CLIENT_DISCONNECT, flow.response.status_code,
                              "the agent closed its connection before the answer came", response_json=None)
                 return

@@ -31,7 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from . import openapi, resources
-from .addons import Runtime
+from .addons import Runtime, agent_gone
 from .auth import AuthError, Identity, parse_identity
 
 RT_KEY: web.AppKey[Runtime] = web.AppKey("rt", Runtime)
@@ -109,7 +109,7 @@ def oldest_in_flight(rt: Runtime) -> dict[str, Any] | None:
     return {"rollout_id": call.identity.rollout_id, "attempt": call.identity.attempt,
             "call_id": call.call_id, "seconds": round(time.monotonic() - call.t0, 3),
             "answer_begun": call.first_byte_us is not None,
-            "agent_gone": flow.client_conn.timestamp_end is not None}
+            "agent_gone": agent_gone(flow)}
 
 
 def make_app(rt: Runtime, token: str) -> web.Application:

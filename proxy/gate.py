@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,7 +75,7 @@ class Gate:
             self._idle.set()
 
     async def pause(self, timeout: float | None = None,
-                    orphaned: Callable[[], int] | None = None) -> tuple[bool, int, float]:
+                    orphaned: Callable[[], int] = lambda: 0) -> tuple[bool, int, float]:
         """Close the gate and wait for in-flight calls: (drained, in_flight_at_pause, seconds).
         ``orphaned()`` counts calls whose agent has gone (its connection closed): nobody waits for
         their answer, so once only those are left the pause is drained (they are recorded when they end)."""
@@ -84,21 +85,14 @@ class Gate:
             self.pauses += 1
         at_pause = self.in_flight
         t0 = time.monotonic()
-        deadline = None if timeout is None else t0 + timeout
-        drained = False
-        while True:
-            if self.in_flight == 0 or (orphaned is not None and self.in_flight <= orphaned()):
-                drained = True
-                break
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                break
-            wait = ORPHAN_CHECK_S if orphaned is not None else left
-            if left is not None and wait is not None:
-                wait = min(wait, left)
+        deadline = math.inf if timeout is None else t0 + timeout
+        while self.in_flight > orphaned():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False, at_pause, time.monotonic() - t0
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), wait)
-        return drained, at_pause, time.monotonic() - t0
+                await asyncio.wait_for(self._idle.wait(), min(ORPHAN_CHECK_S, left))
+        return True, at_pause, time.monotonic() - t0
 
     def resume(self, policy_version: int | None = None) -> None:
         if policy_version is not None:
