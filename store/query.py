@@ -23,8 +23,8 @@ def views_sql() -> str:
     return resources.files("lgt.store").joinpath("sql/views.sql").read_text()
 
 
-def connect(store: str | Path, database: str = ":memory:", *,
-            rollout_ids: Iterable[str] | None = None) -> duckdb.DuckDBPyConnection:
+def connect(store: str | Path, database: str = ":memory:", *, rollout_ids: Iterable[str] | None = None,
+            files: dict[str, list[str]] | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the store's views; a table with no files yet is an empty view.
 
     The store is migrated first (see ``migrations``); a corrupt or foreign Parquet file in a table's
@@ -32,7 +32,9 @@ def connect(store: str | Path, database: str = ":memory:", *,
 
     ``rollout_ids``: the connection sees only these rollouts — every table's rows of them, read from
     only the files that hold them (:func:`file_index`) — so work on a few rollouts of a large store
-    costs what those rollouts cost (the trainer builds each step's samples this way).
+    costs what those rollouts cost (the trainer builds each step's samples this way). ``files``: with
+    ``rollout_ids``, the files of each table that hold them, where the caller knows (a table left out
+    has none); the per-process index is then neither read nor grown.
     """
     root = Path(store).resolve()
     if not root.is_dir():
@@ -46,8 +48,11 @@ def connect(store: str | Path, database: str = ":memory:", *,
         check_files(con, root)
     else:
         want = set(rollout_ids)
-        scope = {t: [f for f, entry in file_index(root, t, con).items() if not want.isdisjoint(entry[0])]
-                 for t in TABLES}
+        if files is not None:
+            scope = {t: sorted(files.get(t, ())) for t in TABLES}
+        else:
+            scope = {t: [f for f, entry in file_index(root, t, con).items() if not want.isdisjoint(entry[0])]
+                     for t in TABLES}
         con.execute("SET VARIABLE lgt_rollout_ids = ?", [sorted(want)])
         for table, files in scope.items():
             con.execute(f"SET VARIABLE lgt_files_{table} = ?", [files])

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 import html
 import os
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +70,9 @@ def _svg_line(xs: list[float], ys: list[float], color: str = "#e45756") -> str:
             f"step {x1:g}</text></svg>")
 
 
-def report_data(con: duckdb.DuckDBPyConnection, build: Any | None = None) -> dict[str, Any]:
-    """The numbers behind the page (also what the tests check)."""
+def report_data(con: duckdb.DuckDBPyConnection, build_report: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The numbers behind the page (also what the tests check); ``build_report``: the report of a
+    sample build of the store (``lgt.store.samples``), for its samples per rollout and merge breaks."""
     rows = con.execute("""
         SELECT o.step, avg(w.value), count(*)
         FROM rollouts o JOIN rewards w USING (rollout_id, attempt)
@@ -106,13 +106,10 @@ def report_data(con: duckdb.DuckDBPyConnection, build: Any | None = None) -> dic
         "samples_per_rollout": [],
         "merge_breaks": [],
     }
-    if build is not None:
-        per_rollout = Counter(zip(build.samples.column("rollout_id").to_pylist(),
-                                  build.samples.column("attempt").to_pylist()))
-        hist = Counter(per_rollout.values())
-        data["samples_per_rollout"] = sorted(hist.items())
-        reasons = Counter(build.merge_breaks.column("reason").to_pylist())
-        data["merge_breaks"] = sorted(reasons.items(), key=lambda kv: -kv[1])
+    if build_report is not None:
+        data["samples_per_rollout"] = sorted((int(k), n) for k, n in
+                                             build_report.get("samples_per_rollout", {}).items())
+        data["merge_breaks"] = sorted(build_report.get("merge_breaks", {}).items(), key=lambda kv: -kv[1])
     return data
 
 
@@ -161,9 +158,9 @@ p{{color:#555;font-size:.9em;max-width:{W}px}}.empty{{color:#999;font-style:ital
 
 
 def write_report(con: duckdb.DuckDBPyConnection, out: str | os.PathLike, *, title: str,
-                 build: Any | None = None) -> dict[str, Any]:
+                 build_report: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the page whole (temp file + rename); returns the numbers it shows."""
-    data = report_data(con, build)
+    data = report_data(con, build_report)
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(render_html(data, title))

@@ -43,7 +43,7 @@ import pyarrow.dataset as ds
 
 from .migrations import migrate
 from .query import connect, group_rollouts
-from .schema import CALLS
+from .schema import CALLS, TABLES
 
 MODES = ("exact", "realign")
 
@@ -145,7 +145,14 @@ def build_group_samples(store: str | Path, group_ids: Iterable[str], *, mode: st
     groups = sorted(set(group_ids))
     migrate(root, readonly_ok=True)
     ids = group_rollouts(root, groups) | {g.rsplit("~", 1)[0] for g in groups if "~" in g}
-    con = connect(root, rollout_ids=ids)
+    return _scoped_build(root, groups, ids, None, mode, tokenizer)
+
+
+def _scoped_build(root: Path, groups: list[str], ids: Iterable[str], files: dict[str, list[str]] | None,
+                  mode: str, tokenizer: Any) -> SampleBuild:
+    """The samples of ``groups``, built on a connection that sees only the rollouts ``ids`` (their
+    ``files``, where known: see ``connect``)."""
+    con = connect(root, rollout_ids=ids, files=files)
     try:
         built = build_samples(con, mode=mode, tokenizer=tokenizer)
     finally:
@@ -156,7 +163,7 @@ def build_group_samples(store: str | Path, group_ids: Iterable[str], *, mode: st
     samples = built.samples.filter(keep)  # attempts seen only in calls that share a rollout id
     kept = pa.array(sorted(set(samples["rollout_id"].to_pylist())), pa.string())
     breaks = built.merge_breaks.filter(pc.is_in(built.merge_breaks["rollout_id"], value_set=kept))
-    return SampleBuild(samples, breaks, built.report)
+    return SampleBuild(samples, breaks, {**built.report, **table_counts(samples, breaks)})
 
 
 STREAM_ROLLOUTS = 4096  # rollout attempts per chunk of a streamed build (~300 MB of samples at 3-4k tokens)
@@ -170,32 +177,99 @@ def stream_samples(store: str | Path, *, mode: str = "exact", tokenizer: Any = N
     chunk's samples however large the store is. Each chunk is :func:`build_group_samples` of its
     groups; the chunks' samples together are the whole build's rows (groups in the order of the
     calls files that hold them, so that a chunk reads few files). Use :func:`trained_rollouts` for
-    the loss weights' R, and :func:`merge_reports` for the report of the whole store."""
+    the loss weights' R, and :func:`merge_reports` for the report of the whole store.
+
+    Which groups make each chunk, and which files hold their rollouts, is planned once in DuckDB
+    (temporary tables under :data:`SQL_MEMORY`, spilled to disk beyond it), not in Python: what the
+    build keeps between chunks does not grow with the store."""
     if chunk_rollouts < 1:
         raise ValueError(f"chunk_rollouts must be at least 1, not {chunk_rollouts}")
     root = Path(store).resolve()
     con = connect(root)
-    try:  # groups in the order of the calls files that hold them: each chunk reads few files
-        first = "(SELECT NULL AS rollout_id, NULL AS f)"
-        if next((root / "calls").glob("*.parquet"), None) is not None:
-            first = ("(SELECT rollout_id, min(filename) AS f FROM read_parquet('calls/*.parquet', "
-                     "filename = true) GROUP BY ALL)")
-        groups = con.execute(f"""
-            SELECT coalesce(r.group_id, r.rollout_id || '~' || r.attempt) AS g, count(*)
-            FROM rollouts r LEFT JOIN {first} c USING (rollout_id)
-            GROUP BY g ORDER BY min(c.f) NULLS LAST, g""").fetchall()
+    try:
+        con.execute(f"SET memory_limit = '{SQL_MEMORY}'")
+        files = plan_chunks(con, root)
+        for first, last in chunk_bounds(con, chunk_rollouts):
+            groups = [g for (g,) in con.execute("SELECT g FROM _lgt_plan_groups WHERE i BETWEEN ? AND ?",
+                                                [first, last]).fetchall()]
+            ids = [r for (r,) in con.execute(
+                "SELECT DISTINCT rollout_id FROM _lgt_plan_members WHERE i BETWEEN ? AND ?",
+                [first, last]).fetchall()]
+            where: dict[str, list[str]] = {}
+            for t, n in con.execute("SELECT DISTINCT t, n FROM _lgt_plan_files WHERE i BETWEEN ? AND ?",
+                                    [first, last]).fetchall():
+                where.setdefault(t, []).append(files[t][n])
+            yield _scoped_build(root, groups, ids, where, mode, tokenizer)
     finally:
         con.close()
-    chunk: list[str] = []
-    size = 0
-    for group, n in groups:
-        if chunk and size + n > chunk_rollouts:
-            yield build_group_samples(root, chunk, mode=mode, tokenizer=tokenizer)
-            chunk, size = [], 0
-        chunk.append(group)
-        size += n
-    if chunk:
-        yield build_group_samples(root, chunk, mode=mode, tokenizer=tokenizer)
+
+
+def plan_chunks(con: duckdb.DuckDBPyConnection, root: Path) -> dict[str, list[str]]:
+    """Three temporary tables on ``con`` (a whole-store connection): ``_lgt_plan_groups`` (i, g, n):
+    every group numbered in the order of the first calls file holding its rollouts, with its number
+    of rollout attempts; ``_lgt_plan_members`` (i, rollout_id); ``_lgt_plan_files`` (i, t, n): group i
+    has rows in file n of table t. Returns each table's files (what ``n`` indexes)."""
+    files = {t: sorted(str(p) for p in (root / t).glob("*.parquet")) for t in TABLES}
+    names = pa.table({"t": [t for t, fs in files.items() for _ in fs],
+                      "n": [n for fs in files.values() for n in range(len(fs))],
+                      "filename": [f for fs in files.values() for f in fs]},
+                     schema=pa.schema([("t", pa.string()), ("n", pa.int32()), ("filename", pa.string())]))
+    con.register("_lgt_plan_names", names)
+    held = [f"SELECT DISTINCT '{t}' AS t, rollout_id, filename FROM read_parquet("
+            f"getvariable('lgt_plan_{t}'), filename = true)" for t, fs in files.items() if fs]
+    held = held or ["SELECT NULL::VARCHAR AS t, NULL::VARCHAR AS rollout_id, NULL::VARCHAR AS filename "
+                    "LIMIT 0"]
+    for t, fs in files.items():
+        con.execute(f"SET VARIABLE lgt_plan_{t} = ?", [fs])
+    try:
+        con.execute(f"""
+            CREATE OR REPLACE TEMP TABLE _lgt_plan_held AS  -- which files hold each rollout's rows
+            SELECT h.rollout_id, h.t, f.n
+            FROM ({' UNION ALL '.join(held)}) h
+            JOIN _lgt_plan_names f USING (t, filename)""")
+        con.execute("""
+            CREATE OR REPLACE TEMP TABLE _lgt_plan_attempts AS
+            SELECT rollout_id, coalesce(group_id, rollout_id || '~' || attempt) AS g FROM rollouts""")
+        con.execute("""
+            CREATE OR REPLACE TEMP TABLE _lgt_plan_groups AS
+            SELECT row_number() OVER (ORDER BY min(c.n) NULLS LAST, a.g) AS i, a.g, count(*) AS n
+            FROM _lgt_plan_attempts a
+            LEFT JOIN (SELECT rollout_id, min(n) AS n FROM _lgt_plan_held WHERE t = 'calls' GROUP BY ALL) c
+                USING (rollout_id)
+            GROUP BY a.g ORDER BY i""")
+        con.execute("""
+            CREATE OR REPLACE TEMP TABLE _lgt_plan_members AS
+            SELECT DISTINCT g.i, a.rollout_id FROM _lgt_plan_attempts a JOIN _lgt_plan_groups g USING (g)
+            ORDER BY i""")
+        con.execute("""
+            CREATE OR REPLACE TEMP TABLE _lgt_plan_files AS
+            SELECT DISTINCT m.i, h.t, h.n FROM _lgt_plan_members m JOIN _lgt_plan_held h USING (rollout_id)
+            ORDER BY i""")
+    finally:
+        con.execute("DROP TABLE IF EXISTS _lgt_plan_held")
+        con.execute("DROP TABLE IF EXISTS _lgt_plan_attempts")
+        con.unregister("_lgt_plan_names")
+    return files
+
+
+def chunk_bounds(con: duckdb.DuckDBPyConnection, chunk_rollouts: int) -> list[tuple[int, int]]:
+    """The planned groups (:func:`plan_chunks`) in chunks of about ``chunk_rollouts`` rollout
+    attempts: ``(first, last)`` group numbers of each, whole groups, a group larger than that alone."""
+    con.execute("SELECT i, n FROM _lgt_plan_groups ORDER BY i")
+    bounds: list[tuple[int, int]] = []
+    first, size, last = None, 0, 0
+    while rows := con.fetchmany(65536):
+        for i, n in rows:
+            if first is not None and size + n > chunk_rollouts:
+                bounds.append((first, last))
+                first, size = None, 0
+            if first is None:
+                first = i
+            size += n
+            last = i
+    if first is not None:
+        bounds.append((first, last))
+    return bounds
 
 
 def trained_rollouts(store: str | Path) -> int:
@@ -230,6 +304,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     if "samples_per_rollout" in out:
         out["samples_per_rollout"] = dict(sorted(out["samples_per_rollout"].items(),
                                                  key=lambda kv: int(kv[0])))
+    if "merge_breaks" in out:
+        out["merge_breaks"] = dict(sorted(out["merge_breaks"].items(), key=lambda kv: (-kv[1], kv[0])))
     if not out.get("rollouts", {}).get("trained"):
         excluded = Counter(out.get("rollouts", {}).get("excluded", {}))
         out["why_empty"] = why_empty(sum(excluded.values()), excluded,
@@ -727,8 +803,6 @@ def assemble(merged: Merged, per_sample: pa.Table, mode: str) -> pa.Table:
 
 def make_report(mode: str, merged: Merged, samples: pa.Table, rollouts: pa.Table) -> dict[str, Any]:
     """The counts a person checks first: what was trained, what was left out and why."""
-    per_rollout = Counter(Counter(zip(samples.column("rollout_id").to_pylist(),
-                                      samples.column("attempt").to_pylist())).values())
     excluded = Counter(r for r in rollouts.column("excluded").to_pylist() if r is not None)
     rewards: dict[str, list[float]] = {}  # trained rollouts' rewards by group
     for g, w, e in zip(*(rollouts.column(c).to_pylist() for c in ("group_id", "reward", "excluded"))):
@@ -739,7 +813,7 @@ def make_report(mode: str, merged: Merged, samples: pa.Table, rollouts: pa.Table
         "rollouts": {"trained": sum(map(len, rewards.values())), "excluded": dict(excluded.most_common())},
         "calls": {"used": merged.used_calls, "excluded": dict(merged.excluded_calls.most_common()),
                   "logprobs_recomputed": merged.missing_logprobs},
-        "samples_per_rollout": {str(k): n for k, n in sorted(per_rollout.items())},
+        **table_counts(samples, merged.breaks),
         "groups": {"trained": len(rewards),  # equal rewards: no signal for a group-baseline estimator
                    "zero_variance": sum(1 for ws in rewards.values() if min(ws) == max(ws)),
                    "single_rollout": sum(1 for ws in rewards.values() if len(ws) == 1)},
@@ -749,6 +823,18 @@ def make_report(mode: str, merged: Merged, samples: pa.Table, rollouts: pa.Table
     if samples.num_rows == 0:
         report["why_empty"] = why_empty(rollouts.num_rows, excluded, merged.excluded_calls)
     return report
+
+
+def table_counts(samples: pa.Table, breaks: pa.Table | list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """The report's counts of the samples and merge breaks tables: samples per rollout attempt (how
+    many attempts made 1, 2, … samples), merge breaks by reason."""
+    per_rollout = pc.value_counts(pc.value_counts(pc.binary_join_element_wise(
+        samples.column("rollout_id"), pc.cast(samples.column("attempt"), pa.string()), "~")).field("counts"))
+    reasons = Counter(breaks.column("reason").to_pylist() if isinstance(breaks, pa.Table)
+                      else (b["reason"] for b in breaks))
+    return {"samples_per_rollout": {str(k): n for k, n in sorted(zip(per_rollout.field("values").to_pylist(),
+                                                                     per_rollout.field("counts").to_pylist()))},
+            "merge_breaks": {r: n for r, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))}}
 
 
 def why_empty(n_attempts: int, excluded: Counter, excluded_calls: Counter) -> str:

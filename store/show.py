@@ -13,7 +13,6 @@ rollouts are left out, where a rollout's calls split into samples): generated to
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -268,20 +267,18 @@ def egress_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def render_build(build: Any) -> list[str]:
-    """What ``build_samples`` made of the store, from its tables and its ``report``."""
-    rep = dict(build.report or {})
-    per_rollout = Counter(zip(build.samples.column("rollout_id").to_pylist(),
-                              build.samples.column("attempt").to_pylist()))
-    hist = sorted(Counter(per_rollout.values()).items())
+def render_build(report: dict[str, Any]) -> list[str]:
+    """What ``build_samples`` made of the store, from its ``report`` (of one build, or the chunks'
+    reports merged)."""
+    rep = dict(report)
+    hist = sorted((int(k), n) for k, n in rep.pop("samples_per_rollout", {}).items())
     mode = rep.pop("mode", None)
-    lines = [click.style(f"{plural(build.samples.num_rows, 'sample')} from "
-                         f"{plural(len(per_rollout), 'rollout attempt')}"
+    lines = [click.style(f"{plural(sum(k * n for k, n in hist), 'sample')} from "
+                         f"{plural(sum(n for _, n in hist), 'rollout attempt')}"
                          + (f" ({mode} mode)" if mode else ""), bold=True)]
-    rep.pop("samples_per_rollout", None)  # the same numbers, counted from the table
     lines.append("samples per rollout: " + (", ".join(
         f"{plural(k, 'sample')}: {plural(n, 'rollout')}" for k, n in hist) or "none"))
-    reasons = Counter(build.merge_breaks.column("reason").to_pylist())
+    reasons = rep.pop("merge_breaks", {})
     lines.append("merge breaks: " + (", ".join(
         f"{r} {n}" for r, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"))
     for key in ("rollouts", "calls"):

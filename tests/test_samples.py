@@ -14,6 +14,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -593,6 +594,31 @@ def test_a_streamed_build_is_the_whole_build_a_chunk_at_a_time(tmp_path: Path, t
         for x in assign(c.samples, cfg, rollouts=r).to_pylist():
             assert x["loss_weight"] == pytest.approx(want[x["sample_id"]]["loss_weight"], rel=1e-12)
             assert x["advantage"] == pytest.approx(want[x["sample_id"]]["advantage"], abs=1e-12)
+
+
+def test_each_chunk_of_a_streamed_build_reads_only_its_files_and_no_index_is_kept(
+        tmp_path: Path, tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lgt.store import query
+    from lgt.store import samples as samples_mod
+
+    root = groups_store(tmp_path, tok)
+    read: list[dict[str, list[str]]] = []
+    real = samples_mod.connect
+
+    def spy(store: Path, *args: Any, **kw: Any) -> Any:
+        if kw.get("rollout_ids") is not None:
+            read.append({t: [Path(f).name for f in fs] for t, fs in kw["files"].items()})
+        return real(store, *args, **kw)
+
+    monkeypatch.setattr(samples_mod, "connect", spy)
+    query._SEEN.clear()
+    chunks = list(stream_samples(root, chunk_rollouts=3))
+    assert [sorted(c.samples["group_id"].unique().to_pylist()) for c in chunks] == \
+        [[f"g{k}"] for k in range(6)] + [["r9~0"]]
+    assert read == [{"calls": [f"part-{k:03d}.parquet"], "rollouts": ["part-000.parquet"],
+                     "rewards": ["part-000.parquet"]} for k in range(6)] + \
+        [{"calls": ["part-009.parquet"], "rewards": ["part-000.parquet"]}]
+    assert not query._SEEN  # which file holds which rollout: planned in DuckDB, not kept per file in Python
 
 
 def test_a_streamed_build_of_nothing_trainable_says_why(tmp_path: Path, tok: Tokenizer) -> None:

@@ -286,21 +286,23 @@ def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator
         r = trained_rollouts(store)  # every chunk's loss weights count each rollout once among all R
     tmp = out.with_name(out.name + ".tmp")
     writer: pq.ParquetWriter | None = None
+    written = 0
 
     def write(chunk: Any) -> None:  # one chunk of whole groups at a time: memory holds one chunk
-        nonlocal writer
+        nonlocal writer, written
         table = algorithm.assign(chunk, cfg, rollouts=r)
         if writer is None:
             writer = pq.ParquetWriter(tmp, table.schema, compression="zstd")
         writer.write_table(table)
+        written += table.num_rows
 
     try:
-        _, build = build_streamed(store, mode, tokenizer, write)
+        _, report = build_streamed(store, mode, tokenizer, write)
         if writer is None:  # a store without rollouts: the file is written all the same, empty
             write(SAMPLES.empty_table())
         assert writer is not None
         writer.close()
-        trained = build.report.get("rollouts", {}).get("trained", 0)  # the chunks' trained rollouts, summed
+        trained = report.get("rollouts", {}).get("trained", 0)  # the chunks' trained rollouts, summed
         if trained != r:
             raise click.ClickException(f"the store changed during the build ({r} rollouts to train when it "
                                        f"began, {trained} built); run it again")
@@ -309,9 +311,9 @@ def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator
         if writer is not None and writer.is_open:  # the build failed: nothing half-written is left
             writer.close()
         tmp.unlink(missing_ok=True)
-    for line in show_mod.render_build(build):
+    for line in show_mod.render_build(report):
         click.echo(line)
-    click.echo(f"wrote {show_mod.plural(build.samples.num_rows, 'sample')} to {out}")
+    click.echo(f"wrote {show_mod.plural(written, 'sample')} to {out}")
 
 
 def check_out(out: Path, mode: str, tokenizer: Path | None) -> None:
@@ -322,30 +324,24 @@ def check_out(out: Path, mode: str, tokenizer: Path | None) -> None:
 
 
 def build_streamed(store: Path, mode: str, tokenizer: Path | None,
-                   each: Any = None) -> tuple[duckdb.DuckDBPyConnection, Any]:
+                   each: Any = None) -> tuple[duckdb.DuckDBPyConnection, dict[str, Any]]:
     """The store's samples, built a chunk of whole groups at a time (``lgt.store.samples.stream_samples``:
     memory holds one chunk, whatever the store's size); ``each`` gets every chunk's samples table.
-    Returns the connection and a SampleBuild of the whole store whose ``samples`` keep only
-    ``rollout_id`` and ``attempt`` (what the summary counts)."""
-    import pyarrow as pa
-
-    from lgt.store.samples import MERGE_BREAKS, SAMPLES, SampleBuild, merge_reports, stream_samples
+    Returns the connection and the report of the whole build (the chunks' reports added up as they
+    come: nothing else is kept from a chunk)."""
+    from lgt.store.samples import merge_reports, stream_samples
 
     con = open_store(store)
-    kept, breaks, reports = [], [], []
+    report: dict[str, Any] = {}
     with user_errors():
         tok = show_mod.load_tokenizer(tokenizer) if tokenizer else None
         chunks = stream_samples(store, mode=mode, tokenizer=tok)
         while (chunk := next(chunks, None)) is not None:
             if each is not None:
                 each(chunk.samples)
-            kept.append(chunk.samples.select(["rollout_id", "attempt"]))
-            breaks.append(chunk.merge_breaks)
-            reports.append(chunk.report)
+            report = merge_reports([report, chunk.report])
             chunk = None  # noqa: PLW2901 - not alive while the next one is built: one chunk in memory
-    ids = pa.concat_tables(kept) if kept else SAMPLES.empty_table().select(["rollout_id", "attempt"])
-    return con, SampleBuild(ids, pa.concat_tables(breaks) if breaks else MERGE_BREAKS.empty_table(),
-                            {"mode": mode, **merge_reports(reports)})
+    return con, {"mode": mode, **merge_reports([report])}
 
 
 @main.command("show")
@@ -377,8 +373,8 @@ def report(store: Path, out: Path, title: str | None, mode: str, tokenizer: Path
     from lgt.store.report import write_report
 
     check_out(out, mode, tokenizer)
-    con, build = build_streamed(store, mode, tokenizer)
-    data = write_report(con, out, title=title or f"lgt store {store}", build=build)
+    con, build_report = build_streamed(store, mode, tokenizer)
+    data = write_report(con, out, title=title or f"lgt store {store}", build_report=build_report)
     t = data["totals"]
     click.echo(f"wrote {out}: {t['calls']} calls, {t['rollouts']} rollout attempts, "
                f"{t['rewarded_rollouts']} rewarded")
