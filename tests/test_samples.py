@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import click
 import duckdb
 import pyarrow as pa
 import pytest
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lgt.store.query import connect
+from lgt.store.report import report_data
 from lgt.store.samples import (
     CALL_COLUMNS,
     MERGE_BREAKS,
@@ -39,6 +41,7 @@ from lgt.store.samples import (
     stream_samples,
     trained_rollouts,
 )
+from lgt.store.show import render_build
 from lgt.store.writer import to_arrow, write_parquet_atomic
 
 WORDS = ("the a of to and in is it that for on with as was at by an be this have from or one had but "
@@ -585,6 +588,16 @@ def test_a_streamed_build_is_the_whole_build_a_chunk_at_a_time(tmp_path: Path, t
     assert sorted(got.to_pylist(), key=lambda r: r["sample_id"]) == \
         sorted(whole.samples.to_pylist(), key=lambda r: r["sample_id"])
     assert merge_reports([c.report for c in chunks]) == whole.report
+    # the report's counts are its tables' (the summary and the report page show them, not the tables)
+    reasons = Counter(whole.merge_breaks.column("reason").to_pylist())
+    per_attempt = Counter(zip(whole.samples["rollout_id"].to_pylist(), whole.samples["attempt"].to_pylist()))
+    assert reasons and whole.report["merge_breaks"] == dict(reasons)
+    assert whole.report["samples_per_rollout"] == {str(k): n
+                                                  for k, n in Counter(per_attempt.values()).items()}
+    assert click.unstyle(render_build(merge_reports([c.report for c in chunks]))[0]).startswith(
+        f"{whole.samples.num_rows} samples from {len(per_attempt)} rollout attempts")
+    page = report_data(connect(root), merge_reports([c.report for c in chunks]))
+    assert page["merge_breaks"] == sorted(reasons.items(), key=lambda kv: -kv[1])
     # the loss weights: each rollout once among all R, as if built whole
     cfg = AlgorithmConfig()
     r = trained_rollouts(root)
