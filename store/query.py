@@ -54,8 +54,8 @@ def connect(store: str | Path, database: str = ":memory:", *, rollout_ids: Itera
             scope = {t: [f for f, entry in file_index(root, t, con).items() if not want.isdisjoint(entry[0])]
                      for t in TABLES}
         con.execute("SET VARIABLE lgt_rollout_ids = ?", [sorted(want)])
-        for table, files in scope.items():
-            con.execute(f"SET VARIABLE lgt_files_{table} = ?", [files])
+        for table, paths in scope.items():
+            con.execute(f"SET VARIABLE lgt_files_{table} = ?", [paths])
     for stmt in views_sql().split(";"):
         body = "\n".join(l for l in stmt.splitlines() if not l.strip().startswith("--")).strip()
         if not body:
