@@ -128,7 +128,7 @@ def build_samples(con: duckdb.DuckDBPyConnection, *, mode: str = "exact",
     per_sample, rollouts = rollout_scalars(con, merged.scalars)
     samples = assemble(merged, per_sample, mode)
     breaks = pa.Table.from_pylist(merged.breaks, schema=MERGE_BREAKS)
-    return SampleBuild(samples, breaks, make_report(mode, merged, samples, rollouts))
+    return SampleBuild(samples, breaks, make_report(mode, merged, samples, breaks, rollouts))
 
 
 def build_group_samples(store: str | Path, group_ids: Iterable[str], *, mode: str = "exact",
@@ -801,7 +801,8 @@ def assemble(merged: Merged, per_sample: pa.Table, mode: str) -> pa.Table:
     return table if all(keep.to_pylist()) else table.filter(keep)
 
 
-def make_report(mode: str, merged: Merged, samples: pa.Table, rollouts: pa.Table) -> dict[str, Any]:
+def make_report(mode: str, merged: Merged, samples: pa.Table, breaks: pa.Table,
+                rollouts: pa.Table) -> dict[str, Any]:
     """The counts a person checks first: what was trained, what was left out and why."""
     excluded = Counter(r for r in rollouts.column("excluded").to_pylist() if r is not None)
     rewards: dict[str, list[float]] = {}  # trained rollouts' rewards by group
@@ -813,7 +814,7 @@ def make_report(mode: str, merged: Merged, samples: pa.Table, rollouts: pa.Table
         "rollouts": {"trained": sum(map(len, rewards.values())), "excluded": dict(excluded.most_common())},
         "calls": {"used": merged.used_calls, "excluded": dict(merged.excluded_calls.most_common()),
                   "logprobs_recomputed": merged.missing_logprobs},
-        **table_counts(samples, merged.breaks),
+        **table_counts(samples, breaks),
         "groups": {"trained": len(rewards),  # equal rewards: no signal for a group-baseline estimator
                    "zero_variance": sum(1 for ws in rewards.values() if min(ws) == max(ws)),
                    "single_rollout": sum(1 for ws in rewards.values() if len(ws) == 1)},
@@ -825,13 +826,12 @@ def make_report(mode: str, merged: Merged, samples: pa.Table, rollouts: pa.Table
     return report
 
 
-def table_counts(samples: pa.Table, breaks: pa.Table | list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+def table_counts(samples: pa.Table, breaks: pa.Table) -> dict[str, dict[str, int]]:
     """The report's counts of the samples and merge breaks tables: samples per rollout attempt (how
     many attempts made 1, 2, … samples), merge breaks by reason."""
     per_rollout = pc.value_counts(pc.value_counts(pc.binary_join_element_wise(
         samples.column("rollout_id"), pc.cast(samples.column("attempt"), pa.string()), "~")).field("counts"))
-    reasons = Counter(breaks.column("reason").to_pylist() if isinstance(breaks, pa.Table)
-                      else (b["reason"] for b in breaks))
+    reasons = Counter(breaks.column("reason").to_pylist())
     return {"samples_per_rollout": {str(k): n for k, n in sorted(zip(per_rollout.field("values").to_pylist(),
                                                                      per_rollout.field("counts").to_pylist()))},
             "merge_breaks": {r: n for r, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))}}
