@@ -122,15 +122,23 @@ def test_spawns_cancelled_while_starting_leave_no_child_and_no_stuck_server(tmp_
     children are killed when their pids arrive, and the server goes on reporting the others' exits."""
     (tmp_path / "agent.py").write_text(AGENT)
     marker = str(tmp_path / "agent.py")
+    work = tmp_path / "cancelled"  # the cwd of the cancelled spawns' children, and only theirs
+    work.mkdir()
 
     async def main():
         fs = await ForkServer.start(sys.executable, [])
         try:
             tasks = [asyncio.get_running_loop().create_task(
-                fs.spawn([marker, "sleep"], {}, tmp_path, tmp_path / f"{i}.out", tmp_path / f"{i}.err"))
+                fs.spawn([marker, "sleep"], {}, work, tmp_path / f"{i}.out", tmp_path / f"{i}.err"))
                 for i in range(20)]
-            await asyncio.sleep(0.05)  # requests written, most pids not back yet
-            cancelled = sum(t.cancel() for t in tasks)
+            # The server is stopped while the requests are written, so no pid can come back before the
+            # cancellations however fast this machine forks; it forks them all once it goes on.
+            os.kill(fs.proc.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(0.05)
+                cancelled = sum(t.cancel() for t in tasks)
+            finally:
+                os.kill(fs.proc.pid, signal.SIGCONT)
             await asyncio.gather(*tasks, return_exceptions=True)
             p = await asyncio.wait_for(
                 fs.spawn([marker, "5"], {}, tmp_path, tmp_path / "last.out", tmp_path / "last.err"), 30)
@@ -143,19 +151,22 @@ def test_spawns_cancelled_while_starting_leave_no_child_and_no_stuck_server(tmp_
             await fs.aclose()
 
     cancelled, code = run(main())
-    assert cancelled > 0 and code == 5  # the server still reports exits after the cancellations
+    assert cancelled == 20 and code == 5  # the server still reports exits after the cancellations
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, marker)]
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _runs_in(pid, work)]
         if not left:
             break
         time.sleep(0.1)
     assert not left, f"children of cancelled spawns still running: {left}"
 
 
-def _cmdline_has(pid: str, text: str) -> bool:
+def _runs_in(pid: str, cwd: Path) -> bool:
+    """A live process whose working directory is ``cwd`` (a forked child never execs: its cmdline is the
+    fork server's, so the directory its request gave it is what tells it apart)."""
     try:
-        return text in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z" and os.readlink(f"/proc/{pid}/cwd") == str(cwd)
     except OSError:
         return False
 
