@@ -41,6 +41,9 @@ def connect(store: str | Path, database: str = ":memory:", *, rollout_ids: Itera
         raise FileNotFoundError(f"store directory {root} does not exist")
     migrate(root, readonly_ok=True)
     con = duckdb.connect(database)
+    # DuckDB draws a progress bar on the process's stdout during a query that runs past 2 s, even when
+    # stdout is a file or a pipe: it would land inside `lgt-train sql --format csv > out.csv`.
+    con.execute("SET enable_progress_bar = false")
     con.execute("SET file_search_path = ?", [str(root)])
     con.execute("SET parquet_metadata_cache = true")  # files are immutable once renamed in
     scope: dict[str, list[str]] | None = None
@@ -98,6 +101,7 @@ def file_index(root: Path, table: str, con: duckdb.DuckDBPyConnection | None = N
     own = con is None
     if own:
         con = duckdb.connect()
+        con.execute("SET enable_progress_bar = false")
         con.execute("SET file_search_path = ?", [str(root)])
     try:
         check_files(con, root, {table: [p for p, _ in new]})

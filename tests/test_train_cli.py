@@ -71,6 +71,26 @@ def test_sql_as_csv_and_json(store: Path) -> None:
                        "started_at": "2026-11-30T12:00:01+00:00"}
 
 
+def test_a_long_query_prints_its_rows_and_nothing_else(store: Path) -> None:
+    """DuckDB draws a progress bar on stdout (a file or pipe too) during a long query; lgt-train's
+    connections turn it off. Here every connection starts with the bar drawn after 100 ms, not 2 s: a
+    statement shorter than that (turning the bar off) draws nothing, the counting query would."""
+    script = (
+        "import sys, duckdb\n"
+        "real = duckdb.connect\n"
+        "def eager(*a, **k):\n"
+        "    con = real(*a, **k)\n"
+        "    con.execute('SET progress_bar_time = 100')  # also turns the bar on\n"
+        "    return con\n"
+        "duckdb.connect = eager\n"
+        "from lgt.trainer.cli import main\n"
+        "main(sys.argv[1:])\n")
+    q = "SELECT count(*) AS n FROM range(60000000) r WHERE hash(r.range) % 7 = 1"
+    out = subprocess.run([sys.executable, "-c", script, "sql", "--store", str(store), "--format", "csv", q],
+                         capture_output=True, text=True).stdout
+    assert out.splitlines() == ["n", "8571889"], out[:300]
+
+
 def test_sql_errors_are_one_line(store: Path) -> None:
     r = lgt_train("sql", "--store", store, "SELEC 1", ok=False)
     assert error_line(r) == 'Error: Parser Error: syntax error at or near "SELEC"'
