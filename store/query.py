@@ -23,6 +23,16 @@ def views_sql() -> str:
     return resources.files("lgt.store").joinpath("sql/views.sql").read_text()
 
 
+def _open(root: Path, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection whose relative paths are the store's, and that draws no progress bar: DuckDB
+    draws one on the process's stdout during a query past 2 s, even into a file or a pipe (it would land
+    inside `lgt-train sql --format csv > out.csv`)."""
+    con = duckdb.connect(database)
+    con.execute("SET enable_progress_bar = false")
+    con.execute("SET file_search_path = ?", [str(root)])
+    return con
+
+
 def connect(store: str | Path, database: str = ":memory:", *, rollout_ids: Iterable[str] | None = None,
             files: dict[str, list[str]] | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the store's views; a table with no files yet is an empty view.
@@ -40,11 +50,7 @@ def connect(store: str | Path, database: str = ":memory:", *, rollout_ids: Itera
     if not root.is_dir():
         raise FileNotFoundError(f"store directory {root} does not exist")
     migrate(root, readonly_ok=True)
-    con = duckdb.connect(database)
-    # DuckDB draws a progress bar on the process's stdout during a query that runs past 2 s, even when
-    # stdout is a file or a pipe: it would land inside `lgt-train sql --format csv > out.csv`.
-    con.execute("SET enable_progress_bar = false")
-    con.execute("SET file_search_path = ?", [str(root)])
+    con = _open(root, database)
     con.execute("SET parquet_metadata_cache = true")  # files are immutable once renamed in
     scope: dict[str, list[str]] | None = None
     if rollout_ids is None:
@@ -100,9 +106,7 @@ def file_index(root: Path, table: str, con: duckdb.DuckDBPyConnection | None = N
         return out
     own = con is None
     if own:
-        con = duckdb.connect()
-        con.execute("SET enable_progress_bar = false")
-        con.execute("SET file_search_path = ?", [str(root)])
+        con = _open(root)
     try:
         check_files(con, root, {table: [p for p, _ in new]})
     finally:
