@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import getpass
 import importlib.metadata
 import importlib.util
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -194,11 +196,19 @@ def build_command(cfg: EngineConfig, port: int, *, cpu: bool, python: str = sys.
     return cmd + list(cfg.extra_args)
 
 
-def build_env(cfg: EngineConfig, *, cpu: bool, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The engine's environment: ``base`` (default os.environ), lgt's settings, then ``cfg.env``."""
+def build_env(cfg: EngineConfig, *, cpu: bool, base: Mapping[str, str] | None = None,
+              scratch: str | None = None) -> dict[str, str]:
+    """The engine's environment: ``base`` (default os.environ), lgt's settings, then ``cfg.env``.
+    ``scratch``: a folder the engine's temporary files go to (its IPC sockets and rendezvous files,
+    which vLLM leaves in /tmp when it is killed), removed by whoever made it; the compile cache stays
+    where it was, shared between engines."""
     env = dict(os.environ if base is None else base)
     env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if scratch:
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+            env.get("TMPDIR") or tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+        env.update(TMPDIR=scratch, VLLM_RPC_BASE_PATH=scratch)
     if cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     spin = cfg.idle_spin_s if cfg.idle_spin_s is not None else CPU_IDLE_SPIN_S if cpu else None
@@ -389,6 +399,7 @@ class Engine:
         self.weight_shapes = dict(weight_shapes)  # the checkpoint's names and shapes, checked on update
         self.tied = tied
         self._stopped = False
+        self.scratch: str | None = None  # the engine's temporary folder (build_env), removed by stop()
         self._dead: str | None = None  # why the engine is unusable, once its process exited
         self._asleep = False
         import httpx
@@ -417,11 +428,18 @@ class Engine:
         cmd = build_command(cfg, port, cpu=cpu, python=python)
         log.info("starting vLLM (%s build) on port %d, log %s", "CPU" if cpu else "GPU", port, log_path)
         log.debug("vLLM command: %s", " ".join(cmd))
-        with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=build_env(cfg, cpu=cpu), start_new_session=True,
-                                    preexec_fn=die_with_parent)
+        scratch = tempfile.mkdtemp(prefix="lgt-vllm-")
+        try:
+            with open(log_path, "ab") as log_file:
+                env = build_env(cfg, cpu=cpu, scratch=scratch)
+                proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                        preexec_fn=die_with_parent)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
         engine = cls(cfg, proc, port, log_path, cpu=cpu, weight_shapes=shapes, tied=info.tie_word_embeddings)
+        engine.scratch = scratch
         try:
             engine._wait_ready(cfg.ready_timeout)
         except BaseException:
@@ -465,6 +483,8 @@ class Engine:
             log.warning("vLLM (pid %d) did not stop in %.0f s after SIGTERM: killing it", pgid, timeout)
             _signal_group(pgid, signal.SIGKILL)
             _wait_group(self.proc, pgid, 10.0)
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
         log.info("vLLM (pid %d) stopped", pgid)
 
     def __enter__(self) -> Engine:

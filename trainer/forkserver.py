@@ -14,7 +14,9 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -43,8 +45,9 @@ class ForkedProcess:
 class ForkServer:
     """``await ForkServer.start(python, modules)``, then ``await spawn(argv, env, cwd, stdout, stderr)``."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, learn_dir: str | None = None) -> None:
         self.proc = proc
+        self.learn_dir = learn_dir  # where the first children list their modules (``auto``); ours to remove
         self._ids = itertools.count(1)
         self._started: dict[int, asyncio.Future[int]] = {}
         self._exited: dict[int, asyncio.Future[int]] = {}
@@ -56,25 +59,35 @@ class ForkServer:
         """``modules`` may include ``auto``: learn the rest from the first rollouts (see zygote.py).
         ``env`` is the zygote's own environment (each child gets exactly its request's)."""
         env = dict(os.environ if env is None else env)
-        proc = await asyncio.create_subprocess_exec(
-            python, "-u", str(ZYGOTE), *modules, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+        named = [m for m in modules if m != "auto"]
+        # The learning folder is made and removed here, not by the zygote: a zygote stopped by a signal
+        # (aclose's SIGTERM, a SIGKILL) runs no clean-up of its own.
+        learn_dir = tempfile.mkdtemp(prefix="lgt-zygote-") if "auto" in modules else None
         try:
-            line = await asyncio.wait_for(proc.stdout.readline(), timeout)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise ForkServerError(f"the fork server ({python}) did not import {', '.join(modules)} "
-                                  f"within {timeout:.0f} s") from None
-        msg = json.loads(line) if line.strip() else {}
-        if not msg.get("ready"):
-            err = msg.get("error") or (await proc.stderr.read()).decode(errors="replace").strip()[-500:]
-            with contextlib.suppress(ProcessLookupError):
+            proc = await asyncio.create_subprocess_exec(
+                python, "-u", str(ZYGOTE), *(["--learn", learn_dir] if learn_dir else []), *named,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+            try:
+                line = await asyncio.wait_for(proc.stdout.readline(), timeout)
+            except TimeoutError:
                 proc.kill()
-            await proc.wait()
-            raise ForkServerError(f"the fork server ({python}) could not start: {err}")
+                await proc.wait()
+                raise ForkServerError(f"the fork server ({python}) did not import {', '.join(modules)} "
+                                      f"within {timeout:.0f} s") from None
+            msg = json.loads(line) if line.strip() else {}
+            if not msg.get("ready"):
+                err = msg.get("error") or (await proc.stderr.read()).decode(errors="replace").strip()[-500:]
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+                raise ForkServerError(f"the fork server ({python}) could not start: {err}")
+        except BaseException:
+            if learn_dir:
+                shutil.rmtree(learn_dir, ignore_errors=True)
+            raise
         asyncio.get_running_loop().create_task(_drain(proc.stderr))
-        return cls(proc)
+        return cls(proc, learn_dir)
 
     async def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -124,6 +137,8 @@ class ForkServer:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 await self.proc.wait()
         self._reader.cancel()
+        if self.learn_dir:
+            shutil.rmtree(self.learn_dir, ignore_errors=True)
 
 
 def _kill_child(pid: int) -> None:

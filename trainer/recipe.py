@@ -457,6 +457,7 @@ class Recipe:
         if not paused:  # hold new calls while the engine starts (in-flight ones have failed)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.proxy.pause, 10)
+        await asyncio.to_thread(old.stop, 5)  # what is left of its process group, and its temporary folder
         self.engine = await asyncio.to_thread(enginemod.Engine.start,
                                               dataclasses.replace(old.cfg, port=old.port))
         if self.version != self.version_at_start:  # it serves the weights the run started from

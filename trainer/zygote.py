@@ -10,10 +10,11 @@ Each child is its own session and process group (killable as a group), its envir
 directory are exactly the request's, stdin is /dev/null, and it runs ``argv[0]`` as ``__main__``; its
 atexit handlers run when it ends, then it leaves without the interpreter's teardown (``os._exit``).
 
-The module name ``auto`` learns the rest: the first children, as they exit, list the library modules
-they imported (files under the interpreter's prefixes, never the agent's own code), and the zygote
-imports those before the next fork — so later rollouts start with everything the agent uses loaded.
-Forks wait (at most 60 s) for the first child to finish, so a burst of rollouts does not start cold.
+``--learn DIR`` (before the modules) learns the rest: the first children, as they exit, list the library
+modules they imported (files under the interpreter's prefixes, never the agent's own code) in DIR, a
+folder the caller made and removes, and the zygote imports those before the next fork — so later
+rollouts start with everything the agent uses loaded. Forks wait (at most 60 s) for the first child to
+finish, so a burst of rollouts does not start cold.
 """
 
 import atexit
@@ -25,7 +26,6 @@ import os
 import platform
 import runpy
 import sys
-import tempfile
 import threading
 import time
 import typing
@@ -197,10 +197,10 @@ def reaper() -> None:
 
 def main() -> None:
     global learn_dir
-    modules = [m for m in sys.argv[1:] if m != "auto"]
-    learning = LEARN_CHILDREN if "auto" in sys.argv[1:] else 0
-    if learning:
-        learn_dir = tempfile.mkdtemp(prefix="lgt-zygote-")
+    modules = sys.argv[1:]
+    if modules[:1] == ["--learn"]:
+        learn_dir, modules = modules[1], modules[2:]
+    learning = LEARN_CHILDREN if learn_dir else 0
     try:
         for name in modules:
             importlib.import_module(name)
@@ -230,9 +230,6 @@ def main() -> None:
                 child(req)
             _ids[pid] = req["id"]
         send({"id": req["id"], "pid": pid})
-    if learn_dir:
-        import shutil
-        shutil.rmtree(learn_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,10 @@ def test_env_defaults_and_overrides(tmp_path: Path) -> None:
     assert "LGT_VLLM_IDLE_SPIN_S" not in build_env(EngineConfig(model=tmp_path), cpu=False, base={})
     asked = build_env(EngineConfig(model=tmp_path, idle_spin_s=0.2), cpu=False, base={})
     assert asked["LGT_VLLM_IDLE_SPIN_S"] == "0.2"
+    # temporary files go to the engine's scratch folder; the compile cache stays shared where it was
+    scratch = build_env(EngineConfig(model=tmp_path), cpu=True, base={"TMPDIR": "/var/tmp"}, scratch="/s")
+    assert scratch["TMPDIR"] == scratch["VLLM_RPC_BASE_PATH"] == "/s"
+    assert scratch["TORCHINDUCTOR_CACHE_DIR"].startswith("/var/tmp/torchinductor_")
 
 
 @pytest.mark.parametrize("kwargs, word", [({"port": 70000}, "port"), ({"ready_timeout": 0}, "ready_timeout"),
@@ -358,8 +362,11 @@ def test_stop_leaves_no_process(engine: Engine) -> None:
     """Runs last in this module: it stops the shared engine."""
     pgid = engine.pid
     assert group_alive(pgid)
+    # vLLM's IPC sockets are in the engine's own temporary folder (vLLM leaves them behind in /tmp)
+    assert engine.scratch and any(p.is_socket() for p in Path(engine.scratch).iterdir())
     engine.stop()
     assert not group_alive(pgid) and engine.proc.returncode is not None
+    assert not os.path.exists(engine.scratch)
     engine.stop()  # idempotent
     with pytest.raises(EngineError, match="was stopped"):
         engine.check_alive()

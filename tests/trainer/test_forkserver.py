@@ -109,12 +109,31 @@ def test_auto_preload_learns_the_library_modules_of_the_first_rollouts(tmp_path:
                                    tmp_path / f"{i}.err")
                 assert await p.wait() == 0
                 seen.append((tmp_path / f"{i}.out").read_text().strip())
-            return seen
+            return seen, fs.learn_dir
         finally:
             await fs.aclose()
 
     # the first child imports yaml itself; the zygote then imports it, so later children start with it
-    assert run(main()) == ["False", "True", "True"]
+    seen, learn_dir = run(main())
+    assert seen == ["False", "True", "True"]
+    assert learn_dir and not os.path.exists(learn_dir)  # the folder the children listed modules in
+
+
+def test_the_learning_folder_is_removed_when_the_server_was_killed(tmp_path: Path) -> None:
+    """A zygote SIGKILLed (or stopped by aclose's SIGTERM) cannot clean up: its folder is the caller's."""
+    (tmp_path / "agent.py").write_text("import yaml\n")
+
+    async def main():
+        fs = await ForkServer.start(sys.executable, ["auto"])
+        p = await fs.spawn([str(tmp_path / "agent.py")], {}, tmp_path, tmp_path / "out", tmp_path / "err")
+        assert await p.wait() == 0
+        assert os.listdir(fs.learn_dir)  # the first child listed what it imported
+        os.killpg(fs.proc.pid, signal.SIGKILL)
+        await fs.proc.wait()
+        await fs.aclose()
+        return fs.learn_dir
+
+    assert not os.path.exists(run(main()))
 
 
 def test_spawns_cancelled_while_starting_leave_no_child_and_no_stuck_server(tmp_path: Path) -> None:
