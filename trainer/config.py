@@ -54,7 +54,7 @@ class MakeModel:
     """Build the model locally when ``model.path`` does not exist yet (lgt.trainer.tiny.make_model)."""
 
     preset: str = "demo"
-    warm_start: str | None = "arith"  # arith | calc | both | null
+    warm_start: str | None = "arith"  # arith | carry | calc | both | null
     seconds: float = 90.0  # CPU-seconds of warm start (as many steps as this machine makes in them) ...
     steps: int | None = None  # ... or this many steps, the same model on every machine (seconds ignored)
     seed: int = 0

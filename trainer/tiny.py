@@ -5,15 +5,19 @@ ChatML chat template that renders tools, tool calls and tool results the way vLL
 reads them, a randomly initialised ``Qwen2ForCausalLM`` (head_dim 64: vLLM's CPU attention needs it), and a
 short supervised warm start on synthetic dialogues so that RL has something to amplify.
 
-Two tasks, each matching an example agent:
+Three tasks, each matching an example agent:
 
 * ``arith``: ``What is 7+5?`` answered ``The answer is 12.`` (single digits, ``+`` and ``*``).
+* ``carry``: ``What is 47+38?`` answered ``The answer is 85.``: two-digit additions whose ones digits
+  carry. Its warm start adds digit by digit but, on most problems, forgets the carry (``75``) — one
+  habit shared by all 3,645 problems, so what RL corrects on some carries over to problems never seen.
 * ``calc``: ``What is 23*47?`` (two-digit operands: too hard to do in the model's head); the model calls the
   ``calculator`` tool, reads its result from a ``tool`` message and answers ``The answer is 1081.``
 
 The warm start trains on answers that are right only ``correct_fraction`` of the time; otherwise the answer
-(or the calculator expression) is a *fixed* plausible error per prompt. Uniformly random errors would let
-greedy decoding recover the right answer; a fixed error leaves RL real work to do.
+(or the calculator expression) is a *fixed* plausible error per prompt (carry: the answer without the
+carry). Uniformly random errors would let greedy decoding recover the right answer; a fixed error leaves
+RL real work to do.
 
 Saved models load with ``transformers`` and serve with vLLM's CPU build (``--dtype float32``).
 """
@@ -39,7 +43,8 @@ TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 MARKER = "lgt-model.json"  # written last by make_model: its presence means the directory is finished
 MARKER_VERSION = 2  # 2: max_position_embeddings 32768 (was 1024)
-TASKS = ("arith", "calc", "both")
+TASKS = ("arith", "carry", "calc", "both")
+CARRY_PROBLEMS = 3645  # two-digit a + b (10..99) whose ones digits add up to 10 or more
 
 CALC_TOOL: dict[str, Any] = {
     "type": "function",
@@ -141,6 +146,30 @@ def arith_tasks(n: int, *, seed: int = 0, ops: str = "+*") -> list[dict[str, Any
             out.append({"task_id": f"arith-{len(out)}", "question": f"What is {a}{op}{b}?",
                         "answer": _apply(a, op, b)})
     return out
+
+
+def carry_tasks(n: int, *, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` two-digit additions whose ones digits carry, ``{"task_id": "carry-<i>", "question": "What is
+    47+38?", "answer": 85}``: the 3,645 such problems in a seeded random order, repeating (in a new order)
+    when ``n`` exceeds that."""
+    rng = random.Random(seed)
+    space = [(a, b) for a in range(10, 100) for b in range(10, 100) if a % 10 + b % 10 >= 10]
+    out: list[dict[str, Any]] = []
+    while len(out) < n:
+        order = space[:]
+        rng.shuffle(order)
+        for a, b in order[: n - len(out)]:
+            out.append({"task_id": f"carry-{len(out)}", "question": f"What is {a}+{b}?", "answer": a + b})
+    return out
+
+
+def carry_error(question: str) -> int:
+    """The answer to a two-digit addition with the carry from the ones forgotten (47+38 → 75)."""
+    m = re.fullmatch(r"What is (\d\d)\+(\d\d)\?", question)
+    if m is None:
+        raise TinyModelError(f"{question!r} is not a carry question like 'What is 47+38?'")
+    a, b = int(m[1]), int(m[2])
+    return (a // 10 + b // 10) * 10 + (a % 10 + b % 10) % 10
 
 
 def calc_tasks(n: int, *, seed: int = 0, ops: str = "+*") -> list[dict[str, Any]]:
@@ -466,15 +495,18 @@ class DialogueEncoder:
 
 
 def _draw_example(enc: DialogueEncoder, task: str, rng: random.Random, correct_fraction: float,
-                  arith_pool: Sequence[dict[str, Any]],
+                  pool: Sequence[dict[str, Any]],
                   exclude: frozenset[str] = frozenset()) -> tuple[list[int], list[int]]:
     """One training dialogue: right with probability correct_fraction, else the prompt's fixed error;
-    never one of the ``exclude`` questions (held-out tasks)."""
+    never one of the ``exclude`` questions (held-out tasks). ``pool``: the arith or carry problems."""
     kind = rng.choice(["arith", "calc"]) if task == "both" else task
     right = rng.random() < correct_fraction
     if kind == "arith":
-        t = rng.choice(arith_pool)
+        t = rng.choice(pool)
         return enc.arith(t["question"], t["answer"] if right else arith_error(t["question"], t["answer"]))
+    if kind == "carry":
+        t = rng.choice(pool)
+        return enc.arith(t["question"], t["answer"] if right else carry_error(t["question"]))
     while (t := calc_tasks(1, seed=rng.getrandbits(32))[0])["question"] in exclude:
         pass
     return enc.calc(t["question"], t["expression"] if right else calc_error(t["expression"]))
@@ -524,7 +556,8 @@ def evaluate(model, tokenizer, task: str, *, sample: bool, n: int = 64, seed: in
     """Accuracy (format-exact reward, reply must stop on eos) and format rate of ``model`` on fresh
     dialogues of ``task`` (sampled at temperature 1 when ``sample``, else greedy).
 
-    arith: ``n`` of its 200 prompts (the whole space, so the prompts RL will see; not held out); calc: ``n``
+    arith: ``n`` of its 200 prompts (the whole space, so the prompts RL will see; not held out); carry:
+    ``n`` of its 3,645 problems (seen in the warm start or not, alike for a model that adds); calc: ``n``
     problems drawn apart from training's, both turns generated (the tool call parsed like vLLM's hermes
     parser and run with ``calculate``). "both" averages the two.
     """
@@ -533,8 +566,8 @@ def evaluate(model, tokenizer, task: str, *, sample: bool, n: int = 64, seed: in
         c = evaluate(model, tokenizer, "calc", sample=sample, n=n - n // 2, seed=seed)
         return {k: (a[k] + c[k]) / 2 for k in a}
     fmt = re.compile(r"The answer is -?\d+\.")
-    if task == "arith":
-        tasks = arith_tasks(n, seed=seed + 7919)
+    if task in ("arith", "carry"):
+        tasks = (arith_tasks if task == "arith" else carry_tasks)(n, seed=seed + 7919)
         prompts = [_render(tokenizer, [{"role": "user", "content": t["question"]}]) for t in tasks]
         replies = _generate(model, tokenizer, prompts, sample=sample, max_new_tokens=16, seed=seed)
     else:
@@ -589,9 +622,9 @@ def warm_start(model_dir: str | Path, *, task: str = "arith", seconds: float | N
     ``first_loss``/``final_loss`` (mean of the first/last 10 steps),
     ``greedy_accuracy``, ``sampled_accuracy`` (temperature 1), ``sampled_format``.
 
-    ``batch``: dialogues per step; default 64 for arith, 16 when calc dialogues (~6x longer) are in the mix
-    (measured on the demo preset in 90 CPU-s: batch 16 copied the calculator's expression, batch 64 had
-    too few steps to learn it).
+    ``batch``: dialogues per step; default 64 for arith and carry, 16 when calc dialogues (~6x longer) are
+    in the mix (measured on the demo preset in 90 CPU-s: batch 16 copied the calculator's expression,
+    batch 64 had too few steps to learn it).
 
     ``threads``: torch CPU threads while it runs (restored after). One is the default: these models are
     too small to gain from more, and on a shared machine extra threads spin-wait (measured: a batch of 64
@@ -615,7 +648,7 @@ def warm_start(model_dir: str | Path, *, task: str = "arith", seconds: float | N
     try:
         return _warm_start(model_dir, task=task, seconds=seconds, steps=steps,
                            correct_fraction=correct_fraction, lr=lr, seed=seed, eval_n=eval_n,
-                           batch=batch if batch is not None else 64 if task == "arith" else 16,
+                           batch=batch if batch is not None else 64 if task in ("arith", "carry") else 16,
                            progress=progress, exclude=frozenset(exclude))
     finally:
         torch.set_num_threads(saved_threads)
@@ -631,9 +664,11 @@ def _warm_start(model_dir: Path, *, task: str, seconds: float | None, steps: int
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    arith_pool = [t for t in arith_tasks(200) if t["question"] not in exclude]
-    if not arith_pool and task in ("arith", "both"):
-        raise TinyModelError("the warm start excludes every arith problem: nothing is left to train on")
+    every = carry_tasks(CARRY_PROBLEMS) if task == "carry" else arith_tasks(200)
+    pool = [t for t in every if t["question"] not in exclude]
+    if not pool and task != "calc":
+        raise TinyModelError(f"the warm start excludes every {'carry' if task == 'carry' else 'arith'} "
+                             "problem: nothing is left to train on")
     enc = DialogueEncoder(tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     bar = _progress(total=steps, seconds=seconds, enabled=progress, desc=f"warm start ({task})")
@@ -643,7 +678,7 @@ def _warm_start(model_dir: Path, *, task: str, seconds: float | None, steps: int
     while (done := _progress_fraction(len(losses), steps, time.process_time() - start, seconds)) < 1.0:
         for group in opt.param_groups:  # cosine decay to lr/10 over the budget (steps or seconds)
             group["lr"] = lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * done)))
-        ids, attn, labels = _batch([_draw_example(enc, task, rng, correct_fraction, arith_pool, exclude)
+        ids, attn, labels = _batch([_draw_example(enc, task, rng, correct_fraction, pool, exclude)
                                     for _ in range(batch)], tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)

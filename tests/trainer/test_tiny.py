@@ -33,6 +33,8 @@ from lgt.trainer.tiny import (
     calc_messages,
     calc_tasks,
     calculate,
+    carry_error,
+    carry_tasks,
     count_parameters,
     load_tokenizer,
     make_model,
@@ -143,6 +145,20 @@ def test_arith_tasks_cover_the_space_in_a_seeded_order() -> None:
     assert len(arith_tasks(250)) == 250 and {t["question"][9] for t in arith_tasks(50, ops="*")} == {"*"}
     with pytest.raises(TinyModelError, match="ops '/' is not"):
         arith_tasks(3, ops="/")
+
+
+def test_carry_tasks_are_the_two_digit_additions_that_carry() -> None:
+    tasks = carry_tasks(4000, seed=3)
+    assert tasks[:100] == carry_tasks(100, seed=3) != carry_tasks(100, seed=4)
+    assert len({t["question"] for t in tasks[:3645]}) == 3645 and len({t["task_id"] for t in tasks}) == 4000
+    for t in tasks:
+        a, b = (int(x) for x in t["question"][8:-1].split("+"))
+        assert 10 <= a <= 99 and 10 <= b <= 99 and a % 10 + b % 10 >= 10 and t["answer"] == a + b
+    # the warm start's habit: the carry from the ones is forgotten, the rest added right
+    assert carry_error("What is 47+38?") == 75 and carry_error("What is 67+58?") == 115
+    assert all(carry_error(t["question"]) == t["answer"] - 10 for t in tasks)
+    with pytest.raises(TinyModelError, match="not a carry question"):
+        carry_error("What is 7+5?")
 
 
 def test_calc_tasks() -> None:
@@ -337,7 +353,7 @@ def test_warm_start_lowers_the_loss_and_saves(tmp_path: Path, tiny_dir: Path, ta
 
 
 def test_warm_start_bad_input(tiny_dir: Path) -> None:
-    with pytest.raises(TinyModelError, match="task 'chess' is not one of arith, calc, both"):
+    with pytest.raises(TinyModelError, match="task 'chess' is not one of arith, carry, calc, both"):
         warm_start(tiny_dir, task="chess", steps=1)
     with pytest.raises(TinyModelError, match="correct_fraction 1.5 is not between 0 and 1"):
         warm_start(tiny_dir, correct_fraction=1.5, steps=1)
@@ -466,6 +482,12 @@ def test_the_warm_start_never_shows_excluded_questions(tok) -> None:
         ids, _ = _draw_example(enc, "arith", rng, 0.4, pool, frozenset(held))
         seen.add(tok.decode(ids, skip_special_tokens=False).split("user\n")[1].split("<|im_end|>")[0])
     assert seen == {t["question"] for t in pool}  # every other question, never a held-out one
+    carry_held = {t["question"] for t in carry_tasks(200)}
+    carry_pool = [t for t in carry_tasks(3645) if t["question"] not in carry_held]
+    for _ in range(300):
+        ids, _ = _draw_example(enc, "carry", rng, 0.4, carry_pool, frozenset(carry_held))
+        text = tok.decode(ids, skip_special_tokens=False)
+        assert text.split("user\n")[1].split("<|im_end|>")[0] not in carry_held
     calc_held = frozenset(t["question"] for t in calc_tasks(50, seed=1))
     for _ in range(300):
         ids, _ = _draw_example(enc, "calc", rng, 0.4, pool, calc_held)
