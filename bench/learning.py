@@ -1,15 +1,16 @@
 """Does RL move the policy, on tasks it never trained on? `lgt-train run` once per seed, one table.
 
-Runs a run YAML (default examples/arith/run.yaml, its own stop rules: target_reward, max_minutes,
-steps) once per seed and reads each run's summary.json and eval.jsonl: steps and seconds of training
-to reach the target (the mean training reward of 10 steps, sampled by the agents at their own
+Runs a run YAML (default examples/carry/run.yaml, the demo's; its own stop rules: target_reward,
+max_minutes, steps) once per seed and reads each run's summary.json and eval.jsonl: steps and seconds of
+training to reach the target (the mean training reward of 10 steps, sampled by the agents at their own
 temperature), and the held-out evaluation (the config's ``eval`` section: tasks split off, never
 trained on; greedy and sampled) before the first update → after the last.
 
     .venv/bin/python bench/learning.py --seeds 0,1,2                 # the demo, three seeds
     .venv/bin/python bench/learning.py --seeds 0,1,2 --mode sync     # the synchronous baseline
     .venv/bin/python bench/learning.py --config examples/calc/run.yaml --seeds 0
-    .venv/bin/python bench/learning.py --report runs/learning-arith-*  # the table of finished runs
+    .venv/bin/python bench/learning.py --config examples/arith/run.yaml --seeds 0   # single-digit facts
+    .venv/bin/python bench/learning.py --report runs/learning-carry-*  # the table of finished runs
 
 The seed picks the order of the training tasks and the agents' sampling; the model (built once by
 model.make) and the held-out split are the same for every seed.
@@ -81,7 +82,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", type=Path, default=ROOT / "examples" / "arith" / "run.yaml")
+    ap.add_argument("--config", type=Path, default=ROOT / "examples" / "carry" / "run.yaml")
     ap.add_argument("--seeds", default="0", help="comma-separated run seeds (default 0)")
     ap.add_argument("--mode", choices=["sync", "async"], help="override the config's mode")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to lgt-train run")
