@@ -44,7 +44,8 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 MARKER = "lgt-model.json"  # written last by make_model: its presence means the directory is finished
 MARKER_VERSION = 2  # 2: max_position_embeddings 32768 (was 1024)
 TASKS = ("arith", "carry", "calc", "both")
-CARRY_PROBLEMS = 3645  # two-digit a + b (10..99) whose ones digits add up to 10 or more
+# two-digit a + b (10..99) whose ones digits add up to 10 or more: the carry task's problems
+CARRY_SPACE = tuple((a, b) for a in range(10, 100) for b in range(10, 100) if a % 10 + b % 10 >= 10)
 
 CALC_TOOL: dict[str, Any] = {
     "type": "function",
@@ -136,15 +137,19 @@ def arith_tasks(n: int, *, seed: int = 0, ops: str = "+*") -> list[dict[str, Any
     """
     if not ops or set(ops) - set("+*"):
         raise TinyModelError(f"ops {ops!r} is not a choice of '+' and '*' (e.g. '+*')")
-    rng = random.Random(seed)
     space = [(a, op, b) for op in ops for a in range(10) for b in range(10)]
-    out: list[dict[str, Any]] = []
+    return [{"task_id": f"arith-{i}", "question": f"What is {a}{op}{b}?", "answer": _apply(a, op, b)}
+            for i, (a, op, b) in enumerate(_in_seeded_rounds(space, n, seed))]
+
+
+def _in_seeded_rounds(space: Sequence[Any], n: int, seed: int) -> list[Any]:
+    """``n`` items of ``space``: the whole of it in a seeded random order, again in a new order, ..."""
+    rng = random.Random(seed)
+    out: list[Any] = []
     while len(out) < n:
-        order = space[:]
+        order = list(space)
         rng.shuffle(order)
-        for a, op, b in order[: n - len(out)]:
-            out.append({"task_id": f"arith-{len(out)}", "question": f"What is {a}{op}{b}?",
-                        "answer": _apply(a, op, b)})
+        out += order[: n - len(out)]
     return out
 
 
@@ -152,15 +157,8 @@ def carry_tasks(n: int, *, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` two-digit additions whose ones digits carry, ``{"task_id": "carry-<i>", "question": "What is
     47+38?", "answer": 85}``: the 3,645 such problems in a seeded random order, repeating (in a new order)
     when ``n`` exceeds that."""
-    rng = random.Random(seed)
-    space = [(a, b) for a in range(10, 100) for b in range(10, 100) if a % 10 + b % 10 >= 10]
-    out: list[dict[str, Any]] = []
-    while len(out) < n:
-        order = space[:]
-        rng.shuffle(order)
-        for a, b in order[: n - len(out)]:
-            out.append({"task_id": f"carry-{len(out)}", "question": f"What is {a}+{b}?", "answer": a + b})
-    return out
+    return [{"task_id": f"carry-{i}", "question": f"What is {a}+{b}?", "answer": a + b}
+            for i, (a, b) in enumerate(_in_seeded_rounds(CARRY_SPACE, n, seed))]
 
 
 def carry_error(question: str) -> int:
@@ -501,12 +499,12 @@ def _draw_example(enc: DialogueEncoder, task: str, rng: random.Random, correct_f
     never one of the ``exclude`` questions (held-out tasks). ``pool``: the arith or carry problems."""
     kind = rng.choice(["arith", "calc"]) if task == "both" else task
     right = rng.random() < correct_fraction
-    if kind == "arith":
+    if kind in ("arith", "carry"):
         t = rng.choice(pool)
-        return enc.arith(t["question"], t["answer"] if right else arith_error(t["question"], t["answer"]))
-    if kind == "carry":
-        t = rng.choice(pool)
-        return enc.arith(t["question"], t["answer"] if right else carry_error(t["question"]))
+        if right:
+            return enc.arith(t["question"], t["answer"])
+        wrong = arith_error(t["question"], t["answer"]) if kind == "arith" else carry_error(t["question"])
+        return enc.arith(t["question"], wrong)
     while (t := calc_tasks(1, seed=rng.getrandbits(32))[0])["question"] in exclude:
         pass
     return enc.calc(t["question"], t["expression"] if right else calc_error(t["expression"]))
@@ -664,7 +662,7 @@ def _warm_start(model_dir: Path, *, task: str, seconds: float | None, steps: int
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    every = carry_tasks(CARRY_PROBLEMS) if task == "carry" else arith_tasks(200)
+    every = carry_tasks(len(CARRY_SPACE)) if task == "carry" else arith_tasks(200)
     pool = [t for t in every if t["question"] not in exclude]
     if not pool and task != "calc":
         raise TinyModelError(f"the warm start excludes every {'carry' if task == 'carry' else 'arith'} "
