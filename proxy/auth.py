@@ -187,6 +187,12 @@ def ca_bundle(confdir: str | os.PathLike) -> Path:
     return system_bundle_with(ensure_ca(confdir), Path(confdir) / "ca-bundle.pem")
 
 
+def absolute(path: str | os.PathLike) -> Path:
+    """``path`` with ``~`` expanded, made absolute and free of symlinks and ``..``: what an agent is
+    handed must name the same file from whatever directory it runs in."""
+    return Path(path).expanduser().resolve()
+
+
 def rollout_env(
     store: str | os.PathLike,
     rollout_id: str,
@@ -211,10 +217,11 @@ def rollout_env(
     if ca not in ("system+proxy", "proxy"):
         raise ValueError(f"ca must be 'system+proxy' or 'proxy', not {ca!r}")
     identity = Identity(check_rollout_id(rollout_id), attempt, greedy)
-    secret = load_secret(store, secret_file)
+    store = absolute(store)
+    secret = load_secret(store, None if secret_file is None else absolute(secret_file))
     token = rollout_token(secret, identity)
     url = f"http://{identity.name}:{token}@{host}:{port}"
-    confdir = confdir or proxy_dir(store)
+    confdir = absolute(confdir) if confdir else proxy_dir(store)
     bundle = str(ca_bundle(confdir) if ca == "system+proxy" else ensure_ca(confdir))
     env = {}
     for var in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):

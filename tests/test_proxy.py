@@ -634,3 +634,46 @@ def test_a_control_api_beyond_loopback_needs_its_own_token(tmp_path, upstream) -
             ControlClient(p.control_url, "derived-or-wrong").state()
     finally:
         p.stop()
+
+
+@pytest.mark.parametrize("form", ["relative", "dotdot", "symlink", "home"])
+def test_creds_hand_an_agent_absolute_paths_that_work_from_any_directory(
+        proxy: ProxyProc, rollout: str, tmp_path: Path, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lgt-proxy creds --store ./runs/x/store``: the CA variables name the bundle by an absolute path,
+    so an agent that starts in its own project (another directory) still trusts the proxy."""
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from lgt.proxy.cli import main as proxy_cli
+
+    store = proxy.store.resolve()
+    here = tmp_path / "launch" / "from"
+    here.mkdir(parents=True)
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("HOME", str(store.parent.parent))
+    arg = {"relative": os.path.relpath(store, here),
+           "dotdot": os.path.relpath(store, here) + "/../" + store.name,
+           "home": "~/" + str(store.relative_to(store.parent.parent)),
+           "symlink": "link"}[form]
+    if form == "symlink":
+        (here / "link").symlink_to(os.path.relpath(store, here))
+    out = CliRunner().invoke(proxy_cli, ["creds", rollout, "--store", arg, "--listen-port", str(proxy.port),
+                                         "--format", "json"])
+    assert out.exit_code == 0, out.output
+    env = json.loads(out.output)
+    for var in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS"):
+        assert Path(env[var]).is_absolute() and Path(env[var]).is_file(), (var, env[var])
+    elsewhere = tmp_path / "the" / "agents" / "project"
+    elsewhere.mkdir(parents=True)
+    agent = ("import httpx\n"  # an agent that trusts what SSL_CERT_FILE names and uses HTTPS_PROXY
+             "r = httpx.post('https://api.openai.invalid/v1/chat/completions', json={'model': 'gpt-4o', "
+             "'messages': [{'role': 'user', 'content': 'What is 6*7?'}]}, timeout=30)\n"
+             "print(r.status_code, r.json()['choices'][0]['message']['content'])\n")
+    clean = {k: v for k, v in os.environ.items() if k not in ("SSL_CERT_DIR", "ALL_PROXY", "all_proxy")}
+    done = subprocess.run([sys.executable, "-c", agent], cwd=elsewhere, env={**clean, **env},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("200 The answer is")
+    assert len(proxy.calls("rollout_id = ?", [rollout])) == 1
