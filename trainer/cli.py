@@ -384,19 +384,21 @@ def report(store: Path, out: Path, title: str | None, mode: str, tokenizer: Path
 # --- run / make-model (need the trainer's environment: torch, transformers, vLLM) --------------------
 
 @main.command("run")
-@click.argument("config_file", type=click.Path(path_type=Path))
+@click.argument("config_file", type=click.Path(path_type=Path), required=False)
 @click.option("--mode", type=click.Choice(["sync", "async"]), help="Override the config's mode.")
 @click.option("--steps", type=click.IntRange(min=1), help="Override the number of training steps.")
 @click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True), help="Stop after this long.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where the run writes (default runs/<name>-<time>).")
 @click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Continue a run from its last checkpoint and its store.")
+              help="Continue a run from its last checkpoint and its store, as it was configured (its "
+                   "config.json), with this command's overrides on top.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override any config key (dotted, YAML value), e.g. --set backend.lr=1e-4.")
-def run_cmd(config_file: Path, mode: str | None, steps: int | None, max_minutes: float | None,
+def run_cmd(config_file: Path | None, mode: str | None, steps: int | None, max_minutes: float | None,
             run_dir: Path | None, resume_dir: Path | None, sets: tuple[str, ...]) -> None:
-    """Train the agent of CONFIG_FILE (a run YAML) with RL; see examples/arith/run.yaml."""
+    """Train the agent of CONFIG_FILE (a run YAML) with RL; see examples/arith/run.yaml. With --resume
+    RUN_DIR, CONFIG_FILE may be left out: the run goes on as it was configured."""
     from lgt.trainer import config as cfgmod
     from lgt.trainer import recipe
 
@@ -406,8 +408,15 @@ def run_cmd(config_file: Path, mode: str | None, steps: int | None, max_minutes:
             overrides[key] = value
     if resume_dir is not None and run_dir is not None and resume_dir.resolve() != run_dir.resolve():
         raise click.ClickException("give either --resume DIR or --run-dir DIR, not two different folders")
+    if config_file is None and resume_dir is None:
+        raise click.UsageError("give a run config (CONFIG_FILE), or --resume RUN_DIR to continue a run")
     try:
-        cfg = cfgmod.load(config_file, overrides)
+        if resume_dir is not None:
+            cfg = cfgmod.saved(resume_dir, overrides)
+            if config_file is not None:
+                _note_config_differences(cfgmod, config_file, overrides, cfg, resume_dir)
+        else:
+            cfg = cfgmod.load(config_file, overrides)
         recipe.validate(cfg, resume_dir=resume_dir, run_dir=run_dir)  # everything, before anything starts
         python = recipe.backend_python(cfg)
     except ValueError as e:
@@ -520,12 +529,31 @@ def _overrides(sets: tuple[str, ...]) -> dict[str, Any]:
     return overrides
 
 
+def _note_config_differences(cfgmod: Any, config_file: Path, overrides: dict[str, Any], cfg: Any,
+                             resume_dir: Path) -> None:
+    """A resumed run goes on as it was configured: say which keys of CONFIG_FILE that leaves unused."""
+    if os.environ.get("LGT_REEXEC"):  # said once, before the backend's interpreter took over
+        return
+    try:
+        other = cfgmod.load(config_file, overrides)
+    except ValueError as e:
+        click.echo(f"note: {config_file} is not used to resume {resume_dir} ({e})", err=True)
+        return
+    keys = cfgmod.differences(cfg, other)
+    if keys:
+        shown = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+        click.echo(f"note: resuming {resume_dir} as it was configured ({resume_dir / cfgmod.RUN_FILE}); "
+                   f"{config_file} differs in {shown}, which stay as they were (--set KEY=VALUE changes "
+                   "what a resume may change)", err=True)
+
+
 def _reexec(python: str, cfg: Any) -> None:
     """Run this same command in ``python`` (the backend's environment); the engine keeps this
     environment's vLLM (``$LGT_ENGINE_PYTHON``)."""
     from lgt.trainer.engine import engine_python
 
     os.environ.setdefault("LGT_ENGINE_PYTHON", engine_python(cfg.engine))
+    os.environ["LGT_REEXEC"] = "1"
     click.echo(f"the {cfg.backend.name} backend runs in {python}", err=True)
     os.execv(python, [python, "-m", "lgt.trainer.cli", *sys.argv[1:]])
 

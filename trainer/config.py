@@ -150,9 +150,76 @@ def load(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig
         raise ConfigError(f"run config {path} must be a mapping of keys to values")
     for key, value in (overrides or {}).items():
         _set_dotted(raw, key, value)
+    path = path.resolve()  # `run.yaml` given from its own folder is named after that folder, not ""
     raw.setdefault("name", path.stem if path.stem != "run" else path.parent.name)
-    cfg = from_dict(raw, path.parent.resolve())
-    return dataclasses.replace(cfg, source=path.resolve())
+    cfg = from_dict(raw, path.parent)
+    return dataclasses.replace(cfg, source=path)
+
+
+RUN_FILE = "config.json"  # in a run directory: the config the run was trained with (RunConfig.to_json)
+# What a run's checkpoints were made with: a resume cannot change these (another backend, world size
+# or model would not read them).
+FIXED_ON_RESUME = ("backend.name", "backend.world_size", "model.path")
+_SECTION_OF = {TorchConfig: "backend", VerlConfig: "backend", EngineConfig: "engine"}
+
+
+def saved(run_dir: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """The config ``run_dir``'s run was trained with (its ``config.json``), ``overrides`` on top: what
+    ``--resume`` continues. An override of what the checkpoints were made with (:data:`FIXED_ON_RESUME`)
+    is refused in one sentence."""
+    path = run_dir / RUN_FILE
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (it has no {RUN_FILE})")
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError:
+        raise ConfigError(f"{path} is not valid JSON: the run's record of its config is damaged") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} is not a run config")
+    source = raw.pop("source", None)
+    for (cls, key) in SET_BY_RUN:  # written by the run, not by the user: set again by from_dict
+        section = raw.get(_SECTION_OF[cls])
+        if isinstance(section, dict):
+            section.pop(key, None)
+    was = from_dict(json.loads(json.dumps(raw)), run_dir)
+    name = (overrides or {}).get("backend.name", was.backend.name)
+    if name != was.backend.name:  # checked first: the other backend's keys would not even build
+        _refuse_resume(run_dir, "backend.name", was.backend.name, name)
+    for key, value in (overrides or {}).items():
+        _set_dotted(raw, key, value)
+    cfg = from_dict(raw, run_dir)
+    for key in FIXED_ON_RESUME:
+        before, after = _attr(was, key), _attr(cfg, key)
+        if before != after:
+            _refuse_resume(run_dir, key, before, after)
+    return dataclasses.replace(cfg, source=Path(source) if isinstance(source, str) else None)
+
+
+def _attr(cfg: Any, key: str) -> Any:
+    for p in key.split("."):
+        cfg = getattr(cfg, p, None)
+    return str(cfg) if isinstance(cfg, Path) else cfg
+
+
+def _refuse_resume(run_dir: Path, key: str, was: Any, now: Any) -> None:
+    raise ConfigError(f"{key} was {was!r} when {run_dir.name} was trained, and its checkpoints cannot be "
+                      f"resumed with {now!r}: start a new run for that")
+
+
+def differences(a: RunConfig, b: RunConfig) -> list[str]:
+    """The dotted keys whose values differ between two configs (``source`` aside)."""
+    def flat(v: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(v, dict):
+            out: dict[str, Any] = {}
+            for k, x in v.items():
+                out.update(flat(x, f"{prefix}{k}."))
+            return out
+        return {prefix.rstrip("."): v}
+    fa, fb = flat(a.to_json()), flat(b.to_json())
+    keys = {k for k in fa.keys() | fb.keys() if k != "source" and fa.get(k) != fb.get(k)}
+    if a.backend.name != b.backend.name:  # two backends' configs: the section differs as a whole
+        keys = {k for k in keys if not k.startswith("backend.")} | {"backend"}
+    return sorted(keys)
 
 
 def from_dict(raw: dict[str, Any], base: Path) -> RunConfig:
@@ -292,6 +359,8 @@ def validate(cfg: RunConfig) -> None:
         if not ok:
             raise ConfigError(msg)
 
+    need(bool(cfg.name) and "/" not in cfg.name and cfg.name not in (".", ".."),
+         f"name must be a name for the run's folder (no '/'), not {cfg.name!r}")
     need(cfg.mode in MODES, f"mode must be one of {', '.join(MODES)}, not {cfg.mode!r}")
     need(cfg.group_size >= 1, f"group_size must be at least 1, not {cfg.group_size}")
     need(cfg.batch_groups >= 1, f"batch_groups must be at least 1, not {cfg.batch_groups}")

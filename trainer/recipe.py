@@ -248,19 +248,24 @@ class Recipe:
         else:
             self.backend = backend_cls.load(model_dir, cfg.backend)
             serve_dir = model_dir
+        if self.resume:  # the run's record of its config changes once the backend took the config
+            _write_json(self.run_dir / cfgmod.RUN_FILE, self.cfg.to_json())
         self.tokenizer = _decoder(model_dir)
         self.serve(serve_dir)
 
     def prepare(self, *, new_run: bool = False) -> None:
-        """The tasks (training and held-out), the run directory, its store and config.json; a new run
-        refuses a directory that holds one already."""
+        """The tasks (training and held-out), the run directory, its store and (a new run's)
+        config.json; a new run refuses a directory that holds one already. A resumed run's config.json
+        is rewritten only once its checkpoint was loaded (:meth:`setup`): a resume that fails leaves
+        the record as it was."""
         self.tasks, self.eval_tasks = validate(self.cfg, run_dir=self.run_dir if new_run else None)
         _quiet_transformers()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.store.mkdir(parents=True, exist_ok=True)
         if self.remote is not None:
             self.remote.pull()  # what the bucket holds already (a resumed run, other replicas)
-        _write_json(self.run_dir / "config.json", self.cfg.to_json())
+        if not self.resume:
+            _write_json(self.run_dir / cfgmod.RUN_FILE, self.cfg.to_json())
 
     def serve(self, serve_dir: Path) -> None:
         """The vLLM engine on ``serve_dir``, lgt-proxy in front of it (or a running one), the rollout
@@ -795,16 +800,19 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False,
     if crash_at_step is None and os.environ.get("LGT_FAULT_CRASH_AT_STEP"):  # fault injection (tests)
         crash_at_step = int(os.environ["LGT_FAULT_CRASH_AT_STEP"])
     r = Recipe(cfg, run_dir, resume=resume, display=display, crash_at_step=crash_at_step)
+    set_up = False
     try:
         r.setup()
+        set_up = True
         asyncio.run(r.main())
     except BaseException:
         r.stopped = r.stopped or "interrupted"
         raise
     finally:
         r.cleanup()
-        with contextlib.suppress(Exception):
-            finish(run_dir, r.store, stopped=r.stopped)
+        if set_up or not resume:  # a resume that failed to set up leaves the run's record as it was
+            with contextlib.suppress(Exception):
+                finish(run_dir, r.store, stopped=r.stopped)
     return run_dir
 
 

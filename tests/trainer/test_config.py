@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,105 @@ def test_run_refuses_a_run_dir_that_holds_a_run(tmp_path: Path) -> None:
         " ".join(result.output.split()))
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "metrics.jsonl"]
     assert not (tmp_path / "m").exists()
+
+
+def test_a_nameless_run_is_named_after_its_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `lgt-train run run.yaml` from the config's own folder: named after the folder, not "" (runs/-<time>)
+    folder = tmp_path / "my_agent"
+    folder.mkdir()
+    write(folder, BASE)
+    monkeypatch.chdir(folder)
+    cfg = config.load(Path("run.yaml"))
+    assert cfg.name == "my_agent"
+    assert config.default_run_dir(cfg, tmp_path).name.startswith("my_agent-")
+    (folder / "fast.yaml").write_text(BASE)
+    assert config.load(Path("fast.yaml")).name == "fast"
+    assert config.load(Path("./run.yaml")).name == "my_agent"
+    with pytest.raises(config.ConfigError, match="name must be a name for the run's folder"):
+        config.load(Path("run.yaml"), {"name": "a/b"})
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.parent.name)
+def test_a_saved_config_loads_back_as_the_same_run(path: Path, tmp_path: Path) -> None:
+    cfg = config.load(path)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_json()))
+    assert config.saved(tmp_path) == cfg
+    assert config.saved(tmp_path, {"steps": 7, "backend.lr": 0.5}) == dataclasses.replace(
+        cfg, steps=7, backend=dataclasses.replace(cfg.backend, lr=0.5))
+
+
+def saved_verl_run(tmp_path: Path) -> Path:
+    cfg = config.load(write(tmp_path, BASE), {"backend.name": "verl", "backend.world_size": 2})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_json()))
+    return run_dir
+
+
+def test_resume_continues_the_run_as_it_was_configured(tmp_path: Path) -> None:
+    run_dir = saved_verl_run(tmp_path)
+    cfg = config.saved(run_dir, {"steps": 4})
+    assert (cfg.backend.name, cfg.backend.world_size, cfg.steps) == ("verl", 2, 4)
+    # the config file without the run's --set differs in what the checkpoints were made with
+    diff = config.differences(cfg, config.load(tmp_path / "run.yaml", {"steps": 4}))
+    assert diff == ["backend"]
+    assert config.differences(cfg, config.saved(run_dir, {"steps": 5, "backend.lr": 0.1})) == [
+        "backend.lr", "steps"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"backend.name": "torch"}, "backend.name was 'verl' when run was trained, and its checkpoints cannot be "
+                                "resumed with 'torch': start a new run for that"),
+    ({"backend.world_size": 4}, "backend.world_size was 2 when run was trained"),
+    ({"model.path": "/elsewhere/m"}, "model.path was '"),
+])
+def test_resume_refuses_what_the_checkpoints_cannot_take(tmp_path: Path, override: dict,
+                                                         message: str) -> None:
+    run_dir = saved_verl_run(tmp_path)
+    with pytest.raises(config.ConfigError, match=re.escape(message)):
+        config.saved(run_dir, override)
+
+
+def test_a_refused_resume_leaves_the_run_directory_as_it_was(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from lgt.trainer.cli import main
+
+    run_dir = saved_verl_run(tmp_path)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = {p: p.read_bytes() for p in run_dir.rglob("*")}
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "run.yaml"), "--resume", str(run_dir),
+                                       "--set", "backend.name=torch"])
+    assert result.exit_code == 1
+    assert "backend.name was 'verl' when run was trained" in " ".join(result.output.split())
+    assert {p: p.read_bytes() for p in run_dir.rglob("*")} == before
+    result = CliRunner().invoke(main, ["run", "--resume", str(tmp_path / "nothing")])
+    assert result.exit_code == 2  # click: the folder does not exist
+    result = CliRunner().invoke(main, ["run"])
+    assert result.exit_code == 2 and "give a run config (CONFIG_FILE), or --resume RUN_DIR" in result.output
+
+
+def test_a_resume_that_fails_in_setup_leaves_the_run_directory_as_it_was(tmp_path: Path,
+                                                                          tiny_model_dir: Path) -> None:
+    # the checkpoint cannot be loaded (its optimizer state is gone): one sentence, and neither
+    # config.json nor the summary, plots or report are rewritten
+    from click.testing import CliRunner
+
+    from lgt.trainer.backend import TorchConfig
+    from lgt.trainer.cli import main
+    from lgt.trainer.torch_backend import OPTIMIZER_FILE, TorchBackend
+
+    path = write(tmp_path, BASE.replace("model: {path: m}", f"model: {{path: {tiny_model_dir}}}"))
+    cfg = config.load(path)
+    run_dir = tmp_path / "run"
+    for sub in ("logs", "store"):
+        (run_dir / sub).mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_json()))
+    (run_dir / "summary.json").write_text('{"steps": 1}')
+    ckpt = TorchBackend.load(tiny_model_dir, TorchConfig()).save_checkpoint(run_dir / "checkpoints", {})
+    (ckpt / OPTIMIZER_FILE).unlink()
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    result = CliRunner().invoke(main, ["run", str(path), "--resume", str(run_dir), "--steps", "9"])
+    assert result.exit_code == 1, result.output
+    assert OPTIMIZER_FILE in result.output
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before

@@ -275,9 +275,14 @@ def test_verl_on_two_ray_ranks_trains_checkpoints_and_resumes(tmp_path: Path, ar
     assert (ckpt / "DONE").exists() and (ckpt / "model.safetensors").exists()
     assert sorted(p.name for p in (ckpt / "verl").glob("model_world_size_2_rank_*.pt")) == [
         "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
-    out = lgt_train(str(cfg), "--resume", str(run_dir), "--steps", "3", *sets)
+    # resumed as a user would, with the same config file and without the --set: the run goes on as it
+    # was configured (verl on 2 ranks), and says which keys of the file it leaves unused
+    out = lgt_train(str(cfg), "--resume", str(run_dir), "--steps", "3")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from step-00000002: step 2, policy version 2" in out.stderr
+    assert "run.yaml differs in backend, which stay as they were" in " ".join(out.stderr.split())
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert (saved["backend"]["name"], saved["backend"]["world_size"], saved["steps"]) == ("verl", 2, 3)
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     ids = trained_ids(rows)
