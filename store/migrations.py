@@ -9,7 +9,10 @@ place must not litter it).
 
 Writers call :func:`migrate` before writing; readers call it on open too, and read on when the store
 cannot be written (a read-only copy): every migration so far leaves old files readable as they are.
-To add one: bump ``schema.SCHEMA_VERSION`` and append ``Migration(version, name, function)``.
+To add one: bump ``schema.SCHEMA_VERSION`` and append ``Migration(version, name, function)``. After
+any migration each table's schema file (``<table>/_schema/<table>.parquet``: no rows, the table's
+current columns) is written again, so a plain DuckDB client reading ``<table>/**/*.parquet`` finds every
+column, and a table with no files yet reads as empty rather than failing.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, TABLES
+from .schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, TABLES, schema_file
 
 log = logging.getLogger("lgt.store")
 
@@ -71,11 +75,29 @@ def _add_api(root: Path) -> None:
     pass
 
 
+def write_schema_files(root: Path) -> None:
+    """Each table's empty schema file, at the current schema (whole: temp file + rename)."""
+    for table, schema in TABLES.items():
+        path = root / schema_file(table)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        pq.write_table(pa.Table.from_pylist([], schema=schema), tmp)
+        os.replace(tmp, path)
+
+
+def _add_translation_and_schema_files(root: Path) -> None:
+    # Schema 6 adds calls.translation, nullable (older files read it as null), and each table's schema
+    # file, which migrate() writes whenever it brings a store up to date: DuckDB clients given only
+    # views.sql then read a table without files as an empty one. Nothing to move.
+    pass
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "add the rollouts and rewards tables", _add_rollouts_and_rewards),
     Migration(3, "add calls.capture, calls.capture_reason and the egress table", _add_capture_and_egress),
     Migration(4, "add calls.sampling and rollouts.split", _add_sampling_and_split),
     Migration(5, "add calls.api", _add_api),
+    Migration(6, "add calls.translation and each table's schema file", _add_translation_and_schema_files),
 )
 assert [m.version for m in MIGRATIONS] == list(range(2, SCHEMA_VERSION + 1)), "one migration a version"
 
@@ -179,6 +201,7 @@ def migrate(root: str | os.PathLike, *, readonly_ok: bool = False) -> int:
             if record is None:
                 record = {"schema_version": version_from_files(root), "applied": []}
             check_not_newer(root, record["schema_version"], f"store {root}")
+            write_schema_files(root)  # the columns of the version about to be reached, first
             for m in MIGRATIONS:
                 if m.version <= record["schema_version"]:
                     continue

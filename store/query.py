@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .migrations import check_not_newer, migrate
-from .schema import SCHEMA_VERSION_KEY, TABLE_KEY, TABLES
+from .schema import SCHEMA_VERSION_KEY, TABLE_KEY, TABLES, schema_file
 
 
 class StoreFileError(ValueError):
@@ -69,12 +69,12 @@ def connect(store: str | Path, database: str = ":memory:", *, rollout_ids: Itera
         body = "\n".join(l for l in stmt.splitlines() if not l.strip().startswith("--")).strip()
         if not body:
             continue
-        m = re.search(r"read_parquet\('(\w+)/\*\.parquet'", body)
+        m = re.search(r"read_parquet\('(\w+)/\*\*/\*\.parquet'", body)
         if m and scope is not None:  # only the rollouts asked for, from the files that hold them
-            body = body.replace(f"'{m[1]}/*.parquet'", f"getvariable('lgt_files_{m[1]}')")
+            body = body.replace(f"'{m[1]}/**/*.parquet'", f"getvariable('lgt_files_{m[1]}')")
             body += "\nWHERE rollout_id IN (SELECT unnest(getvariable('lgt_rollout_ids')))"
-        if m and not (scope[m[1]] if scope is not None
-                      else any((root / m[1]).glob("*.parquet"))):  # no files (yet): an empty table
+        if m and not (scope[m[1]] if scope is not None else any((root / m[1]).glob("*.parquet"))
+                      or (root / schema_file(m[1])).is_file()):  # no files (yet), a read-only old store
             table, view = m[1], re.search(r"VIEW (\w+)", body)[1]
             con.register(f"_empty_{table}", pa.Table.from_pylist([], schema=TABLES[table]))
             con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM _empty_{table}")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 5  # 1: calls; 2: + rollouts, rewards; 3: + calls.capture(_reason), egress;
-# 4: + calls.sampling, rollouts.split; 5: + calls.api
+SCHEMA_VERSION = 6  # 1: calls; 2: + rollouts, rewards; 3: + calls.capture(_reason), egress;
+# 4: + calls.sampling, rollouts.split; 5: + calls.api; 6: + calls.translation, each table's schema file
 SCHEMA_VERSION_KEY = b"lgt.schema_version"
 TABLE_KEY = b"lgt.table"
 
@@ -58,6 +58,9 @@ CALLS = pa.schema(
         # what the agent called: "chat/completions" | "completions" | "responses" (OpenAI Responses) |
         # "messages" (Anthropic Messages; both translated to chat/completions); null: before schema 5
         ("api", pa.string()),
+        # what the translation to chat/completions approximated (a field mapped to its nearest form,
+        # carried as text, or ignored), one sentence each; null: translated exactly (or not translated)
+        ("translation", pa.list_(pa.string())),
         ("original_host", pa.string()),  # the host the agent aimed at
         ("requested_model", pa.string()),
         ("served_model", pa.string()),
@@ -156,4 +159,13 @@ EGRESS = pa.schema(
 
 TABLES: dict[str, pa.Schema] = {"calls": CALLS, "rollouts": ROLLOUTS, "rewards": REWARDS,
                                 "egress": EGRESS}
+SCHEMA_DIR = "_schema"  # <table>/_schema/<table>.parquet: no rows, the table's columns (see migrations)
+
+
+def schema_file(table: str) -> str:
+    """Where a table's empty schema file lives, relative to the store: any DuckDB client reads the
+    table as ``<table>/**/*.parquet`` and gets its columns even before the first file is written."""
+    return f"{table}/{SCHEMA_DIR}/{table}.parquet"
+
+
 TIMESTAMP_FIELDS = {name: [f.name for f in s if f.type == _TS] for name, s in TABLES.items()}

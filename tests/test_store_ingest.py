@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import click
+import duckdb
 import orjson
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
@@ -22,7 +23,7 @@ import pytest
 from lgt.store import migrations, schema
 from lgt.store.ingest import add_reward, add_rollout, add_rows, attempt_reward_row, rollout_row
 from lgt.store.migrations import META_DIR, RECORD, StoreVersionError, migrate, store_version
-from lgt.store.query import StoreFileError, connect
+from lgt.store.query import StoreFileError, connect, views_sql
 from lgt.store.show import load_tokenizer, load_trajectory, render
 from lgt.store.writer import TableWriter
 
@@ -288,7 +289,7 @@ def write_v1_store(root: Path) -> None:
     """A store as the proxy wrote it at schema version 1: calls only, no migration record."""
     (root / "calls").mkdir(parents=True)
     rows = tool_rollout("old", "1+2", "3")
-    later = ("capture", "capture_reason", "sampling", "api")  # columns added after version 1
+    later = ("capture", "capture_reason", "sampling", "api", "translation")  # added after version 1
     v1 = pa.schema([f for f in schema.CALLS if f.name not in later],
                    metadata={schema.SCHEMA_VERSION_KEY: b"1", schema.TABLE_KEY: b"calls"})
     table = pa.Table.from_pylist(rows, schema=v1)
@@ -298,16 +299,27 @@ def write_v1_store(root: Path) -> None:
 def test_a_version_1_store_is_brought_to_the_current_version(tmp_path: Path) -> None:
     write_v1_store(tmp_path)
     assert store_version(tmp_path) == 1
-    assert migrate(tmp_path) == 5 == schema.SCHEMA_VERSION
+    assert migrate(tmp_path) == 6 == schema.SCHEMA_VERSION
     record = orjson.loads((tmp_path / META_DIR / RECORD).read_bytes())
-    assert record["schema_version"] == 5
+    assert record["schema_version"] == 6
     assert [(a["version"], a["name"]) for a in record["applied"]] == [
         (2, "add the rollouts and rewards tables"),
         (3, "add calls.capture, calls.capture_reason and the egress table"),
         (4, "add calls.sampling and rollouts.split"),
-        (5, "add calls.api")]
+        (5, "add calls.api"),
+        (6, "add calls.translation and each table's schema file")]
     assert all((tmp_path / t).is_dir() for t in ("rollouts", "rewards", "egress"))
-    assert migrate(tmp_path) == 5  # nothing left to do; the record is kept as it was
+    for table, columns in schema.TABLES.items():  # no rows, the current columns
+        t = pq.read_table(tmp_path / schema.schema_file(table))
+        assert t.num_rows == 0 and t.schema.equals(columns)
+        assert t.schema.metadata[schema.SCHEMA_VERSION_KEY] == b"6"
+    # a plain DuckDB given only views.sql (no lgt): the v1 rows, the new columns as null, empty tables
+    plain = duckdb.connect()
+    plain.execute("SET file_search_path = ?", [str(tmp_path)])
+    plain.execute(views_sql())
+    assert plain.execute("SELECT count(*), count(api), count(translation) FROM calls").fetchone() == (2, 0, 0)
+    assert plain.execute("SELECT count(*) FROM egress").fetchone() == (0,)
+    assert migrate(tmp_path) == 6  # nothing left to do; the record is kept as it was
     assert orjson.loads((tmp_path / META_DIR / RECORD).read_bytes()) == record
     add_reward(tmp_path, "old", 1)  # and the old rows are readable next to new tables
     con = connect(tmp_path)

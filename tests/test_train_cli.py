@@ -161,6 +161,30 @@ def test_the_duckdb_cli_gets_the_same_views(store: Path, tmp_path: Path) -> None
             assert other.execute(q).fetchone() == connect(root).execute(q).fetchone()
 
 
+def test_views_sql_works_in_a_plain_duckdb_client(fresh: Path) -> None:
+    """`cd store && duckdb -init store/sql/views.sql`, the duckdb CLI from PyPI (another DuckDB than
+    lgt's), on a store lgt wrote whose egress table has no file yet: every view answers, the empty
+    table with its columns; and the same counts as lgt's own connection."""
+    from lgt.store.query import views_sql
+
+    cli = Path(sys.executable).parent / "duckdb"
+    assert cli.exists(), "the duckdb CLI (PyPI's duckdb-cli) is part of the test environment"
+    assert not list((fresh / "egress").glob("*.parquet"))  # a table without files
+    init = fresh.parent / "views.sql"
+    init.write_text(views_sql())
+    views = ("calls", "rollouts", "rewards", "rollouts_log", "rewards_log", "egress")
+    query = " UNION ALL ".join(f"SELECT '{v}' AS v, count(*) AS n FROM {v}" for v in views)
+    out = subprocess.run([str(cli), "-init", str(init), "-csv", "-c", query + ";",
+                          "-c", "SELECT translation, host FROM calls, egress LIMIT 0;"],
+                         cwd=fresh, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Error" not in out.stderr, out.stderr
+    counts = dict(line.split(",") for line in out.stdout.splitlines()[1:len(views) + 1])
+    con = connect(fresh)
+    assert counts == {v: str(con.execute(f"SELECT count(*) FROM {v}").fetchone()[0]) for v in views}
+    assert counts["egress"] == "0" and int(counts["calls"]) > 0
+    assert out.stdout.splitlines()[len(views) + 1] == "translation,host"  # the columns, no rows
+
+
 # --- reward, rollout -------------------------------------------------------------------------------
 
 def test_reward_records_and_says_so(fresh: Path) -> None:

@@ -2,20 +2,22 @@
 --   cd runs/demo/store && duckdb -init /path/to/lgt/store/sql/views.sql
 -- (lgt's own tools set file_search_path to the store instead.)
 
--- The tables, one Parquet file set each (whole files only: writers rename finished files in).
+-- The tables, one Parquet file set each (whole files only: writers rename finished files in). Each
+-- table's folder also holds <table>/_schema/<table>.parquet, no rows and the table's current columns,
+-- so a table that has no files yet is an empty view, and older files read newer columns as null.
 CREATE OR REPLACE VIEW calls AS
-SELECT * FROM read_parquet('calls/*.parquet', union_by_name = true);
+SELECT * FROM read_parquet('calls/**/*.parquet', union_by_name = true);
 
 CREATE OR REPLACE VIEW rollouts_log AS
-SELECT * FROM read_parquet('rollouts/*.parquet', union_by_name = true);
+SELECT * FROM read_parquet('rollouts/**/*.parquet', union_by_name = true);
 
 CREATE OR REPLACE VIEW rewards_log AS
-SELECT * FROM read_parquet('rewards/*.parquet', union_by_name = true);
+SELECT * FROM read_parquet('rewards/**/*.parquet', union_by_name = true);
 
 -- What agents reached through the proxy that is not an LLM call: one row per HTTP request or TCP
 -- connection, allowed or blocked by the egress policy.
 CREATE OR REPLACE VIEW egress AS
-SELECT * FROM read_parquet('egress/*.parquet', union_by_name = true);
+SELECT * FROM read_parquet('egress/**/*.parquet', union_by_name = true);
 
 -- One row per rollout attempt: the latest rollouts row, or, for attempts seen only in calls,
 -- a row derived from them (status 'ok', no task or group: the attempt is its own group).
