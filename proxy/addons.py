@@ -34,6 +34,7 @@ from lgt.store.schema import (
     STATUS_CLIENT_DISCONNECT,
     STATUS_HTTP_ERROR,
     STATUS_OK,
+    STATUS_REJECTED,
     STATUS_STREAM_ERROR,
     STATUS_UPSTREAM_ERROR,
     STATUS_UPSTREAM_TIMEOUT,
@@ -411,6 +412,7 @@ class Call:
     history: list[dict[str, Any]] | None = None  # Responses: the chat messages behind this answer
     deadline: Deadline | None = None  # --upstream-timeout's clock
     timed_out: str | None = None  # why the upstream exchange was ended (--upstream-timeout)
+    translation: list[str] = field(default_factory=list)  # what translating the request approximated
 
 
 def _error_text(content: bytes | None, limit: int = 2000) -> str:
@@ -465,14 +467,16 @@ class Record:
         if flow.response is not None or IDENT not in flow.metadata:
             return
         api = None
-        if wire.endpoint_of(flow.request.method, flow.request.path) is None:
+        endpoint = wire.endpoint_of(flow.request.method, flow.request.path)
+        if endpoint is None:
             api = self._api(flow)
             if api is None:
                 return
         size = flow.request.headers.get("content-length", "")
         if size.isdigit() and int(size) > self.rt.max_body_bytes:
-            self._bad(flow, 413, f"request body of {int(size)} bytes exceeds the proxy's limit "
-                                 f"of {self.rt.max_body_bytes} bytes", api)
+            self._refuse(flow, flow.metadata[IDENT], api, endpoint or wire.CHAT, b"", 413,
+                         f"request body of {int(size)} bytes exceeds the proxy's limit of "
+                         f"{self.rt.max_body_bytes} bytes")
 
     def _api(self, flow: http.HTTPFlow) -> str | None:
         """Responses / Messages: translated to the upstream's chat/completions (observe-only, with no
@@ -484,6 +488,41 @@ class Record:
     def _bad(self, flow: http.HTTPFlow, status: int, message: str, api: str | None = None) -> None:
         self.rt.metrics.bad_requests += 1
         flow.response = _json_response(status, f"lgt-proxy: {message}", "invalid_request_error", api=api)
+
+    def _refuse(self, flow: http.HTTPFlow, identity: Identity, api: str | None, endpoint: str,
+                body: bytes, status: int, message: str, kind: str = "invalid_request_error",
+                headers: dict[str, str] | None = None, bad: bool = True) -> None:
+        """Answer an LLM call the proxy will not forward (in the API's own error shape) and put it on
+        the record: a ``rejected`` row with the HTTP status and the reason, so no call is invisible in
+        SQL. The row carries no tokens; the sample builder passes over it (a retried call still
+        extends the one before)."""
+        if bad:
+            self.rt.metrics.bad_requests += 1
+        flow.response = _json_response(status, f"lgt-proxy: {message}", kind, headers, api=api)
+        now = _now_us()
+        try:
+            parsed = wire.loads(body) if body else None
+        except (ValueError, UnicodeDecodeError):
+            parsed = None
+        model = parsed.get("model") if isinstance(parsed, dict) else None
+        row = {
+            "call_id": uuid.uuid4().hex, "rollout_id": identity.rollout_id, "attempt": identity.attempt,
+            "seq": self.rt.next_seq(identity), "started_at": now, "ended_at": now, "latency_ms": 0.0,
+            "endpoint": endpoint, "api": api or endpoint, "original_host": flow.request.pretty_host,
+            "requested_model": model if isinstance(model, str) else None,
+            "policy_version": self.rt.gate.policy_version,
+            "streamed": bool(isinstance(parsed, dict) and parsed.get("stream")),
+            "request_json": body[:self.rt.max_body_bytes].decode("utf-8", "replace"),
+            "response_json": flow.response.get_text(strict=False), "capture": wire.CAPTURE_NO_TOKENS,
+            "status": STATUS_REJECTED, "http_status": status, "error": message,
+            "proxy_session": self.rt.writer.session,
+        }
+        self.rt.metrics.count(STATUS_REJECTED)
+        try:
+            self.rt.writer.append(row)
+        except Exception:  # the answer stands; the store's own failure is logged where it is written
+            self.rt.metrics.record_failures += 1
+            log.exception("could not record the refused call of rollout %s", identity.name)
 
     def _route(self, flow: http.HTTPFlow, path: str) -> None:
         assert self.upstream is not None
@@ -524,19 +563,20 @@ class Record:
             return
         body = flow.request.raw_content or b""
         if len(body) > rt.max_body_bytes:
-            return self._bad(flow, 413, f"request body of {len(body)} bytes exceeds the proxy's "
-                                        f"limit of {rt.max_body_bytes} bytes", api)
+            return self._refuse(flow, identity, api, endpoint, body, 413, f"request body of {len(body)} "
+                                f"bytes exceeds the proxy's limit of {rt.max_body_bytes} bytes")
         agent_req: dict[str, Any] | None = None
+        notes: list[str] = []
         try:
             if api is None:
                 req = wire.parse_request(endpoint, flow.request.get_content(strict=False))
             else:
-                agent_req, req = self._translate(identity, api, flow.request.get_content(strict=False))
+                agent_req, req = self._translate(identity, api, flow.request.get_content(strict=False), notes)
         except (wire.BadRequest, ValueError) as e:
             if self.upstream is not None or flow.metadata.get(REVERSE):
-                return self._bad(flow, 400, str(e), api)
+                return self._refuse(flow, identity, api, endpoint, body, 400, str(e))
             return  # observe-only: not an LLM call we understand; ordinary traffic
-        if not rt.store_writable():  # never answer a call that could not be recorded
+        if not rt.store_writable():  # never answer a call that could not be recorded (nor this one)
             rt.metrics.rejected += 1
             flow.response = _json_response(
                 503, f"lgt-proxy: {rt.store_error}; no LLM call is taken until it can be", "server_error",
@@ -546,22 +586,20 @@ class Record:
             version = await rt.gate.enter()
         except Rejected:
             rt.metrics.rejected += 1
-            flow.response = _json_response(
-                429, "lgt-proxy: the policy is being updated; retry shortly", "rate_limit_error",
-                {"Retry-After": str(rt.retry_after_s)}, api=api,
-            )
-            return
+            return self._refuse(flow, identity, api, endpoint, body, 429,
+                                "the policy is being updated; retry shortly", kind="rate_limit_error",
+                                headers={"Retry-After": str(rt.retry_after_s)}, bad=False)
         try:
             call = self._start_call(flow, identity, api, endpoint, req, agent_req, body, version)
+            call.translation = notes
         except BaseException as e:  # the call never got under way: it must not stay counted in flight
             rt.gate.exit()
             flow.metadata.pop(CALL, None)
             if not isinstance(e, Exception):
                 raise
             log.exception("a call of rollout %s could not be forwarded", identity.name)
-            flow.response = _json_response(500, f"lgt-proxy could not forward this call: {e}", "server_error",
-                                           api=api)
-            return
+            return self._refuse(flow, identity, api, endpoint, body, 500,
+                                f"could not forward this call: {e}", kind="server_error", bad=False)
         rt.live[call.call_id] = (call, flow)
 
     def _start_call(self, flow: http.HTTPFlow, identity: Identity, api: str | None, endpoint: str,
@@ -619,9 +657,10 @@ class Record:
         log.warning("call %s of rollout %s: %s; ended", call.call_id, call.identity.name, call.timed_out)
         deadline.end_exchange(flow, f"lgt-proxy: {call.timed_out}")
 
-    def _translate(self, identity: Identity, api: str, content: bytes | None
+    def _translate(self, identity: Identity, api: str, content: bytes | None, notes: list[str]
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(the agent's request, the chat/completions request it becomes); BadRequest says why not."""
+        """(the agent's request, the chat/completions request it becomes); BadRequest says why not, and
+        ``notes`` gets what the translation approximated."""
         try:
             agent_req = wire.loads(content or b"")
         except (ValueError, UnicodeDecodeError):
@@ -640,7 +679,7 @@ class Record:
                     f"keeps the last {self.rt.conversations.limit} of all rollouts, at most "
                     f"{self.rt.conversations.max_bytes >> 20} MiB): send the whole conversation in 'input' "
                     "instead")
-        return agent_req, dialects.to_chat(api, agent_req, history)
+        return agent_req, dialects.to_chat(api, agent_req, history, notes)
 
     # -- response side -----------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -826,6 +865,7 @@ class Record:
             "ttfb_ms": (first_byte - call.started_us) / 1000 if first_byte else None,
             "endpoint": call.endpoint,
             "api": call.api or call.endpoint,
+            "translation": [*call.translation, *(call.translator.notes if call.translator else ())] or None,
             "original_host": call.original_host,
             "requested_model": call.requested_model,
             "served_model": call.served_model,

@@ -356,7 +356,9 @@ def test_responses_logprobs_the_agent_asks_for_are_the_engines(proxy, upstream, 
         with pytest.raises(openai.BadRequestError) as bad:
             client.responses.create(**{**req, "top_logprobs": 21})
         assert "'top_logprobs' must be an integer from 0 to 20, not 21" in str(bad.value)
-    rows = recorded(proxy, rollout)
+    rows = proxy.calls("rollout_id = ?", [rollout])
+    assert [(r["status"], r["http_status"]) for r in rows[3:]] == [("rejected", 400)]  # refused, recorded
+    rows = rows[:3]
     want = rows[0]["response_logprobs"]
     for got in (whole.output[0].content[0].logprobs, final.output[0].content[0].logprobs, deltas):
         assert [lp.logprob for lp in got] == pytest.approx(want, abs=1e-6) and len(want) > 3
@@ -376,7 +378,10 @@ def test_responses_errors_in_the_apis_shape(proxy, agent_env, rollout):
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
         assert "tools[0] is a 'web_search' tool" in str(e.value)
-    assert recorded(proxy, rollout) == []  # refused before anything reached the engine
+    rows = proxy.calls("rollout_id = ?", [rollout])  # refused before reaching the engine: on the record
+    assert [(r["api"], r["status"], r["http_status"], r["prompt_token_ids"]) for r in rows] == [
+        ("responses", "rejected", 400, None)] * 2
+    assert "previous_response_id 'resp_unknown'" in rows[0]["error"] and "web_search" in rows[1]["error"]
 
 
 def test_anthropic_messages_text_whole_and_streamed(proxy, upstream, agent_env, rollout):
@@ -439,7 +444,8 @@ def test_anthropic_errors_in_the_apis_shape(proxy, agent_env, rollout):
                                    messages=[{"role": "user", "content": "__status:500__"}])
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
     rows = proxy.calls("rollout_id = ?", [rollout])
-    assert [(r["api"], r["status"], r["http_status"]) for r in rows] == [("messages", "http_error", 500)]
+    assert [(r["api"], r["status"], r["http_status"]) for r in rows] == [("messages", "rejected", 400),
+                                                                         ("messages", "http_error", 500)]
 
 
 def test_model_listings_name_the_policy(proxy, agent_env, rollout):

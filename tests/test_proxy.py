@@ -280,6 +280,11 @@ def test_bad_llm_requests_get_a_clear_400_and_are_not_forwarded(
     assert message in r.json()["error"]["message"]
     assert r.json()["error"]["message"].startswith("lgt-proxy:")
     assert len(upstream.requests) == before
+    # refused, and on the record: a row with its status, HTTP status and reason (no tokens)
+    (row,) = proxy.calls("rollout_id = ?", [rollout])
+    assert (row["status"], row["http_status"], row["capture"]) == ("rejected", 400, "no_tokens")
+    assert message in row["error"] and row["request_json"] == body.decode("utf-8", "replace")
+    assert row["response_json"] == r.text and row["prompt_token_ids"] is None
 
 
 def test_huge_bodies_are_refused_before_forwarding(
@@ -294,6 +299,9 @@ def test_huge_bodies_are_refused_before_forwarding(
             assert r.status_code == 413 and "exceeds the proxy's limit" in r.json()["error"]["message"]
             assert c.post(f"{HOSTED}/chat/completions", json=CHAT).status_code == 200
         assert len(upstream.requests) == before + 1
+        rows = p.calls("rollout_id = ?", [rollout])
+        assert [(r["seq"], r["status"], r["http_status"]) for r in rows] == [(0, "rejected", 413),
+                                                                             (1, "ok", 200)]
     finally:
         p.stop()
 
@@ -416,7 +424,9 @@ def test_reject_mode_answers_429_with_retry_after(
             assert r.status_code == 429 and r.headers["retry-after"] == "3"
             p.client.resume(policy_version=1)
             assert c.post(f"{HOSTED}/chat/completions", json=CHAT).status_code == 200
-        assert [r["policy_version"] for r in p.calls()] == [1]
+        # the refused call is on the record, at the version it was refused under, then the retry
+        assert [(r["status"], r["http_status"], r["policy_version"]) for r in p.calls()] == [
+            ("rejected", 429, 0), ("ok", 200, 1)]
         assert p.client.state()["rejected"] == 1
     finally:
         p.stop()
@@ -516,7 +526,7 @@ def test_secrets_never_reach_the_store_or_the_logs(
             assert c.post(p.base_url(rollout).replace(token, "f" * 32) + "/chat/completions",
                           json=CHAT).status_code == 401
         assert upstream.requests[-1].headers["authorization"] == "Bearer up-key-SECRET-42"
-        assert len(p.calls()) == 3
+        assert [r["status"] for r in p.calls()] == ["ok", "ok", "rejected", "ok"]  # the bad one too
         p.stop()
         secret = p.secret.decode()
         from lgt.proxy.auth import control_token

@@ -124,6 +124,9 @@ class Agent:
                          if t.logprobs else None,
                          "finish_reason": "stop"}
             out.append(call)
+            if t.status == "rejected":  # the proxy answered it: the agent sends the same turn again
+                messages.pop()
+                continue
             messages.append(("assistant", t.reply))
         self.calls += out
         return out
@@ -245,6 +248,20 @@ def test_exact_splits_at_excluded_calls_and_truncation(tmp_path: Path, tok: Toke
     assert b.report["calls"] == {"used": 4, "excluded": {"http_error": 1, "upstream_error": 1},
                                  "logprobs_recomputed": 0}
     assert b.report["samples_per_rollout"] == {"3": 1}
+
+
+def test_a_call_the_proxy_refused_does_not_split_the_sample(tmp_path: Path, tok: Tokenizer) -> None:
+    # a 429 while the policy was updated (pause in reject mode), then the same turn again: the retried
+    # call extends the call before the refused one, which is on the record but never in a sample
+    agent = Agent(tok)
+    calls = agent.run("r1", [Turn("how do the water", "the water is 42."),
+                             Turn("and then", "", status="rejected"),
+                             Turn("and then", "then we call it a day.")])
+    b = build_samples(store_of(tmp_path, calls))
+    (s,) = b.samples.to_pylist()
+    assert b.merge_breaks.num_rows == 0 and s["n_calls"] == 2
+    assert s["input_ids"] == calls[2]["prompt_token_ids"] + calls[2]["response_token_ids"]
+    assert b.report["calls"]["used"] == 2
 
 
 def test_a_call_recorded_without_logprobs_stays_in_its_sample_for_the_trainer_to_recompute(
@@ -369,7 +386,7 @@ def conversations(draw) -> list[list[Turn]]:
                 user=sentence(rng, rng.randint(1, 6)),
                 reply=sentence(rng, rng.randint(0, 8)) + rng.choice(".?"),
                 split=roll < 0.25, stop="</s>" if 0.25 <= roll < 0.4 else "<|im_end|>",
-                status="http_error" if 0.4 <= roll < 0.5 else "ok",
+                status="http_error" if 0.4 <= roll < 0.45 else "rejected" if 0.45 <= roll < 0.5 else "ok",
                 forget=0.5 <= roll < 0.55 and k > 1, rewrite=0.55 <= roll < 0.6, version=k,
                 logprobs=not 0.6 <= roll < 0.7))
         rollouts.append(turns)

@@ -9,7 +9,10 @@
 
 -- Every call, with why it cannot be trained (excluded NULL: it can): it did not succeed, or it
 -- lacks prompt or generated token ids. A call without one logprob per generated token (capture
--- 'no_logprobs') is trained: its logprobs are NaN here, and the trainer recomputes them.
+-- 'no_logprobs') is trained: its logprobs are NaN here, and the trainer recomputes them. Calls the
+-- proxy answered itself (status 'rejected': refused, or held back during an update) never reached
+-- the policy and hold no tokens: they are left out here and in sample_order, so a call the agent
+-- sent again still extends the one before it.
 CREATE OR REPLACE VIEW sample_calls AS
 SELECT rollout_id, attempt, seq, policy_version, finish_reason,
        prompt_token_ids, response_token_ids,
@@ -19,7 +22,8 @@ SELECT rollout_id, attempt, seq, policy_version, finish_reason,
        CASE WHEN status <> 'ok' THEN status
             WHEN prompt_token_ids IS NULL OR response_token_ids IS NULL THEN 'no_token_ids'
        END AS excluded
-FROM calls;
+FROM calls
+WHERE status <> 'rejected';
 
 -- Rollout attempts that can be trained: finished 'ok' and given a rollout-level reward, and not
 -- held-out evaluation (split 'eval' rollouts are recorded, never trained).
@@ -35,6 +39,7 @@ WHERE r.status = 'ok' AND r.split = 'train';
 CREATE OR REPLACE VIEW sample_order AS
 SELECT rollout_id, attempt, seq, lag(seq) OVER w AS prev_seq, lead(seq) OVER w AS next_seq
 FROM calls SEMI JOIN sample_candidates USING (rollout_id, attempt)
+WHERE status <> 'rejected'
 WINDOW w AS (PARTITION BY rollout_id, attempt ORDER BY seq);
 
 -- How each trainable call of a candidate attempt continues the one before it (exact mode):

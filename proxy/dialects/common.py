@@ -1,0 +1,58 @@
+"""What the dialects share: ids, text of content parts, chat/completions tools, tool arguments.
+
+A dialect translates one API an agent speaks to the engine's chat/completions and back. What a
+translation approximates — a field mapped to its nearest chat form, carried as text, or ignored — is
+appended to ``notes`` (one sentence each) and lands in the call's ``translation`` column.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from ..wire import BadRequest
+
+RESPONSES = "responses"
+MESSAGES = "messages"
+EMPTY_SCHEMA = {"type": "object", "properties": {}}
+Notes = list  # list[str]: what a translation approximated, one sentence each
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def text_of(content: Any, where: str, kinds: tuple[str, ...]) -> str:
+    """The text of a content given as a string or as a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string or a list of content parts")
+    texts = []
+    for i, part in enumerate(content):
+        ok = isinstance(part, dict) and part.get("type") in kinds and isinstance(part.get("text"), str)
+        if not ok:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise BadRequest(f"{where}[{i}] is a {kind!r} part; only {' / '.join(kinds)} parts can be sent "
+                             "to the policy here")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def chat_tool(name: str, parameters: Any, description: Any, strict: Any = None) -> dict[str, Any]:
+    """A chat/completions function tool."""
+    fn = {"name": name, "parameters": parameters or EMPTY_SCHEMA}
+    if description is not None:
+        fn["description"] = description
+    if strict is not None:
+        fn["strict"] = strict
+    return {"type": "function", "function": fn}
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return {"_unparsed_arguments": arguments}
+    return value if isinstance(value, dict) else {"value": value}
