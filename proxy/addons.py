@@ -204,8 +204,8 @@ def reward_row(identity: Identity, body: Any, source: str) -> dict[str, Any]:
 
 def _json_response(status: int, message: str, kind: str, headers: dict[str, str] | None = None,
                    api: str | None = None):
-    """The proxy's own error answer; in Anthropic's shape when the agent called the Messages API."""
-    if api == dialects.MESSAGES:
+    """The proxy's own error answer, in the shape of the API the agent called (OpenAI's otherwise)."""
+    if api in dialects.APIS and api != dialects.RESPONSES:  # Responses errors are OpenAI's, as below
         body = wire.dumps(dialects.error_body(api, status, message))
     else:
         body = wire.dumps({"error": {"message": message, "type": kind, "code": status}})
@@ -408,7 +408,7 @@ class Call:
     stream: StreamRewriter | None = None
     recorded: bool = False
     api: str | None = None  # the API the agent called (null: the engine's own endpoint)
-    translator: dialects.Translator | None = None  # Responses / Messages: answers in the agent's API
+    translator: Any = None  # a translated API's answers in the agent's API (dialects.translator)
     history: list[dict[str, Any]] | None = None  # Responses: the chat messages behind this answer
     deadline: Deadline | None = None  # --upstream-timeout's clock
     timed_out: str | None = None  # why the upstream exchange was ended (--upstream-timeout)
@@ -634,7 +634,7 @@ class Record:
             api=api,
         )
         if agent_req is not None:
-            call.translator = dialects.Translator(api, agent_req, model=agent_req.get("model"))
+            call.translator = dialects.translator(api, agent_req, model=agent_req.get("model"))
             if api == dialects.RESPONSES:
                 call.history = dialects.carried_history(agent_req, req)
         flow.metadata[CALL] = call
@@ -715,7 +715,7 @@ class Record:
         if not 200 <= resp.status_code < 300:
             error = _error_text(resp.raw_content)
             self._record(call, STATUS_HTTP_ERROR, resp.status_code, error, response_json=None)
-            if call.api == dialects.MESSAGES:  # the agent's SDK reads errors in its API's shape
+            if call.api in dialects.APIS and call.api != dialects.RESPONSES:  # the SDK reads its API's shape
                 resp.headers["content-type"] = "application/json"
                 resp.content = wire.dumps(dialects.error_body(call.api, resp.status_code, error))
             return

@@ -36,7 +36,8 @@ from .stream import Translator
 APIS = (RESPONSES, MESSAGES)
 __all__ = ["APIS", "EMPTY_SCHEMA", "MESSAGES", "RESPONSES", "BadRequest", "Notes", "Translator", "api_of",
            "as_chat", "carried_history", "chat_tool", "error_body", "messages_to_chat", "models_answer",
-           "models_path", "new_id", "responses_to_chat", "text_of", "to_chat", "tool_input", "wants_logprobs"]
+           "models_path", "new_id", "responses_to_chat", "text_of", "to_chat", "tool_input", "translator",
+           "wants_logprobs"]
 
 
 def api_of(method: str, path: str) -> str | None:
@@ -85,6 +86,12 @@ def to_chat(api: str, req: dict[str, Any], history: list[dict[str, Any]] | None 
     if api == RESPONSES:
         return responses_to_chat(req, history, notes)
     return messages_to_chat(req, notes)
+
+
+def translator(api: str, request: dict[str, Any], model: str | None) -> Translator:
+    """The object that gives one call's answer in ``api`` (whole: ``body``; streamed: ``chunk`` /
+    ``finish`` / ``failure``; ``final``, ``history``, ``notes``, ``response_id``)."""
+    return Translator(api, request, model=model)
 
 
 def error_body(api: str, status: int, message: str, kind: str | None = None) -> dict[str, Any]:
