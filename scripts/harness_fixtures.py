@@ -1,0 +1,1446 @@
+#!/usr/bin/env python3
+"""Record what real coding-agent harnesses send, as they ship, into tests/fixtures/harnesses/.
+
+Each harness installed by ``npm ci`` in ``tests/harnesses`` (Claude Code, Codex CLI, Gemini CLI,
+qwen-code, opencode, pi) is run unmodified, with only its own flags, environment variables and config
+files, on one task: "write the word PINEAPPLE into the file answer.txt in the current directory",
+aimed at its default hosted API through ``HTTPS_PROXY``. The proxy is a mitmproxy run in this
+process that never forwards anything: it answers every request itself — provider-format canned
+answers (Anthropic Messages SSE, OpenAI Responses SSE and WebSocket, Gemini ``streamGenerateContent``
+SSE, chat/completions SSE): first a call of the harness's own write/shell tool, then, once the tool's
+result comes back, a short final text; model lists, update checks and telemetry get plausible answers.
+Everything the harness sent (method, URL, redacted headers, body as JSON, WebSocket messages) and what
+it was answered is written to ``tests/fixtures/harnesses/<harness>[.<profile>]/NN-<kind>.json`` with
+a ``manifest.json``; the task's effect (answer.txt holds PINEAPPLE) and the exit code are checked
+and a table printed.
+
+Profiles: ``default`` (the harness with the settings that keep it from asking, updating and sending
+telemetry), ``minimal`` (the smallest prompt found without modifying the harness), ``http`` (Codex
+with its WebSocket refused) and ``stock`` (only a key; not recorded unless asked for).
+
+By default the whole run happens in a fresh network namespace with only loopback (``unshare -n``),
+so nothing a harness does can reach a real host; each harness gets its own temporary work dir, HOME
+and config dirs.
+
+    .venv-proxy/bin/python scripts/harness_fixtures.py                  # all harnesses and profiles
+    .venv-proxy/bin/python scripts/harness_fixtures.py --harness codex,gemini --profile minimal
+    .venv-proxy/bin/python scripts/harness_fixtures.py --harness claude_code --out /tmp/x \
+        --arg=--tools --arg=Write --env ENABLE_TOOL_SEARCH=false     # try a setting, see the sizes
+    .venv-proxy/bin/python scripts/harness_fixtures.py --update-lock   # pin the newest versions, npm ci
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import copy
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS_DIR = ROOT / "tests" / "harnesses"
+FIXTURES = ROOT / "tests" / "fixtures" / "harnesses"
+TASK = "Write the word PINEAPPLE into the file answer.txt in the current directory."
+WORD = "PINEAPPLE"
+FINAL_TEXT = "Done: answer.txt now holds PINEAPPLE."
+NETNS_MARK = "LGT_HARNESS_NETNS"
+FAKE_KEY = "sk-test-harness-fixtures"
+PROXY_USER, PROXY_PASS = "harness-fixtures", "tok"
+
+PACKAGES = {  # harness → npm package
+    "claude_code": "@anthropic-ai/claude-code",
+    "codex": "@openai/codex",
+    "gemini": "@google/gemini-cli",
+    "qwen": "@qwen-code/qwen-code",
+    "opencode": "opencode-ai",
+    "pi": "@mariozechner/pi-coding-agent",
+}
+
+SECRET_HEADERS = {"authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization",
+                  "cookie", "set-cookie", "chatgpt-account-id", "x-openai-api-key"}
+SECRET_QUERY = {"key", "api_key", "apikey", "token", "access_token"}
+
+
+# --------------------------------------------------------------------------------------------------
+# canned answers, one small builder per API
+# --------------------------------------------------------------------------------------------------
+
+def _id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def sse(events: list[tuple[str | None, Any]]) -> bytes:
+    """``event: name`` (when given) + ``data: json`` frames."""
+    out = []
+    for name, data in events:
+        if name:
+            out.append(f"event: {name}\n")
+        out.append("data: " + (data if isinstance(data, str) else json.dumps(data)) + "\n\n")
+    return "".join(out).encode()
+
+
+def parse_sse(raw: bytes) -> list[dict[str, Any]]:
+    events = []
+    for block in raw.decode(errors="replace").split("\n\n"):
+        ev: dict[str, Any] = {}
+        for line in block.splitlines():
+            if line.startswith("event:"):
+                ev["event"] = line[6:].strip()
+            elif line.startswith("data:"):
+                d = line[5:].strip()
+                try:
+                    ev["data"] = json.loads(d)
+                except ValueError:
+                    ev["data"] = d
+        if ev:
+            events.append(ev)
+    return events
+
+
+@dataclass
+class ToolCall:
+    name: str
+    args: dict[str, Any] | str  # str: a freeform (custom) tool's raw input
+    kind: str = "function"  # function | custom
+    namespace: str | None = None
+
+
+def _props(schema: Any) -> dict[str, Any]:
+    if isinstance(schema, dict):
+        return schema.get("properties") or {}
+    return {}
+
+
+PATCH = "*** Begin Patch\n*** Add File: answer.txt\n+PINEAPPLE\n*** End Patch\n"
+
+
+def tool_args(name: str, schema: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Arguments for a write or shell tool, from its JSON schema's property names."""
+    props = _props(schema)
+    low = {k.lower(): k for k in props}
+    if "patch" in name.lower():  # apply_patch: one string property takes the whole patch
+        key = next((k for k in props if "patch" in k.lower() or k.lower() == "input"),
+                   next(iter(props), "input"))
+        return {key: PATCH}
+    shell = "echo PINEAPPLE > answer.txt"
+    args: dict[str, Any] = {}
+    path_key = next((low[k] for k in ("file_path", "filepath", "absolute_path", "path", "file", "filename")
+                     if k in low), None)
+    content_key = next((low[k] for k in ("content", "contents", "text", "file_text", "data") if k in low),
+                       None)
+    cmd_key = next((low[k] for k in ("command", "cmd", "commands", "script") if k in low), None)
+    if path_key and content_key:
+        args[path_key] = str(workdir / "answer.txt")
+        args[content_key] = WORD + "\n"
+    elif cmd_key:
+        typ = (props[cmd_key] or {}).get("type")
+        args[cmd_key] = ["bash", "-lc", shell] if typ == "array" else shell
+    else:
+        args["command"] = shell
+    for req in (schema or {}).get("required", []) if isinstance(schema, dict) else []:
+        if req in args:
+            continue
+        p = props.get(req) or {}
+        if req.lower() in ("description",):
+            args[req] = "Write PINEAPPLE into answer.txt"
+        elif req.lower() in ("workdir", "cwd", "directory", "dir_path", "directory_path"):
+            args[req] = str(workdir)
+        elif p.get("type") == "boolean":
+            args[req] = False
+        elif p.get("type") in ("integer", "number"):
+            args[req] = 10000 if "timeout" in req.lower() else 1
+        elif p.get("type") == "array":
+            args[req] = []
+        else:
+            args[req] = ""
+    return args
+
+
+def fill_schema(schema: Any) -> Any:
+    """A value that satisfies a (simple) JSON schema: for side calls asked for structured output."""
+    if not isinstance(schema, dict):
+        return "ok"
+    t = schema.get("type")
+    t = (t[0] if isinstance(t, list) and t else t or "").lower()  # Gemini writes OBJECT, STRING, INTEGER
+    if "enum" in schema:
+        return schema["enum"][0]
+    if t == "object" or "properties" in schema:
+        return {k: fill_schema(v) for k, v in _props(schema).items()}
+    if t == "array":
+        return []
+    if t == "boolean":
+        return False
+    if t in ("integer", "number"):
+        return schema.get("minimum", 1)
+    return f"Write {WORD} to answer.txt"
+
+
+# ---- Anthropic Messages --------------------------------------------------------------------------
+
+def anthropic_answer(body: dict[str, Any], call: ToolCall | None, text: str) -> list[tuple[str, Any]]:
+    model = body.get("model", "claude")
+    msg_id = _id("msg_")
+    usage = {"input_tokens": 10, "output_tokens": 0, "cache_creation_input_tokens": 0,
+             "cache_read_input_tokens": 0}
+    ev: list[tuple[str, Any]] = [("message_start", {"type": "message_start", "message": {
+        "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": usage}})]
+    if call is None:
+        ev += [("content_block_start", {"type": "content_block_start", "index": 0,
+                                        "content_block": {"type": "text", "text": ""}}),
+               ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                        "delta": {"type": "text_delta", "text": text}}),
+               ("content_block_stop", {"type": "content_block_stop", "index": 0})]
+        stop = "end_turn"
+    else:
+        ev += [("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {
+                    "type": "tool_use", "id": _id("toolu_"), "name": call.name, "input": {}}}),
+               ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(call.args)}}),
+               ("content_block_stop", {"type": "content_block_stop", "index": 0})]
+        stop = "tool_use"
+    ev += [("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+                              "usage": {"output_tokens": 12}}),
+           ("message_stop", {"type": "message_stop"})]
+    return ev
+
+
+def anthropic_whole(events: list[tuple[str, Any]]) -> dict[str, Any]:
+    msg = copy.deepcopy(events[0][1]["message"])
+    for name, d in events[1:]:
+        if name == "content_block_start":
+            msg["content"].append(copy.deepcopy(d["content_block"]))
+        elif name == "content_block_delta":
+            blk = msg["content"][d["index"]]
+            if d["delta"]["type"] == "text_delta":
+                blk["text"] += d["delta"]["text"]
+            else:
+                blk["input"] = json.loads(d["delta"]["partial_json"])
+        elif name == "message_delta":
+            msg.update(d["delta"])
+            msg["usage"]["output_tokens"] = d["usage"]["output_tokens"]
+    return msg
+
+
+# ---- OpenAI Responses ----------------------------------------------------------------------------
+
+def responses_events(body: dict[str, Any], call: ToolCall | None, text: str | None) -> list[dict[str, Any]]:
+    """The event objects of one streamed Responses answer (SSE data, or WebSocket text messages)."""
+    model = body.get("model", "gpt")
+    rid = _id("resp_")
+    base = {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "model": model, "output": [], "error": None, "incomplete_details": None,
+            "instructions": None, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "usage": None, "metadata": {}}
+    seq = iter(range(1000))
+    ev = [{"type": "response.created", "response": copy.deepcopy(base)},
+          {"type": "response.in_progress", "response": copy.deepcopy(base)}]
+    if call is None and text is None:  # Codex's prewarm (generate: false): a response with no output
+        ev.append({"type": "response.completed", "response": dict(base, status="completed", usage={
+            "input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 10})})
+        for e in ev:
+            e["sequence_number"] = next(seq)
+        return ev
+    if call is None:
+        item_id = _id("msg_")
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item = {"id": item_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        ev += [{"type": "response.output_item.added", "output_index": 0, "item": copy.deepcopy(item)},
+               {"type": "response.content_part.added", "item_id": item_id, "output_index": 0,
+                "content_index": 0, "part": part},
+               {"type": "response.output_text.delta", "item_id": item_id, "output_index": 0,
+                "content_index": 0, "delta": text, "logprobs": []},
+               {"type": "response.output_text.done", "item_id": item_id, "output_index": 0,
+                "content_index": 0, "text": text, "logprobs": []},
+               {"type": "response.content_part.done", "item_id": item_id, "output_index": 0,
+                "content_index": 0, "part": dict(part, text=text)}]
+        done = dict(item, status="completed", content=[dict(part, text=text)])
+    elif call.kind == "custom":
+        item_id = _id("ctc_")
+        cid = _id("call_")
+        item = {"id": item_id, "type": "custom_tool_call", "status": "in_progress", "call_id": cid,
+                "name": call.name, "input": ""}
+        if call.namespace:
+            item["namespace"] = call.namespace
+        ev += [{"type": "response.output_item.added", "output_index": 0, "item": copy.deepcopy(item)},
+               {"type": "response.custom_tool_call_input.delta", "item_id": item_id, "output_index": 0,
+                "delta": call.args},
+               {"type": "response.custom_tool_call_input.done", "item_id": item_id, "output_index": 0,
+                "input": call.args}]
+        done = dict(item, status="completed", input=call.args)
+    else:
+        item_id = _id("fc_")
+        cid = _id("call_")
+        args = json.dumps(call.args)
+        item = {"id": item_id, "type": "function_call", "status": "in_progress", "call_id": cid,
+                "name": call.name, "arguments": ""}
+        if call.namespace:
+            item["namespace"] = call.namespace
+        ev += [{"type": "response.output_item.added", "output_index": 0, "item": copy.deepcopy(item)},
+               {"type": "response.function_call_arguments.delta", "item_id": item_id, "output_index": 0,
+                "delta": args},
+               {"type": "response.function_call_arguments.done", "item_id": item_id, "output_index": 0,
+                "arguments": args}]
+        done = dict(item, status="completed", arguments=args)
+    ev.append({"type": "response.output_item.done", "output_index": 0, "item": done})
+    ev.append({"type": "response.completed", "response": dict(
+        base, status="completed", output=[done],
+        usage={"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 12,
+               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 22})})
+    for e in ev:
+        e["sequence_number"] = next(seq)
+    return ev
+
+
+def responses_whole(events: list[dict[str, Any]]) -> dict[str, Any]:
+    return events[-1]["response"]
+
+
+# ---- chat/completions ----------------------------------------------------------------------------
+
+def chat_chunks(body: dict[str, Any], call: ToolCall | None, text: str) -> list[dict[str, Any]]:
+    cid, model, now = _id("chatcmpl-"), body.get("model", "gpt"), int(time.time())
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, usage: dict[str, Any] | None = None):
+        c = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": model,
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        if usage is not None:
+            c["usage"] = usage
+        return c
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if call is None:
+        out.append(chunk({"content": text}))
+        finish = "stop"
+    else:
+        out.append(chunk({"tool_calls": [{"index": 0, "id": _id("call_"), "type": "function",
+                                          "function": {"name": call.name, "arguments": ""}}]}))
+        out.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": json.dumps(call.args)}}]}))
+        finish = "tool_calls"
+    out.append(chunk({}, finish))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        last = chunk({}, None, {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22})
+        last["choices"] = []
+        out.append(last)
+    return out
+
+
+def chat_whole(body: dict[str, Any], call: ToolCall | None, text: str) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": text if call is None else None}
+    if call is not None:
+        msg["tool_calls"] = [{"id": _id("call_"), "type": "function",
+                              "function": {"name": call.name, "arguments": json.dumps(call.args)}}]
+    return {"id": _id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model", "gpt"),
+            "choices": [{"index": 0, "message": msg, "logprobs": None,
+                         "finish_reason": "stop" if call is None else "tool_calls"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22}}
+
+
+# ---- Gemini --------------------------------------------------------------------------------------
+
+def gemini_chunks(body: dict[str, Any], call: ToolCall | None, text: str, model: str) -> list[dict[str, Any]]:
+    usage = {"promptTokenCount": 10, "candidatesTokenCount": 12, "totalTokenCount": 22}
+    part = {"text": text} if call is None else {"functionCall": {"name": call.name, "args": call.args}}
+    return [{"candidates": [{"content": {"role": "model", "parts": [part]}, "finishReason": "STOP",
+                             "index": 0}],
+             "usageMetadata": usage, "modelVersion": model, "responseId": _id("")}]
+
+
+# ---- lean answers: the fewest events a stream can have, to find what a harness insists on ----------
+
+def lean_anthropic(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """message_start, each block whole in its content_block_start (no deltas), message_delta, message_stop."""
+    whole = anthropic_whole(events)
+    out = [("message_start", {"type": "message_start", "message": dict(whole, content=[], stop_reason=None)})]
+    for i, blk in enumerate(whole["content"]):
+        out += [("content_block_start", {"type": "content_block_start", "index": i, "content_block": blk}),
+                ("content_block_stop", {"type": "content_block_stop", "index": i})]
+    return out + [e for e in events if e[0] in ("message_delta", "message_stop")]
+
+
+def lean_responses(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """response.output_item.done and response.completed (and each item's output_item.added, --lean added)."""
+    keep = ("response.output_item.done", "response.completed") + (
+        ("response.output_item.added",) if LEAN == "added" else ())
+    return [e for e in events if e["type"] in keep]
+
+
+def lean_chat(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One chunk: role, the whole content or tool call, and finish_reason (then usage if asked)."""
+    first = copy.deepcopy(chunks[0])
+    delta = first["choices"][0]["delta"]
+    for c in chunks[1:]:
+        if not c["choices"]:
+            continue
+        d = c["choices"][0]["delta"]
+        if "content" in d:
+            delta["content"] = (delta.get("content") or "") + d["content"]
+        for tc in d.get("tool_calls") or []:
+            tcs = delta.setdefault("tool_calls", [])
+            if tc.get("id"):
+                tcs.append(copy.deepcopy(tc))
+            else:
+                tcs[-1]["function"]["arguments"] += tc["function"]["arguments"]
+        if c["choices"][0].get("finish_reason"):
+            first["choices"][0]["finish_reason"] = c["choices"][0]["finish_reason"]
+    if "tool_calls" in delta:
+        delta["content"] = None
+    return [first] + [c for c in chunks if not c["choices"]]
+
+
+LEAN: str | None = None  # --lean: None, "added" or "done"
+
+
+# --------------------------------------------------------------------------------------------------
+# which answer: the conversation's state and the tools it offers
+# --------------------------------------------------------------------------------------------------
+
+def _texts(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def has_tool_result(api: str, body: dict[str, Any]) -> bool:
+    if api == "messages":
+        for m in body.get("messages") or []:
+            c = m.get("content")
+            if isinstance(c, list) and any(isinstance(b, dict) and b.get("type") == "tool_result" for b in c):
+                return True
+        return False
+    if api == "responses":
+        inp = body.get("input")
+        return isinstance(inp, list) and any(
+            isinstance(i, dict) and i.get("type") in ("function_call_output", "custom_tool_call_output",
+                                                      "local_shell_call_output", "tool_search_output")
+            for i in inp)
+    if api == "chat":
+        return any(m.get("role") == "tool" for m in body.get("messages") or [])
+    if api == "gemini":
+        return any("functionResponse" in p for c in body.get("contents") or [] for p in c.get("parts") or []
+                   if isinstance(p, dict))
+    return False
+
+
+def offered_tools(api: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """[{name, kind, schema, namespace, raw}] of every tool the request offers (namespaces flattened)."""
+    out: list[dict[str, Any]] = []
+
+    def add_openai(t: dict[str, Any], ns: str | None = None):
+        typ = t.get("type")
+        if typ == "namespace":
+            for sub in t.get("tools") or []:
+                add_openai(sub, t.get("name"))
+        elif typ == "function":
+            f = t.get("function") if isinstance(t.get("function"), dict) else t
+            out.append({"name": f.get("name"), "kind": "function", "schema": f.get("parameters") or {},
+                        "namespace": ns})
+        elif typ == "custom":
+            out.append({"name": t.get("name"), "kind": "custom", "schema": t.get("format"), "namespace": ns})
+        else:
+            out.append({"name": t.get("name") or typ, "kind": typ, "schema": {}, "namespace": ns})
+
+    if api == "messages":
+        for t in body.get("tools") or []:
+            typ = t.get("type") or "custom"  # Anthropic's "custom" is a plain JSON-schema tool
+            out.append({"name": t.get("name"), "kind": "function" if typ == "custom" else typ,
+                        "schema": t.get("input_schema") or {}, "namespace": None})
+    elif api in ("responses", "chat"):
+        for t in body.get("tools") or []:
+            add_openai(t)
+        inp = body.get("input") if api == "responses" else None
+        for item in inp if isinstance(inp, list) else []:  # Codex: tools as an input item
+            if isinstance(item, dict) and item.get("type") == "additional_tools":
+                for t in item.get("tools") or []:
+                    add_openai(t)
+    elif api == "gemini":
+        for t in body.get("tools") or []:
+            for f in t.get("functionDeclarations") or t.get("function_declarations") or []:
+                out.append({"name": f.get("name"), "kind": "function",
+                            "schema": f.get("parameters") or f.get("parametersJsonSchema") or {},
+                            "namespace": None})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# harnesses
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """One harness run: where it runs and what it was answered."""
+    harness: str
+    profile: str
+    workdir: Path
+    home: Path
+    tool_prefs: list[str]
+    ws: str = "refuse"  # accept | refuse: what a WebSocket upgrade gets
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    connects: dict[str, int] = field(default_factory=dict)
+    proxy_auth_seen: set[str] = field(default_factory=set)
+    tool_used: list[str] = field(default_factory=list)
+    custom_tool_input: Callable[[dict[str, Any], Path], str] | None = None
+    extra_env: dict[str, str | None] = field(default_factory=dict)
+
+
+def codex_exec_input(tool: dict[str, Any], workdir: Path) -> str:
+    """Codex's freeform ``exec`` tool takes JavaScript that calls its nested tools."""
+    return ('const r = await tools.exec_command({cmd: "echo PINEAPPLE > answer.txt"});\n'
+            'text(JSON.stringify(r));\n')
+
+
+@dataclass
+class Harness:
+    name: str
+    bin: str
+    argv: Callable[[Run], list[str]]
+    env: Callable[[Run], dict[str, str]] = lambda r: {}
+    files: Callable[[Run], dict[str, str]] = lambda r: {}  # path (relative to home, or absolute) → text
+    tool_prefs: tuple[str, ...] = ()
+    ws: str = "refuse"
+    notes: str = ""
+
+
+def _j(obj: Any) -> str:
+    return json.dumps(obj, indent=2)
+
+
+HARNESSES: dict[str, dict[str, Harness]] = {}
+
+
+SHORT_PROMPT = "You are a coding agent. Use the tools to do the user's task, then say done."
+
+
+def _add(h: Harness, profile: str) -> None:
+    HARNESSES.setdefault(h.name, {})[profile] = h
+
+
+# ---- Claude Code ---------------------------------------------------------------------------------
+# -p skips the workspace trust dialog; as root, --dangerously-skip-permissions is refused, so edits are
+# allowed by --permission-mode acceptEdits and the shell by --allowedTools.
+
+CLAUDE_QUIET = {
+    "DISABLE_AUTOUPDATER": "1",
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_ERROR_REPORTING": "1",
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # no bootstrap, event logging, metrics lookups
+}
+CLAUDE_SMALL = {
+    "ENABLE_TOOL_SEARCH": "false",  # no DeferredToolPlaceholder (with the default tools: 21 tools inline!)
+    "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",  # no "x-anthropic-billing-header: …" system block
+    "CLAUDE_CODE_DISABLE_EXPERIMENTAL_BETAS": "1",  # no context_management, diagnostics; fewer betas
+    "DISABLE_PROMPT_CACHING": "1",  # no cache_control
+    "CLAUDE_CODE_DISABLE_THINKING": "1",  # no thinking field
+}
+_claude_base = ["-p", TASK, "--permission-mode", "acceptEdits", "--output-format", "json"]
+_add(Harness("claude_code", "claude",
+             lambda r: [*_claude_base, "--allowedTools", "Write", "Bash"],
+             env=lambda r: {"ANTHROPIC_API_KEY": FAKE_KEY, **CLAUDE_QUIET},
+             tool_prefs=("Write", "Bash"),
+             notes="quiet: no auto-update, telemetry, error reports or non-essential traffic"), "default")
+_add(Harness("claude_code", "claude",
+             lambda r: [*_claude_base, "--bare", "--tools", "Bash", "--allowedTools", "Bash",
+                        "--system-prompt", SHORT_PROMPT],
+             env=lambda r: {"ANTHROPIC_API_KEY": FAKE_KEY, **CLAUDE_QUIET, **CLAUDE_SMALL},
+             tool_prefs=("Bash",),
+             notes="smallest prompt found: --bare (no environment/system message, no CLAUDE.md, hooks, "
+                   "plugins), one tool, own system prompt, betas/caching/thinking/attribution off"),
+     "minimal")
+
+
+# ---- Codex ---------------------------------------------------------------------------------------
+# Codex is Rust: it takes the proxy's CA from CODEX_CA_CERTIFICATE or SSL_CERT_FILE (not
+# NODE_EXTRA_CA_CERTS). It opens a WebSocket to wss://api.openai.com/v1/responses first; answered 426
+# it falls back to HTTPS at once, answered 401/403/404/502 after 7 tries (~6 s), answered 400 it fails.
+
+CODEX_QUIET = """\
+check_for_update_on_startup = false
+
+[analytics]
+enabled = false   # no OpenTelemetry metrics to ab.chatgpt.com
+
+[feedback]
+enabled = false
+
+[features]
+plugins = false   # no plugin sync (github.com, api.github.com, chatgpt.com)
+"""
+CODEX_SMALL = """\
+model = "gpt-5"   # the default model (gpt-6.x) gets one freeform JavaScript `exec` tool of ~25 KB
+model_instructions_file = "{home}/.codex/instructions.md"
+include_permissions_instructions = false
+include_apps_instructions = false
+include_collaboration_mode_instructions = false
+include_environment_context = false
+web_search = "disabled"
+check_for_update_on_startup = false
+
+[analytics]
+enabled = false
+
+[feedback]
+enabled = false
+
+[skills]
+include_instructions = false
+
+[skills.bundled]
+enabled = false
+
+[features]
+plugins = false
+multi_agent = false
+goals = false
+sleep_tool = false
+view_image = false
+image_generation = false
+apps = false
+tool_suggest = false
+skill_search = false
+browser_use = false
+computer_use = false
+"""
+_codex_argv = lambda r: ["exec", "--skip-git-repo-check", "--sandbox", "workspace-write", TASK]  # noqa: E731
+_codex_env = lambda r: {"OPENAI_API_KEY": FAKE_KEY, "CODEX_HOME": str(r.home / ".codex")}  # noqa: E731
+_add(Harness("codex", "codex", _codex_argv, env=_codex_env,
+             files=lambda r: {".codex/config.toml": CODEX_QUIET},
+             tool_prefs=("exec_command", "shell", "shell_command", "apply_patch", "exec"), ws="accept",
+             notes="quiet config.toml; the Responses API over WebSocket (answered)"), "default")
+_add(Harness("codex", "codex", _codex_argv, env=_codex_env,
+             files=lambda r: {".codex/config.toml": CODEX_QUIET},
+             tool_prefs=("exec_command", "shell", "shell_command", "apply_patch", "exec"), ws="refuse",
+             notes="as default, but the WebSocket upgrade is answered 426: Codex falls back to HTTPS POST "
+                   "/v1/responses (SSE) at once and sends the whole history each call"), "http")
+_add(Harness("codex", "codex", _codex_argv, env=_codex_env,
+             files=lambda r: {".codex/config.toml": CODEX_SMALL.format(home=r.home),
+                              ".codex/instructions.md": SHORT_PROMPT + "\n"},
+             tool_prefs=("exec_command", "shell", "shell_command", "apply_patch", "exec"), ws="accept",
+             notes="smallest prompt found: model gpt-5 (classic function tools), own base instructions, "
+                   "no permissions/apps/collaboration/environment/skills sections, features off"), "minimal")
+
+
+# ---- Gemini CLI ----------------------------------------------------------------------------------
+# -p is headless; --yolo approves tools; without --skip-trust it exits 55 in an untrusted folder.
+
+GEMINI_QUIET = {"general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
+                "privacy": {"usageStatisticsEnabled": False},  # no Clearcut logs to play.googleapis.com
+                "telemetry": {"enabled": False}}
+GEMINI_SMALL = {**GEMINI_QUIET,
+                "model": {"name": "gemini-2.5-flash", "skipNextSpeakerCheck": True},
+                "tools": {"core": ["write_file"]},
+                "skills": {"enabled": False},
+                "useWriteTodos": False,
+                "context": {"includeDirectoryTree": False},
+                "experimental": {"enableAgents": False, "topicUpdateNarration": False},
+                "general": {**GEMINI_QUIET["general"], "topicUpdateNarration": False}}
+_add(Harness("gemini", "gemini", lambda r: ["-p", TASK, "--yolo", "--skip-trust"],
+             env=lambda r: {"GEMINI_API_KEY": FAKE_KEY},
+             files=lambda r: {".gemini/settings.json": _j(GEMINI_QUIET)},
+             tool_prefs=("write_file", "run_shell_command"),
+             notes="quiet settings.json; model 'auto' (a flash-lite routing call picks the model)"),
+     "default")
+_add(Harness("gemini", "gemini", lambda r: ["-p", TASK, "--yolo", "--skip-trust"],
+             env=lambda r: {"GEMINI_API_KEY": FAKE_KEY, "GEMINI_SYSTEM_MD": str(r.home / "system.md")},
+             files=lambda r: {".gemini/settings.json": _j(GEMINI_SMALL), "system.md": SHORT_PROMPT + "\n"},
+             tool_prefs=("write_file", "run_shell_command"),
+             notes="smallest prompt found: GEMINI_SYSTEM_MD replaces the system prompt, tools.core keeps "
+                   "write_file, a fixed model (no routing call), skills/todos/agents off"), "minimal")
+
+
+# ---- qwen-code -----------------------------------------------------------------------------------
+# --auth-type openai with OPENAI_API_KEY/OPENAI_MODEL; without OPENAI_BASE_URL it speaks
+# chat/completions to DashScope's OpenAI-compatible endpoint (dashscope.aliyuncs.com/compatible-mode/v1).
+
+QWEN_QUIET = {"general": {"enableAutoUpdate": False},
+              "privacy": {"usageStatisticsEnabled": False},  # no RUM events to *.rum.aliyuncs.com
+              "telemetry": {"enabled": False}}
+QWEN_SMALL = {**QWEN_QUIET,
+              # tools.core keeps the core tools to write_file; the agent/goal/worktree/... tools are not
+              # core tools and need tools.disabled (--bare would ignore settings files altogether)
+              "tools": {"core": ["write_file"], "toolSearch": {"enabled": False},
+                        "disabled": ["agent", "enter_worktree", "exit_worktree", "get_goal", "update_goal",
+                                     "list_agents", "record_artifact", "report_findings", "send_message",
+                                     "skill", "task_stop"]},
+              "skills": {"disabledLevels": ["user", "project", "bundled", "builtin", "extension"]},
+              "memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False,
+                         "enableAutoSkill": False},
+              "model": {"skipStartupContext": True, "skipNextSpeakerCheck": True, "skipLoopDetection": True}}
+_add(Harness("qwen", "qwen", lambda r: ["-p", TASK, "--yolo", "--auth-type", "openai"],
+             env=lambda r: {"OPENAI_API_KEY": FAKE_KEY, "OPENAI_MODEL": "qwen3-coder-plus"},
+             files=lambda r: {".qwen/settings.json": _j(QWEN_QUIET)},
+             tool_prefs=("write_file", "run_shell_command"),
+             notes="quiet settings.json; no OPENAI_BASE_URL: DashScope's compatible-mode endpoint"),
+     "default")
+_add(Harness("qwen", "qwen", lambda r: ["-p", TASK, "--yolo", "--auth-type", "openai"],
+             env=lambda r: {"OPENAI_API_KEY": FAKE_KEY, "OPENAI_MODEL": "gpt-4.1",
+                            "OPENAI_BASE_URL": "https://api.openai.com/v1",
+                            "QWEN_SYSTEM_MD": str(r.home / "system.md")},
+             files=lambda r: {".qwen/settings.json": _j(QWEN_SMALL), "system.md": SHORT_PROMPT + "\n",
+                              # made from the locale (~1 KB) and sent as context when missing
+                              ".qwen/output-language.md":
+                                  "<!-- qwen-code:llm-output-language: English -->\n"},
+             tool_prefs=("write_file", "run_shell_command"),
+             notes="smallest prompt found, aimed at api.openai.com: QWEN_SYSTEM_MD replaces the system "
+                   "prompt, tools.core keeps write_file, no tool search, skills or startup context"),
+     "minimal")
+
+
+# ---- opencode ------------------------------------------------------------------------------------
+# `run` is headless; without a permission rule it asks before touching its own work dir.
+
+OPENCODE_QUIET = {"OPENCODE_DISABLE_AUTOUPDATE": "1",
+                  "OPENCODE_DISABLE_MODELS_FETCH": "1"}  # its models.dev snapshot, not models.opencode.ai
+_add(Harness("opencode", "opencode", lambda r: ["run", "-m", "openai/gpt-5", TASK],
+             env=lambda r: {"OPENAI_API_KEY": FAKE_KEY, **OPENCODE_QUIET,
+                            "OPENCODE_CONFIG_CONTENT": json.dumps({
+                                "permission": {"*": "allow"}, "share": "disabled", "autoupdate": False})},
+             tool_prefs=("write", "bash", "apply_patch"),
+             notes="quiet; a title call (gpt-5.4-nano) precedes the main call"), "default")
+_add(Harness("opencode", "opencode", lambda r: ["run", "-m", "openai/gpt-5", "--title", "t", TASK],
+             env=lambda r: {"OPENAI_API_KEY": FAKE_KEY, **OPENCODE_QUIET,
+                            "OPENCODE_CONFIG_CONTENT": json.dumps({
+                                "permission": {"*": "deny", "edit": "allow"},  # denied tools are not offered
+                                "share": "disabled", "autoupdate": False,
+                                "agent": {"build": {"prompt": SHORT_PROMPT}}})},
+             tool_prefs=("write", "apply_patch", "bash"),
+             notes="smallest prompt found: --title (no title call), every permission denied but edit "
+                   "(gpt-5 gets apply_patch alone), the build agent's prompt replaced"), "minimal")
+
+
+# ---- pi ------------------------------------------------------------------------------------------
+
+_add(Harness("pi", "pi", lambda r: ["-p", "--provider", "openai", "--no-session", "--offline", TASK],
+             env=lambda r: {"OPENAI_API_KEY": FAKE_KEY},
+             tool_prefs=("write", "bash"),
+             notes="--offline: no startup network operations; --no-session: nothing saved"), "default")
+_add(Harness("pi", "pi", lambda r: ["-p", "--provider", "openai", "--no-session", "--offline",
+                                    "--tools", "write", "--system-prompt", SHORT_PROMPT, "--no-skills",
+                                    "--no-context-files", "--no-extensions", "--no-prompt-templates",
+                                    "--thinking", "off", TASK],
+             env=lambda r: {"OPENAI_API_KEY": FAKE_KEY},
+             tool_prefs=("write", "bash"),
+             notes="smallest prompt found: one tool, own system prompt, no skills/context files/"
+                   "extensions/templates, thinking off"), "minimal")
+
+
+# ---- stock: only the key (and what a run cannot do without); to see what the quiet settings remove --
+
+def _stock(name: str, env: dict[str, str], files: Callable[[Run], dict[str, str]] = lambda r: {}):
+    base = HARNESSES[name]["default"]
+    _add(Harness(name, base.bin, base.argv, env=lambda r: dict(env), files=files, tool_prefs=base.tool_prefs,
+                 ws=base.ws, notes="stock: only a key and what a headless run needs"), "stock")
+
+
+_stock("claude_code", {"ANTHROPIC_API_KEY": FAKE_KEY})
+_stock("codex", {"OPENAI_API_KEY": FAKE_KEY}, lambda r: {".codex/config.toml": ""})
+_stock("gemini", {"GEMINI_API_KEY": FAKE_KEY})
+_stock("qwen", {"OPENAI_API_KEY": FAKE_KEY, "OPENAI_MODEL": "qwen3-coder-plus"})
+_stock("opencode", {"OPENAI_API_KEY": FAKE_KEY,
+                    "OPENCODE_CONFIG_CONTENT": json.dumps({"permission": {"*": "allow"}})})
+_stock("pi", {"OPENAI_API_KEY": FAKE_KEY})
+
+
+# --------------------------------------------------------------------------------------------------
+# the capturing, answering mitmproxy addon
+# --------------------------------------------------------------------------------------------------
+
+def redact_headers(headers) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in headers.items(multi=True) if hasattr(headers, "items") else headers:
+        lk = k.lower()
+        val = "<redacted>" if lk in SECRET_HEADERS or "api-key" in lk or "token" in lk else v
+        out[k] = val if k not in out else out[k] + ", " + val
+    return out
+
+
+def redact_url(url: str) -> str:
+    u = urlsplit(url)
+    if not u.query:
+        return url
+    q = "&".join(f"{k}={'<redacted>' if k.lower() in SECRET_QUERY else v}"
+                 for k, v in parse_qsl(u.query, True))
+    return u._replace(query=q).geturl()
+
+
+def body_of(raw: bytes | None, ctype: str) -> tuple[Any, int]:
+    if not raw:
+        return None, 0
+    try:
+        return json.loads(raw), len(raw)
+    except ValueError:
+        return raw.decode("utf-8", errors="replace"), len(raw)
+
+
+TELEMETRY = [
+    (r"^play\.googleapis\.com$", r"^/log"),  # Gemini CLI, qwen-code: Clearcut
+    (r"(^|\.)chatgpt\.com$", r"/otlp/|/ces/|/analytics"),  # Codex: OpenTelemetry metrics
+    (r"rum\.aliyuncs\.com$", r""),  # qwen-code: Alibaba RUM
+    (r"^api\.anthropic\.com$", r"^/api/event_logging|^/api/eval/|metrics_enabled"),
+    (r"statsig|sentry|datadoghq|segment\.io|posthog|honeycomb|mixpanel|amplitude", r""),
+]
+
+
+def _models_dev_model(mid: str, name: str, context: int, output: int) -> dict[str, Any]:
+    return {"id": mid, "name": name, "family": mid.rsplit("-", 1)[0], "attachment": True, "reasoning": True,
+            "tool_call": True, "structured_output": True, "temperature": False, "knowledge": "2025-09",
+            "release_date": "2025-08-07", "last_updated": "2025-08-07",
+            "modalities": {"input": ["text", "image"], "output": ["text"]}, "open_weights": False,
+            "cost": {"input": 1.25, "output": 10, "cache_read": 0.125},
+            "limit": {"context": context, "output": output}}
+
+
+# what opencode reads from models.opencode.ai/api.json (the models.dev catalogue), cut to one provider
+MODELS_DEV = {"openai": {
+    "id": "openai", "name": "OpenAI", "env": ["OPENAI_API_KEY"], "npm": "@ai-sdk/openai",
+    "doc": "https://platform.openai.com/docs/models",
+    "models": {m["id"]: m for m in (_models_dev_model("gpt-5", "GPT-5", 400000, 128000),
+                                    _models_dev_model("gpt-5.4-nano", "GPT-5.4 nano", 400000, 128000))}}}
+
+
+def classify_other(host: str, path: str) -> str:
+    for h, p in TELEMETRY:
+        if re.search(h, host) and re.search(p, path):
+            return "telemetry"
+    if host == "api.anthropic.com" and path.startswith("/api/"):
+        return "settings"
+    if "plugins" in path or host == "api.github.com":
+        return "plugin-sync"
+    if host == "models.opencode.ai" or host == "models.dev":
+        return "model-list"
+    return "other"
+
+
+class Answerer:
+    """mitmproxy addon: records every request and WebSocket message of the current run, answers all."""
+
+    def __init__(self) -> None:
+        self.run: Run | None = None
+
+    # -- helpers --
+    def _record(self, entry: dict[str, Any]) -> dict[str, Any]:
+        assert self.run is not None
+        entry["seq"] = len(self.run.calls) + 1
+        entry["t"] = round(time.time(), 3)
+        self.run.calls.append(entry)
+        return entry
+
+    def http_connect(self, flow) -> None:
+        if self.run is None:
+            return
+        host = f"{flow.request.host}:{flow.request.port}"
+        self.run.connects[host] = self.run.connects.get(host, 0) + 1
+        if "proxy-authorization" in flow.request.headers:
+            self.run.proxy_auth_seen.add("connect")
+
+    def requestheaders(self, flow) -> None:
+        if self.run and "proxy-authorization" in flow.request.headers:
+            self.run.proxy_auth_seen.add("http")
+
+    def request(self, flow) -> None:
+        from mitmproxy import http
+        run = self.run
+        req = flow.request
+        raw = req.get_content(strict=False) or b""
+        body, size = body_of(raw, req.headers.get("content-type", ""))
+        entry = {"transport": "http", "method": req.method, "url": redact_url(req.pretty_url),
+                 "host": req.pretty_host, "path": req.path.split("?", 1)[0],
+                 "query": {k: ("<redacted>" if k.lower() in SECRET_QUERY else v)
+                           for k, v in parse_qsl(urlsplit(req.path).query, True)},
+                 "http_version": req.http_version,
+                 "headers": redact_headers(req.headers),
+                 "body_bytes": size, "body": body}
+        if req.headers.get("content-encoding"):
+            entry["wire_body_bytes"] = len(req.raw_content or b"")
+        is_ws = req.headers.get("upgrade", "").lower() == "websocket"
+        try:
+            kind, status, headers, content, answer_note = self.answer(run, flow, body, is_ws)
+        except Exception as e:  # a bug here must not hang the harness
+            import traceback
+            traceback.print_exc()
+            kind, status, headers, answer_note = "error", 500, {"content-type": "application/json"}, {}
+            content = json.dumps({"error": {"message": f"fixture proxy: {e}"}}).encode()
+        entry["kind"] = kind
+        if kind == "telemetry" and size > 4096:  # kept out of the fixtures: big and of no use to the proxy
+            entry["body"] = {"omitted_bytes": size, "preview": raw[:300].decode(errors="replace")}
+        if is_ws:
+            entry["transport"] = "ws-upgrade"
+        resp: dict[str, Any] = {"status": status, "headers": headers}
+        ctype = headers.get("content-type", "")
+        if "event-stream" in ctype:
+            resp["events"] = parse_sse(content)
+        elif content:
+            resp["body"] = body_of(content, ctype)[0]
+        resp.update(answer_note)
+        entry["response"] = resp
+        if run is not None:
+            self._record(entry)
+        flow.response = http.Response.make(status, content, headers)
+        if is_ws and status == 101:
+            flow.metadata["fixture_ws"] = entry
+
+    def websocket_message(self, flow) -> None:
+        from mitmproxy import ctx
+        msg = flow.websocket.messages[-1]
+        if not msg.from_client or msg.injected:
+            return
+        msg.drop()
+        run = self.run
+        text = msg.content.decode(errors="replace") if msg.is_text else None
+        try:
+            body = json.loads(text) if text is not None else None
+        except ValueError:
+            body = text
+        entry = {"transport": "ws", "method": "WS", "url": redact_url(flow.request.pretty_url),
+                 "host": flow.request.pretty_host, "path": flow.request.path.split("?", 1)[0],
+                 "body_bytes": len(msg.content), "body": body}
+        events: list[dict[str, Any]] = []
+        kind = "ws-other"
+        if isinstance(body, dict) and body.get("type") == "response.create":
+            req = {k: v for k, v in body.items() if k != "type"}
+            kind, events, note = self.responses_answer(run, req)
+            entry.update(note)
+        entry["kind"] = kind
+        entry["response"] = {"ws_messages": events}
+        if run is not None:
+            self._record(entry)
+        for e in events:
+            ctx.master.commands.call("inject.websocket", flow, True, json.dumps(e).encode(), True)
+
+    # -- routing --
+    def answer(self, run: Run | None, flow, body: Any, is_ws: bool):
+        req = flow.request
+        host, path, method = req.pretty_host, req.path.split("?", 1)[0], req.method
+        J = {"content-type": "application/json"}
+        if is_ws:
+            if run is not None and run.ws == "accept" and path.rstrip("/").endswith("/responses"):
+                key = req.headers.get("sec-websocket-key", "")
+                accept = base64.b64encode(hashlib.sha1(
+                    (key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
+                return "ws-upgrade", 101, {"upgrade": "websocket", "connection": "Upgrade",
+                                           "sec-websocket-accept": accept}, b"", {}
+            status = int(run.ws.partition("=")[2] or 426) if run is not None else 426
+            err = {"error": {"message": "websocket not offered here"}}
+            return "ws-refused", status, J, json.dumps(err).encode(), {}
+        if method == "POST" and isinstance(body, dict):
+            if path.endswith("/v1/messages") or path.endswith("/messages") and "anthropic" in host:
+                return self.messages(run, body)
+            if path.endswith("/messages/count_tokens"):
+                return "count-tokens", 200, J, json.dumps({"input_tokens": 1000}).encode(), {}
+            if path.endswith("/responses"):
+                kind, events, note = self.responses_answer(run, body)
+                if body.get("stream"):
+                    return kind, 200, {"content-type": "text/event-stream"}, \
+                        sse([(e["type"], e) for e in events]), note
+                return kind, 200, J, json.dumps(responses_whole(events)).encode(), note
+            if path.endswith("/chat/completions"):
+                return self.chat(run, body)
+            m = re.search(r"/models/([^/:]+):(streamGenerateContent|generateContent|countTokens)$", path)
+            if m:
+                return self.gemini(run, body, m.group(1), m.group(2))
+        if (method == "GET" and re.search(r"/(v1|v1beta|v1alpha)/models/?$", path)
+                or path.endswith("/codex/models")):
+            return "model-list", 200, J, json.dumps(self.model_list(host, path)).encode(), {}
+        if method == "GET" and re.search(r"/(v1|v1beta)/models/[^/]+$", path):
+            mid = path.rsplit("/", 1)[1]
+            return "model-get", 200, J, json.dumps(self.model_one(host, mid)).encode(), {}
+        if host == "registry.npmjs.org" and method == "GET":
+            return self.npm(path)  # update checks; opencode also fetches @opencode-ai/plugin (answered 404)
+        kind = classify_other(host, path)
+        if host == "models.opencode.ai" and path.endswith("/api.json"):
+            return kind, 200, J, json.dumps(MODELS_DEV).encode(), {}
+        if kind == "settings" and path.endswith("/policy_limits"):
+            return kind, 200, J, json.dumps({"restrictions": {}}).encode(), {}
+        if kind == "settings" and path.endswith("/claude_code/settings"):
+            return kind, 204, {}, b"", {}  # no managed settings
+        if kind == "telemetry":
+            return kind, 200, J, b"{}", {}
+        return kind, 200, J, b"{}", {}
+
+    # -- model lists --
+    def model_list(self, host: str, path: str) -> dict[str, Any]:
+        if path.endswith("/codex/models"):
+            return {"models": []}
+        if "anthropic" in host:
+            ids = ["claude-sonnet-4-5", "claude-opus-4-1", "claude-haiku-4-5"]
+            data = [{"type": "model", "id": i, "display_name": i, "created_at": "2026-01-01T00:00:00Z"}
+                    for i in ids]
+            return {"data": data, "has_more": False, "first_id": ids[0], "last_id": ids[-1]}
+        if "googleapis" in host:
+            ids = ["gemini-2.5-pro", "gemini-2.5-flash"]
+            return {"models": [{"name": f"models/{i}", "displayName": i,
+                                "supportedGenerationMethods": ["generateContent", "countTokens"]}
+                               for i in ids]}
+        ids = ["gpt-5", "gpt-4.1", "gpt-5-codex"]
+        return {"object": "list", "data": [{"id": i, "object": "model", "created": 0, "owned_by": "openai"}
+                                           for i in ids]}
+
+    def model_one(self, host: str, mid: str) -> dict[str, Any]:
+        if "anthropic" in host:
+            return {"type": "model", "id": mid, "display_name": mid, "created_at": "2026-01-01T00:00:00Z"}
+        return {"id": mid, "object": "model", "created": 0, "owned_by": "openai"}
+
+    def npm(self, path: str):
+        J = {"content-type": "application/json"}
+        name = path.strip("/").split("/latest")[0].replace("%2f", "/").replace("%2F", "/")
+        for pkg in PACKAGES.values():
+            if name.startswith(pkg):
+                ver = installed_version(pkg)
+                one = {"name": pkg, "version": ver}
+                doc = one if path.endswith("/latest") else {
+                    "name": pkg, "dist-tags": {"latest": ver}, "versions": {ver: one}}
+                return "update-check", 200, J, json.dumps(doc).encode(), {}
+        return "package-fetch", 404, J, b'{"error":"Not found"}', {}
+
+    # -- choosing the tool call --
+    def choose(self, run: Run | None, api: str,
+               body: dict[str, Any]) -> tuple[ToolCall | None, dict[str, Any]]:
+        tools = offered_tools(api, body)
+        note = {"tools_offered": [t["name"] if not t["namespace"] else f"{t['namespace']}.{t['name']}"
+                                  for t in tools]}
+        if run is None or not tools or has_tool_result(api, body):
+            return None, note
+        by_name = {t["name"]: t for t in tools}
+        for pref in run.tool_prefs:
+            t = by_name.get(pref)
+            if t is None:
+                continue
+            if t["kind"] == "custom":
+                fn = run.custom_tool_input or (lambda tool, wd: PATCH if "patch" in tool["name"] else
+                                               codex_exec_input(tool, wd))
+                call = ToolCall(t["name"], fn(t, run.workdir), "custom", t["namespace"])
+            else:
+                call = ToolCall(t["name"], tool_args(t["name"], t["schema"], run.workdir), "function",
+                                t["namespace"])
+            run.tool_used.append(t["name"])
+            note["tool_call"] = {"name": call.name, "kind": call.kind, "args": call.args}
+            return call, note
+        return None, note
+
+    def kind_of(self, api: str, body: dict[str, Any], call: ToolCall | None) -> str:
+        if call is not None:
+            return "main-tool-call"
+        if has_tool_result(api, body):
+            return "main-final"
+        if offered_tools(api, body):
+            return "main-text"
+        return "side"
+
+    # -- APIs --
+    def messages(self, run: Run | None, body: dict[str, Any]):
+        call, note = self.choose(run, "messages", body)
+        kind = self.kind_of("messages", body, call)
+        fmt = (body.get("output_config") or {}).get("format") or {}
+        text = FINAL_TEXT
+        if fmt.get("type") == "json_schema":
+            text = json.dumps(fill_schema(fmt.get("schema")))
+            kind = "title" if "title" in text else "side-json"
+        events = anthropic_answer(body, call, text)
+        if LEAN:
+            events = lean_anthropic(events)
+        if body.get("stream"):
+            return kind, 200, {"content-type": "text/event-stream"}, sse(events), note
+        return kind, 200, {"content-type": "application/json"}, \
+            json.dumps(anthropic_whole(events)).encode(), note
+
+    def responses_answer(self, run: Run | None, body: dict[str, Any]):
+        if body.get("generate") is False:  # Codex warms the connection up: answered with no output
+            note = {"tools_offered": [t["name"] for t in offered_tools("responses", body)]}
+            return "prewarm", responses_events(body, None, None), note
+        call, note = self.choose(run, "responses", body)
+        kind = self.kind_of("responses", body, call)
+        text = FINAL_TEXT
+        fmt = (body.get("text") or {}).get("format") or {}
+        if fmt.get("type") == "json_schema":
+            text = json.dumps(fill_schema(fmt.get("schema")))
+            kind = "side-json"
+        events = responses_events(body, call, text)
+        return kind, lean_responses(events) if LEAN else events, note
+
+    def chat(self, run: Run | None, body: dict[str, Any]):
+        call, note = self.choose(run, "chat", body)
+        kind = self.kind_of("chat", body, call)
+        if body.get("stream"):
+            chunks = chat_chunks(body, call, FINAL_TEXT)
+            if LEAN:
+                chunks = lean_chat(chunks)
+            return kind, 200, {"content-type": "text/event-stream"}, \
+                sse([(None, c) for c in chunks] + [(None, "[DONE]")]), note
+        return kind, 200, {"content-type": "application/json"}, \
+            json.dumps(chat_whole(body, call, FINAL_TEXT)).encode(), note
+
+    def gemini(self, run: Run | None, body: dict[str, Any], model: str, method: str):
+        J = {"content-type": "application/json"}
+        if method == "countTokens":
+            return "count-tokens", 200, J, json.dumps({"totalTokens": 1000}).encode(), {}
+        call, note = self.choose(run, "gemini", body)
+        kind = self.kind_of("gemini", body, call)
+        text = FINAL_TEXT
+        gc = body.get("generationConfig") or {}
+        if gc.get("responseMimeType") == "application/json":
+            schema = gc.get("responseJsonSchema") or gc.get("responseSchema")
+            text = json.dumps(fill_schema(schema))
+            kind = "router" if "complexity_score" in json.dumps(schema) else "side-json"  # model routing
+        chunks = gemini_chunks(body, call, text, model)
+        if method == "streamGenerateContent":
+            return kind, 200, {"content-type": "text/event-stream"}, sse([(None, c) for c in chunks]), note
+        return kind, 200, J, json.dumps(chunks[0]).encode(), note
+
+
+# --------------------------------------------------------------------------------------------------
+# running
+# --------------------------------------------------------------------------------------------------
+
+def installed_version(pkg: str) -> str:
+    try:
+        return json.loads((HARNESS_DIR / "node_modules" / pkg / "package.json").read_text())["version"]
+    except (OSError, ValueError, KeyError):
+        return "?"
+
+
+async def start_proxy(confdir: Path, addon: Answerer):
+    from mitmproxy import options
+    from mitmproxy.addons import core, disable_h2c, next_layer, proxyserver, tlsconfig
+    from mitmproxy.master import Master
+
+    opts = options.Options()
+    master = Master(opts, with_termlog=False)
+    master.addons.add(core.Core(), disable_h2c.DisableH2C(), proxyserver.Proxyserver(),
+                      next_layer.NextLayer(), tlsconfig.TlsConfig())
+    master.addons.add(addon)
+    opts.update(mode=["regular@127.0.0.1:0"], confdir=str(confdir), connection_strategy="lazy",
+                ssl_insecure=True)
+    task = asyncio.create_task(master.run())
+    ps = master.addons.get("proxyserver")
+    for _ in range(500):
+        if ps.servers and all(s.is_running for s in ps.servers):
+            break
+        await asyncio.sleep(0.01)
+    port = next(iter(ps.servers)).listen_addrs[0][1]
+    return master, task, port
+
+
+def harness_env(run: Run, port: int, ca: Path, h: Harness) -> dict[str, str]:
+    """A clean environment: nothing of this machine's own (its CA variables, keys, proxies) leaks in."""
+    proxy = f"http://{PROXY_USER}:{PROXY_PASS}@127.0.0.1:{port}"
+    bins = HARNESS_DIR / "node_modules" / ".bin"
+    env = {
+        "PATH": f"{bins}:{Path(shutil.which('node') or '/usr/bin/node').parent}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(run.home), "USER": "root", "LANG": "C.UTF-8", "TERM": "dumb", "SHELL": "/bin/bash",
+        "TMPDIR": str(run.home / "tmp"),
+        "XDG_CONFIG_HOME": str(run.home / ".config"), "XDG_DATA_HOME": str(run.home / ".local/share"),
+        "XDG_CACHE_HOME": str(run.home / ".cache"), "XDG_STATE_HOME": str(run.home / ".local/state"),
+        "HTTPS_PROXY": proxy, "HTTP_PROXY": proxy, "https_proxy": proxy, "http_proxy": proxy,
+        "NO_PROXY": "", "no_proxy": "",
+        "NODE_EXTRA_CA_CERTS": str(ca), "SSL_CERT_FILE": str(ca),
+    }
+    env.update(h.env(run))
+    for k, v in run.extra_env.items():  # an experiment's extra variables; None unsets one
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v.replace("$CA", str(ca))
+    return env
+
+
+def prepare(run: Run, h: Harness) -> None:
+    for d in (run.workdir, run.home / "tmp", run.home / ".config", run.home / ".cache"):
+        d.mkdir(parents=True, exist_ok=True)
+    for rel, text in h.files(run).items():
+        p = Path(rel) if os.path.isabs(rel) else run.home / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+async def run_one(addon: Answerer, port: int, ca: Path, h: Harness, profile: str, base: Path,
+                  timeout: float, extra_env: dict[str, str | None] | None = None,
+                  extra_args: list[str] | None = None, ws: str | None = None) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix=f"{h.name}-{profile}-", dir=base))
+    run = Run(h.name, profile, root / "work", root / "home", list(h.tool_prefs), ws=ws or h.ws,
+              extra_env=dict(extra_env or {}))
+    prepare(run, h)
+    env = harness_env(run, port, ca, h)
+    argv = [str(HARNESS_DIR / "node_modules" / ".bin" / h.bin), *h.argv(run), *(extra_args or [])]
+    addon.run = run
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(*argv, cwd=run.workdir, env=env, stdin=subprocess.DEVNULL,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                start_new_session=True)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        rc: int | None = proc.returncode
+    except TimeoutError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = await proc.communicate()
+        rc = None
+    wall = time.monotonic() - t0
+    await asyncio.sleep(0.2)
+    addon.run = None
+    answer = run.workdir / "answer.txt"
+    content = answer.read_text(errors="replace") if answer.exists() else None
+    return {"run": run, "harness": h, "argv": argv, "env": env, "rc": rc, "wall_s": round(wall, 2),
+            "stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace"),
+            "answer": content, "ok": rc == 0 and content is not None and WORD in content, "root": root}
+
+
+SHORT = re.compile(r"[^a-z0-9]+")
+
+
+def short_name(c: dict[str, Any]) -> str:
+    host = c.get("host", "")
+    tail = c.get("path", "").rstrip("/").rsplit("/", 1)[-1].split(":")[-1] or "root"
+    parts = [c["kind"], c["transport"] if c["transport"] != "http" else "",
+             host.split(".")[-2] if "." in host else host, tail]
+    return SHORT.sub("-", "-".join(p for p in parts if p).lower()).strip("-")[:60]
+
+
+def write_fixtures(res: dict[str, Any], out: Path) -> Path:
+    run: Run = res["run"]
+    h: Harness = res["harness"]
+    d = out / (h.name if run.profile == "default" else f"{h.name}.{run.profile}")
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    files = []
+    root = str(res["root"])
+
+    def scrub(text: str) -> str:
+        """The run's temporary root as $ROOT: as a path, without its leading slash, and as the slug
+        Claude Code and qwen-code make of a project path (every non-alphanumeric character a dash)."""
+        text = text.replace(root, "$ROOT").replace(root[1:], "$ROOT")
+        for slug in {re.sub(r"[^A-Za-z0-9]", "-", root), re.sub(r"[^A-Za-z0-9_]", "-", root)}:
+            text = text.replace(slug, "-$ROOT")
+        return text
+
+    for c in run.calls:
+        note = c if c["transport"] == "ws" else (c.get("response") or {})  # where the answer's notes are
+        name = f"{c['seq']:02d}-{short_name(c)}.json"
+        text = scrub(json.dumps(c, indent=1, ensure_ascii=False))
+        (d / name).write_text(text + "\n")
+        files.append({"file": name, "seq": c["seq"], "kind": c["kind"], "transport": c["transport"],
+                      "method": c["method"], "host": c.get("host"), "path": c.get("path"),
+                      "query": c.get("query"), "body_bytes": c["body_bytes"],
+                      "tools": len(note.get("tools_offered") or []),
+                      "tool_call": (note.get("tool_call") or {}).get("name")})
+    pkg = PACKAGES[h.name]
+    manifest = {
+        "harness": h.name, "profile": run.profile, "package": pkg, "version": installed_version(pkg),
+        "command": [Path(res["argv"][0]).name, *res["argv"][1:]],
+        "env_names": sorted(res["env"]),
+        "env_values_harness": {k: ("<fake key>" if "KEY" in k else v.replace(root, "$ROOT"))
+                               for k, v in h.env(run).items()},
+        "config_files": {k.replace(root, "$ROOT"): v for k, v in h.files(run).items()},
+        "notes": h.notes, "websocket": run.ws,
+        "task": TASK, "exit_code": res["rc"], "wall_s": res["wall_s"],
+        "answer_txt": res["answer"], "ok": res["ok"],
+        "proxy_credentials_sent": sorted(run.proxy_auth_seen), "connects": run.connects,
+        "calls": files,
+        "stdout_tail": res["stdout"][-1500:].replace(root, "$ROOT"),
+        "stderr_tail": res["stderr"][-1500:].replace(root, "$ROOT"),
+        "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (d / "manifest.json").write_text(scrub(json.dumps(manifest, indent=1, ensure_ascii=False)) + "\n")
+    return d
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = [("harness", "profile", "version", "exit", "answer.txt", "calls", "main bytes (first)", "tool",
+             "wall s")]
+    for r in results:
+        run = r["run"]
+        mains = [c for c in run.calls if c["kind"].startswith("main")]
+        rows.append((run.harness, run.profile, installed_version(PACKAGES[run.harness]), str(r["rc"]),
+                     "PINEAPPLE" if r["ok"] or (r["answer"] and WORD in r["answer"]) else repr(r["answer"]),
+                     str(len(run.calls)), str(mains[0]["body_bytes"]) if mains else "-",
+                     ",".join(dict.fromkeys(run.tool_used)) or "-", str(r["wall_s"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def _quiet_cancelled(loop, context) -> None:
+    """Connections still open when the proxy shuts down end in CancelledError: not worth a traceback."""
+    if not isinstance(context.get("exception"), asyncio.CancelledError):
+        loop.default_exception_handler(context)
+
+
+async def main_async(args) -> int:
+    asyncio.get_running_loop().set_exception_handler(_quiet_cancelled)
+    base = Path(tempfile.mkdtemp(prefix="lgt-harness-"))
+    confdir = base / "mitmproxy"
+    addon = Answerer()
+    master, task, port = await start_proxy(confdir, addon)
+    ca = confdir / "mitmproxy-ca-cert.pem"
+    results = []
+    try:
+        for name in args.harness:
+            for profile in args.profile:
+                h = HARNESSES[name].get(profile)
+                if h is None:
+                    continue
+                print(f"-- {name} [{profile}] …", flush=True)
+                res = await run_one(addon, port, ca, h, profile, base, args.timeout,
+                                    {e.split("=", 1)[0]: (e.split("=", 1)[1] if "=" in e else None)
+                                     for e in args.env}, args.arg, args.ws)
+                results.append(res)
+                if not args.no_write:
+                    d = write_fixtures(res, Path(args.out))
+                    where = d.relative_to(ROOT) if d.is_relative_to(ROOT) else d
+                    print(f"   {len(res['run'].calls)} calls → {where}")
+                if not res["ok"] or args.verbose:
+                    print("   rc", res["rc"], "stdout:", res["stdout"][-800:],
+                          "\n   stderr:", res["stderr"][-1500:])
+    finally:
+        master.shutdown()
+        await asyncio.gather(task, return_exceptions=True)
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+        else:
+            print("kept", base)
+    print()
+    print(table(results))
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+# --------------------------------------------------------------------------------------------------
+# refreshing the pinned versions
+# --------------------------------------------------------------------------------------------------
+
+def _platform_of(name: str) -> tuple[str | None, str | None, str | None]:
+    n = name.rsplit("/", 1)[-1]
+    os_ = "darwin" if "darwin" in n else "win32" if ("win32" in n or "windows" in n) else \
+        "linux" if "linux" in n else None
+    cpu = "arm64" if "arm64" in n else "x64" if "x64" in n else None
+    libc = "musl" if "musl" in n else "glibc" if (os_ == "linux" and "gnu" in n) else None
+    return os_, cpu, libc
+
+
+def complete_lock(lock_path: Path) -> list[str]:
+    """Add lock entries for platform packages the registry mirror here does not serve.
+
+    A registry that lacks e.g. ``opencode-darwin-arm64`` makes npm leave it out of the lock, and then
+    ``npm ci`` refuses the lock as out of sync. The entry npm would have written (version, os, cpu,
+    optional) is added by hand; npm skips it on this platform and fetches it where it applies.
+    """
+    lock = json.loads(lock_path.read_text())
+    pk = lock["packages"]
+    added = []
+    for path, e in list(pk.items()):
+        for dep, ver in (e.get("optionalDependencies") or {}).items():
+            p, found = path, False
+            while True:
+                if ((p + "/node_modules/") if p else "node_modules/") + dep in pk:
+                    found = True
+                    break
+                if not p:
+                    break
+                i = p.rfind("/node_modules/")
+                p = p[:i] if i >= 0 else ""
+            if found:
+                continue
+            os_, cpu, libc = _platform_of(dep)
+            if not (os_ and cpu):
+                print(f"warning: {dep}@{ver} (optional dependency of {path}) is missing from the lock")
+                continue
+            ent: dict[str, Any] = {"version": ver, "optional": True, "os": [os_], "cpu": [cpu]}
+            if libc:
+                ent["libc"] = [libc]
+            pk["node_modules/" + dep] = ent
+            added.append(f"{dep}@{ver}")
+    lock["packages"] = dict(sorted(pk.items(), key=lambda kv: (kv[0] != "", kv[0])))
+    lock_path.write_text(json.dumps(lock, indent=2) + "\n")
+    return added
+
+
+def update_lock() -> int:
+    pj = HARNESS_DIR / "package.json"
+    doc = json.loads(pj.read_text())
+    for pkg in PACKAGES.values():
+        v = subprocess.run(["npm", "view", pkg, "version"], capture_output=True, text=True,
+                           check=True).stdout.strip()
+        print(f"{pkg}: {doc['dependencies'].get(pkg)} → {v}")
+        doc["dependencies"][pkg] = v
+    doc["dependencies"] = dict(sorted(doc["dependencies"].items()))
+    pj.write_text(json.dumps(doc, indent=2) + "\n")
+    (HARNESS_DIR / "package-lock.json").unlink(missing_ok=True)
+    subprocess.run(["npm", "install", "--package-lock-only", "--no-audit", "--no-fund"], cwd=HARNESS_DIR,
+                   check=True)
+    added = complete_lock(HARNESS_DIR / "package-lock.json")
+    if added:
+        print("lock entries added for packages this registry does not serve:", ", ".join(added))
+    subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=HARNESS_DIR, check=True)
+    return 0
+
+
+def reexec_in_netns() -> None:
+    """Run this script again in a network namespace of its own where only loopback is up."""
+    if os.environ.get(NETNS_MARK) or not shutil.which("unshare"):
+        return
+    cmd = ["unshare", "-n"] + ([] if os.geteuid() == 0 else ["-r"]) + [
+        "sh", "-c", 'ip link set lo up 2>/dev/null || true; exec "$@"', "sh", sys.executable, *sys.argv]
+    env = dict(os.environ, **{NETNS_MARK: "1"})
+    probe = subprocess.run(["unshare", "-n"] + ([] if os.geteuid() == 0 else ["-r"]) + ["true"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        print("warning: cannot make a network namespace (unshare -n); running in this one", file=sys.stderr)
+        return
+    os.execvpe(cmd[0], cmd, env)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--harness", default=",".join(HARNESSES), help="comma-separated: " + ", ".join(HARNESSES))
+    ap.add_argument("--profile", default="default,minimal,http",
+                    help="comma-separated profiles (default, minimal); fixtures of a non-default profile go "
+                         "to <harness>.<profile>/")
+    ap.add_argument("--out", default=str(FIXTURES))
+    ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--no-write", action="store_true", help="run and check, write no fixtures")
+    ap.add_argument("--keep", action="store_true", help="keep the work dirs and homes")
+    ap.add_argument("--no-netns", action="store_true", help="do not isolate the run in a network namespace")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V",
+                    help="one more environment variable for the harness, K alone unsets one, $CA in V is the "
+                         "proxy's CA file (experiments; repeatable)")
+    ap.add_argument("--ws", help="accept: answer WebSocket upgrades; refuse[=STATUS]: refuse them (426 "
+                    "unless STATUS is given), whatever the profile says")
+    ap.add_argument("--arg", action="append", default=[],
+                    help="one more argument for the harness (repeatable)")
+    ap.add_argument("--lean", choices=("added", "done"),
+                    help="answer streams with fewer events, to see what a harness insists on: no deltas "
+                         "(Anthropic blocks whole in content_block_start, one chat chunk, Responses items "
+                         "by output_item.added/.done only); 'done' drops Responses' output_item.added too")
+    ap.add_argument("--update-lock", action="store_true",
+                    help="pin the newest versions in tests/harnesses/package.json, rewrite the lock, npm ci")
+    args = ap.parse_args()
+    if args.update_lock:
+        return update_lock()
+    global LEAN
+    LEAN = args.lean
+    args.harness = [h.strip() for h in args.harness.split(",") if h.strip()]
+    args.profile = [p.strip() for p in args.profile.split(",") if p.strip()]
+    bad = [h for h in args.harness if h not in HARNESSES]
+    if bad:
+        ap.error(f"unknown harness {', '.join(bad)} (known: {', '.join(HARNESSES)})")
+    if not (HARNESS_DIR / "node_modules" / ".bin").is_dir():
+        ap.error(f"the harnesses are not installed: run `npm ci` in {HARNESS_DIR}")
+    if not args.no_netns:
+        reexec_in_netns()
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
