@@ -571,3 +571,20 @@ def test_a_stream_cut_short_is_an_error_for_the_sdk_and_a_stream_error_on_record
     rows = proxy.calls("rollout_id = ?", [rollout])
     assert [(r["api"], r["status"]) for r in rows] == [("responses", "stream_error"),
                                                        ("messages", "stream_error"), ("messages", "ok")]
+
+
+def test_system_text_goes_where_a_chat_template_can_render_it() -> None:
+    from lgt.proxy.dialects.common import place_system
+
+    notes: list[str] = []
+    got = place_system([{"role": "system", "content": "a"}, {"role": "system", "content": "b"},
+                        {"role": "user", "content": "q"}, {"role": "system", "content": "mid"},
+                        {"role": "assistant", "content": "x"},
+                        {"role": "system", "content": [{"type": "text", "text": "late"}]}], notes)
+    # leading ones joined first; later ones as user text (joined to the user turn they follow)
+    assert got == [{"role": "system", "content": "a\n\nb"},
+                   {"role": "user", "content": "q\n\n<system>\nmid\n</system>"},
+                   {"role": "assistant", "content": "x"},
+                   {"role": "user", "content": "<system>\nlate\n</system>"}]
+    assert notes == [f"system message {i} (after the conversation began) sent as user text in <system> tags"
+                     for i in (3, 5)]

@@ -56,3 +56,44 @@ def tool_input(arguments: str) -> dict[str, Any]:
     except ValueError:
         return {"_unparsed_arguments": arguments}
     return value if isinstance(value, dict) else {"value": value}
+
+
+def _plain(content: Any) -> str:
+    """A chat message's content as text (the text parts of a list; other parts dropped)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def place_system(msgs: list[dict[str, Any]], notes: list[str]) -> list[dict[str, Any]]:
+    """Chat messages whose system text a chat template can render: one system message, first.
+
+    System (and developer) messages before the conversation's first other message are joined into
+    it. One that comes later — Claude Code's mid-list ``role: "system"``, Codex's later ``developer``
+    messages — becomes user text wrapped in ``<system>…</system>``, joined to the user turn it
+    follows (or opening one), and a note says so: many templates (Qwen's among them) refuse a system
+    message anywhere but first, and the rest render it where no model was trained to read it."""
+    out: list[dict[str, Any]] = []
+    head: list[str] = []
+    for i, m in enumerate(msgs):
+        if m.get("role") != "system":
+            out.append(m)
+            continue
+        text = _plain(m.get("content"))
+        if not out:
+            head.append(text)
+            continue
+        wrapped = f"<system>\n{text}\n</system>"
+        notes.append(f"system message {i} (after the conversation began) sent as user text in <system> tags")
+        last = out[-1]
+        if last.get("role") == "user" and isinstance(last.get("content"), str):
+            out[-1] = {**last, "content": f"{last['content']}\n\n{wrapped}"}
+        elif last.get("role") == "user" and isinstance(last.get("content"), list):
+            out[-1] = {**last, "content": [*last["content"], {"type": "text", "text": wrapped}]}
+        else:
+            out.append({"role": "user", "content": wrapped})
+    if head:
+        out.insert(0, {"role": "system", "content": "\n\n".join(head)})
+    return out
