@@ -98,6 +98,9 @@ class Runtime:
     # LLM calls under way (forwarded, not yet recorded), by call id: (Call, its flow); GET /state
     # names the oldest, and a pause does not wait for those whose agent has gone (orphaned)
     live: dict[str, tuple[Any, http.HTTPFlow]] = field(default_factory=dict)
+    # the served model's context (max_model_len on the upstream's model card), read once; None: unknown
+    max_model_len: int | None = None
+    context_probed: float = -math.inf
 
     def orphaned(self) -> int:
         """In-flight calls whose agent has closed its connection: nobody waits for their answer."""
@@ -121,6 +124,29 @@ class Runtime:
         log.info("the store is writable again: taking LLM calls")
         self.store_error = None
         return True
+
+    async def engine_context(self) -> int | None:
+        """The served model's context length, from the upstream's ``GET …/models`` (vLLM's model cards
+        carry ``max_model_len``): read once; after a failure asked again at most every 30 s."""
+        if self.max_model_len is not None or self.upstream is None:
+            return self.max_model_len
+        now = time.monotonic()
+        if now - self.context_probed < 30:
+            return None
+        self.context_probed = now
+        headers = {"authorization": f"Bearer {self.upstream_api_key}"} if self.upstream_api_key else {}
+        try:
+            status, body = await self.resender.call_json("GET", f"{self.upstream}/models", headers=headers)
+        except Exception as e:  # the upstream is down or not vLLM: calls go on unchanged
+            log.info("could not read the upstream's model cards (%s): output limits are sent as asked", e)
+            return None
+        cards = body.get("data") if isinstance(body, dict) and status == 200 else None
+        cards = [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
+        card = next((c for c in cards if c.get("id") == self.served_model), cards[0] if cards else None)
+        n = card.get("max_model_len") if card else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            self.max_model_len = n
+        return self.max_model_len
 
     def saw_model(self, name: Any) -> None:
         if isinstance(name, str) and name and name not in self.model_names:
@@ -576,6 +602,9 @@ class Record:
             if self.upstream is not None or flow.metadata.get(REVERSE):
                 return self._refuse(flow, identity, api, endpoint, body, 400, str(e))
             return  # observe-only: not an LLM call we understand; ordinary traffic
+        fitted = req
+        if self.upstream is not None:  # an output limit the engine's context cannot hold: left out
+            fitted = wire.fit_output(endpoint, req, await rt.engine_context(), notes)
         if not rt.store_writable():  # never answer a call that could not be recorded (nor this one)
             rt.metrics.rejected += 1
             flow.response = _json_response(
@@ -590,7 +619,8 @@ class Record:
                                 "the policy is being updated; retry shortly", kind="rate_limit_error",
                                 headers={"Retry-After": str(rt.retry_after_s)}, bad=False)
         try:
-            call = self._start_call(flow, identity, api, endpoint, req, agent_req, body, version)
+            call = self._start_call(flow, identity, api, endpoint, fitted, agent_req, body, version,
+                                    rewritten=fitted is not req)
             call.translation = notes
         except BaseException as e:  # the call never got under way: it must not stay counted in flight
             rt.gate.exit()
@@ -604,7 +634,7 @@ class Record:
 
     def _start_call(self, flow: http.HTTPFlow, identity: Identity, api: str | None, endpoint: str,
                     req: dict[str, Any], agent_req: dict[str, Any] | None, body: bytes,
-                    version: int) -> Call:
+                    version: int, rewritten: bool = False) -> Call:
         """The call's record begun and its request routed upstream (the gate already counts it)."""
         rt = self.rt
         original_host = flow.request.pretty_host
@@ -643,7 +673,7 @@ class Record:
             self._route(flow, f"{self.upstream.path.rstrip('/')}/{endpoint}")
             call.upstream = rt.upstream
             call.served_model = prepared.get("model")
-        if prepared != req or agent_req is not None:
+        if prepared != req or agent_req is not None or rewritten:
             flow.request.content = wire.dumps(prepared)
         if rt.upstream_timeout_s:
             call.deadline = Deadline(rt.upstream_timeout_s, lambda: self._expire(flow, call))

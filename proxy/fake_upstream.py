@@ -408,6 +408,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = tokenize(prompt)
     max_tokens = body.get("max_completion_tokens")
     max_tokens = _check_max(body.get("max_tokens") if max_tokens is None else max_tokens)
+    limit = request.app[_CONFIG]["max_model_len"]
+    if max_tokens is not None and len(prompt_ids) + max_tokens > limit:  # as vLLM refuses it
+        return _json(error_body(
+            f"This model's maximum context length is {limit} tokens. However, your request has "
+            f"{len(prompt_ids)} input tokens plus {max_tokens} 'max_tokens'. Please reduce one or the other.",
+            "BadRequestError", 400, "input_tokens, max_tokens"), 400)
     seqs = []
     for i in range(body.get("n") or 1):
         reply, tool = chat_reply(body, i, prompt)
@@ -579,7 +585,7 @@ async def models(request: web.Request) -> web.Response:
             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
             "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
     card = {"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": name,
-            "parent": None, "max_model_len": 32768, "permission": [perm]}
+            "parent": None, "max_model_len": request.app[_CONFIG]["max_model_len"], "permission": [perm]}
     return _json({"object": "list", "data": [card]})
 
 
@@ -614,12 +620,14 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
 
 
 def make_app(served_model: str = "policy", api_key: str | None = None,
-             chunk_delay_s: float = 0.0, strict_model: bool = False) -> web.Application:
+             chunk_delay_s: float = 0.0, strict_model: bool = False,
+             max_model_len: int = 32768) -> web.Application:
     """The fake server as an aiohttp Application; `app[REQUESTS]` records what it received."""
     app = web.Application(middlewares=[_record_and_guard], client_max_size=64 * 1024**2)
     digest = hashlib.sha256(served_model.encode()).hexdigest()
     app[_CONFIG] = {"served_model": served_model, "api_key": api_key,
                     "chunk_delay_s": chunk_delay_s, "strict_model": strict_model,
+                    "max_model_len": max_model_len,
                     "fingerprint": f"vllm-{VLLM_VERSION}-{digest[:8]}"}
     app[REQUESTS] = []
     app.router.add_post("/v1/chat/completions", chat_completions)

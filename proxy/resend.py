@@ -8,8 +8,10 @@ does (``--upstream-ca`` bundle, or ``--upstream-insecure``).
 
 from __future__ import annotations
 
+import json
 import ssl
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from mitmproxy import http
@@ -52,6 +54,17 @@ class Resender:
         response.raw_content = content
         response.headers["content-length"] = str(len(content))
         return response
+
+    async def call_json(self, method: str, url: str, payload: Any = None,
+                        headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> tuple[int, Any]:
+        """A small JSON exchange with the upstream (its model card, its tokenizer): the status and the
+        parsed body (None when it is not JSON). aiohttp errors propagate."""
+        async with self.session().request(method, url, json=payload, headers=headers or {},
+                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            try:
+                return r.status, json.loads(await r.read())
+            except ValueError:
+                return r.status, None
 
     async def close(self) -> None:
         if self._session is not None:

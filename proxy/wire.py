@@ -137,6 +137,26 @@ def prepare_request(
     return out, Injected(token_ids=token_ids, logprobs=logprobs, model=model, sampling=sampling)
 
 
+OUTPUT_LIMITS = {CHAT: ("max_tokens", "max_completion_tokens"), COMPLETIONS: ("max_tokens",)}
+
+
+def fit_output(endpoint: str, req: dict[str, Any], context: int | None, notes: list[str]) -> dict[str, Any]:
+    """``req`` without an output limit that the engine's context (``max_model_len``) cannot hold at
+    all: harnesses ask for 32k–128k tokens, which a hosted model takes and vLLM refuses (400) when the
+    prompt plus the limit passes its context. Left out, the engine stops at the context's end, as
+    the hosted API would have stopped at the limit; a note says so."""
+    if not context:
+        return req
+    over = [k for k in OUTPUT_LIMITS.get(endpoint, ()) if isinstance(req.get(k), int)
+            and not isinstance(req.get(k), bool) and req[k] >= context]
+    if not over:
+        return req
+    for k in over:
+        notes.append(f"{k} {req[k]} is not below the engine's context of {context} tokens: left out, so "
+                     "the engine stops at the context's end")
+    return {k: v for k, v in req.items() if k not in over}
+
+
 def strip_response(endpoint: str, obj: Any, inj: Injected) -> Any:
     """Remove what ``inj`` says was injected from a response body or one stream chunk (in place)."""
     if not isinstance(obj, dict):

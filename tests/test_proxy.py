@@ -687,3 +687,23 @@ def test_creds_hand_an_agent_absolute_paths_that_work_from_any_directory(
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("200 The answer is")
     assert len(proxy.calls("rollout_id = ?", [rollout])) == 1
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+def test_an_output_limit_past_the_engines_context_is_left_to_the_engine(
+        proxy: ProxyProc, upstream: FakeUpstream, rollout: str, key: str) -> None:
+    """Harnesses ask for 32k-128k output tokens; vLLM refuses a prompt plus that limit past its
+    max_model_len (the fake does too). The proxy reads the context from the model card and leaves such
+    a limit out, with a note; a limit that fits is sent as asked."""
+    with client(proxy, rollout) as c:
+        r = c.post(f"{HOSTED}/chat/completions", json={**CHAT, key: 128000})
+        assert r.status_code == 200, r.text
+        assert key not in upstream.requests[-1].body
+        assert c.post(f"{HOSTED}/chat/completions", json={**CHAT, key: 64}).status_code == 200
+        assert upstream.requests[-1].body[key] == 64
+    first, second = proxy.calls("rollout_id = ?", [rollout])
+    assert first["translation"] == [f"{key} 128000 is not below the engine's context of 32768 tokens: "
+                                    "left out, so the engine stops at the context's end"]
+    assert second["translation"] is None and json.loads(first["request_json"])[key] == 128000
+    with direct(upstream) as d:  # what the engine itself answers to it
+        assert d.post("/chat/completions", json={**CHAT, key: 128000}).status_code == 400
