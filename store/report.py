@@ -44,6 +44,14 @@ def _svg_bars(labels: list[str], values: list[float], color: str = "#4c78a8") ->
     return "".join(parts)
 
 
+def _table(rows: list[tuple[str, int]]) -> str:
+    """Counted sentences, most first: text too long for a bar's label."""
+    if not rows:
+        return '<p class="empty">nothing recorded yet</p>'
+    body = "".join(f"<tr><td class=n>{n}</td><td>{html.escape(text)}</td></tr>" for text, n in rows)
+    return f"<table>{body}</table>"
+
+
 def _svg_line(xs: list[float], ys: list[float], color: str = "#e45756") -> str:
     if not xs:
         return '<p class="empty">no rewards with a step yet (steps come from the rollouts table)</p>'
@@ -95,7 +103,19 @@ def report_data(con: duckdb.DuckDBPyConnection, build_report: dict[str, Any] | N
     egress = con.execute("""
         SELECT host, bool_and(allowed), count(*) FROM egress GROUP BY 1 ORDER BY 3 DESC, 1 LIMIT 30"""
                          ).fetchall()
+    refused = con.execute("""
+        SELECT coalesce(http_status::VARCHAR || ' ', '')
+               || regexp_replace(coalesce(error, '?'), '[0-9]+', 'N', 'g'), count(*)
+        FROM calls WHERE status = 'rejected' GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT 20""").fetchall()
+    approximated: list[tuple[str, int]] = []
+    if "translation" in _columns(con, "calls"):  # stores written before schema 6 lack it
+        approximated = [(str(k), int(n)) for k, n in con.execute("""
+            SELECT regexp_replace(note, '[0-9]+', 'N', 'g'), count(*)
+            FROM (SELECT unnest(translation) AS note FROM calls WHERE translation IS NOT NULL)
+            GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT 20""").fetchall()]
     data: dict[str, Any] = {
+        "refused": [(str(r), int(n)) for r, n in refused],
+        "approximated": approximated,
         "capture": capture,
         "egress": [(h, bool(a), int(n)) for h, a, n in egress],
         "reward_per_step": [(float(s), float(v), int(n)) for s, v, n in rows],
@@ -135,6 +155,12 @@ def render_html(data: dict[str, Any], title: str) -> str:
                    [float(n) for _, n in data["staleness"]], "#b279a2")),
         ("Calls by status", "", _svg_bars([s for s, _ in data["call_status"]],
                                           [float(n) for _, n in data["call_status"]], "#9d755d")),
+        ("Refused calls", "Calls the proxy answered itself (status rejected), by HTTP status and reason "
+         "(numbers shown as N): they never reached the policy.",
+         _table(data["refused"])),
+        ("Approximated in translation", "What the proxy approximated in calls it translated or fitted "
+         "(calls.translation; numbers shown as N), most frequent first.",
+         _table(data["approximated"])),
         ("Token capture", "Successful calls by how completely their tokens were recorded (full: "
          "token ids and a logprob per token; no_logprobs: the trainer recomputes the logprobs).",
          _svg_bars([c for c, _ in data["capture"]], [float(n) for _, n in data["capture"]], "#72b7b2")),
@@ -150,7 +176,9 @@ def render_html(data: dict[str, Any], title: str) -> str:
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}}
 section{{display:inline-block;vertical-align:top;margin:0 2em 2em 0;width:{W}px}}h2{{font-size:1.1em}}
-p{{color:#555;font-size:.9em;max-width:{W}px}}.empty{{color:#999;font-style:italic}}</style></head>
+p{{color:#555;font-size:.9em;max-width:{W}px}}.empty{{color:#999;font-style:italic}}
+table{{font-size:.8em;border-collapse:collapse}}td{{padding:2px 6px;vertical-align:top}}
+td.n{{text-align:right;font-variant-numeric:tabular-nums}}</style></head>
 <body><h1>{html.escape(title)}</h1>
 <p>{t['calls']} calls · {t['rollouts']} rollout attempts · {t['rewarded_rollouts']} rewarded ·
 {t['tokens']} tokens · made {when}</p>{body}</body></html>

@@ -123,6 +123,9 @@ def verdicts(calls: list[dict[str, Any]], rollout_reason: str | None) -> list[Ve
     sample = -1
     for c in calls:
         own = call_excluded(c)
+        if c["status"] == "rejected":  # answered by the proxy: passed over, the next call links past it
+            out.append(Verdict(own, None, 0, None))
+            continue
         if own is not None:
             out.append(Verdict(own, None, 0, None))
         else:
@@ -151,7 +154,8 @@ LINKS = {
     "truncation": "a new sample: shorter than the previous prompt + reply (context trimmed)",
     "differs": "a new sample: does not extend the previous call token by token",
 }
-CALL_EXCLUDED = {"no_token_ids": "no token ids recorded (observe-only upstream?)"}
+CALL_EXCLUDED = {"no_token_ids": "no token ids recorded (observe-only upstream?)",
+                 "rejected": "the proxy answered it itself; it never reached the policy"}
 
 
 def render(traj: Trajectory, tokenizer: Any | None = None, *,
@@ -186,8 +190,10 @@ def render(traj: Trajectory, tokenizer: Any | None = None, *,
     for c, v in zip(traj.calls, marks):
         lines.append("")
         lines += _call_header(c)
+        for note in c.get("translation") or ():
+            lines.append(click.style(f"  approximated: {note}", fg="yellow"))
         req, resp = _json(c.get("request_json")), _json(c.get("response_json"))
-        if c.get("api") in ("responses", "messages"):  # shown as the chat call it was translated into
+        if c.get("api") not in (None, c["endpoint"]):  # shown as the chat call it was translated into
             from lgt.proxy.dialects import as_chat
 
             req, resp = as_chat(c["api"], req, resp)

@@ -33,6 +33,16 @@ def make_store(root: Path) -> None:
         calls.append({"call_id": "bad", "rollout_id": "s1a", "attempt": 0, "seq": 2,
                       "started_at": T0, "endpoint": "chat/completions", "policy_version": 1,
                       "streamed": False, "status": "http_error"})
+        for i in range(2):  # refused by the proxy itself: on the record, counted by reason
+            calls.append({"call_id": f"refused{i}", "rollout_id": "s1a", "attempt": 0, "seq": 3 + i,
+                          "started_at": T0, "endpoint": "chat/completions", "api": "messages",
+                          "policy_version": 1, "streamed": False, "status": "rejected", "http_status": 413,
+                          "error": f"request body of {900 + i} bytes exceeds the proxy's limit"})
+        calls.append({"call_id": "fitted", "rollout_id": "s1b", "attempt": 0, "seq": 2, "started_at": T0,
+                      "endpoint": "chat/completions", "policy_version": 1, "streamed": False,
+                      "status": "ok", "capture": "full",
+                      "translation": ["max_tokens 128000 is not below the engine's context of 512 tokens",
+                                      "thinking ignored"]})
     with TableWriter(root, "egress") as egress:
         for i, (host, allowed) in enumerate([("pypi.org", True), ("pypi.org", True),
                                              ("telemetry.invalid", False)]):
@@ -44,10 +54,13 @@ def test_report_numbers(tmp_path: Path) -> None:
     make_store(tmp_path)
     data = report_data(connect(tmp_path))
     assert data["reward_per_step"] == [(0.0, 0.25, 2), (1.0, 0.75, 2)]
-    assert data["call_status"] == [("ok", 8), ("http_error", 1)]
-    assert data["staleness"] == [(0, 4), (1, 4)]  # ok calls only
-    assert data["totals"] == {"calls": 9, "rollouts": 4, "rewarded_rollouts": 4, "tokens": 80}
-    assert data["capture"] == [("full", 7), ("no_logprobs (upstream_rejected_logprobs)", 1)]
+    assert data["call_status"] == [("ok", 9), ("rejected", 2), ("http_error", 1)]
+    assert data["staleness"] == [(0, 5), (1, 4)]  # ok calls only
+    assert data["totals"] == {"calls": 12, "rollouts": 4, "rewarded_rollouts": 4, "tokens": 80}
+    assert data["capture"] == [("full", 8), ("no_logprobs (upstream_rejected_logprobs)", 1)]
+    assert data["refused"] == [("413 request body of N bytes exceeds the proxy's limit", 2)]
+    assert data["approximated"] == [("max_tokens N is not below the engine's context of N tokens", 1),
+                                    ("thinking ignored", 1)]
     assert data["egress"] == [("pypi.org", True, 2), ("telemetry.invalid", False, 1)]
 
 
@@ -58,10 +71,12 @@ def test_report_page_is_written_whole(tmp_path: Path) -> None:
     page = out.read_text()
     assert page.startswith("<!doctype html>") and page.rstrip().endswith("</html>")
     for heading in ("Reward per step", "Samples per rollout", "Merge breaks", "Staleness",
-                    "Calls by status", "Token capture", "Egress"):
+                    "Calls by status", "Refused calls", "Approximated in translation", "Token capture",
+                    "Egress"):
         assert f"<h2>{heading}</h2>" in page
     assert page.count("<svg") >= 3 and "step 0: 0.250" in page and "step 1: 0.750" in page
     assert "telemetry.invalid (blocked): 1" in page
+    assert "<td class=n>2</td><td>413 request body of N bytes exceeds the proxy&#x27;s limit</td>" in page
     assert not list(tmp_path.glob(".*.tmp"))
 
 
