@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -577,6 +578,42 @@ def make_model_cmd(out: Path, preset: str, warm_start: str, seconds: float, step
     path = tiny.make_model(out, preset=preset, warm_start_task=None if warm_start == "none" else warm_start,
                            seconds=seconds, steps=steps, seed=seed)
     click.echo(str(path))
+
+
+@main.command("engine", context_settings={"ignore_unknown_options": True})
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=1), help="Its context (default: the model's).")
+@click.option("--served-model-name", default="policy", show_default=True)
+def engine_cmd(model_dir: Path, vllm_args: tuple[str, ...], port: int, max_model_len: int | None,
+               served_model_name: str) -> None:
+    """Serve MODEL_DIR with vLLM as lgt-train runs would (weight sync without restarts) until Ctrl-C;
+    runs given `engine: {url: http://127.0.0.1:PORT/v1}` use it instead of starting their own and load
+    their weights into it: several runs in a row pay one engine start. Arguments after `--` go to vLLM
+    (e.g. -- --enable-auto-tool-choice --tool-call-parser hermes)."""
+    import signal as sig
+
+    from lgt.trainer.engine import Engine, EngineConfig, EngineError
+    from lgt.trainer.models import ModelError
+
+    try:
+        engine = Engine.start(EngineConfig(model=model_dir.resolve(), port=port, max_model_len=max_model_len,
+                                           served_model_name=served_model_name, extra_args=vllm_args))
+    except (EngineError, ModelError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"serving {model_dir} as {served_model_name!r} at {engine.url} (log {engine.log_path}); "
+               "Ctrl-C stops it")
+    stop = threading.Event()
+    for s in (sig.SIGINT, sig.SIGTERM):
+        sig.signal(s, lambda *_: stop.set())
+    try:
+        while not stop.wait(2.0):
+            engine.check_alive()
+    except EngineError as e:
+        raise click.ClickException(str(e).splitlines()[0]) from None
+    finally:
+        engine.stop()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -43,6 +44,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     import httpx
@@ -100,8 +102,15 @@ class EngineConfig:
     seed: int | None = None  # vLLM's sampling seed; a run sets its own seed
     max_num_seqs: int | None = None  # sequences decoded together; a run sets its max_inflight
     idle_spin_s: float | None = None  # vLLM's busy-wait window between its processes (see below)
+    # a running engine to use instead of starting one: its base URL (http://host:port[/v1]), an engine
+    # lgt started (its weight-sync worker extension and dev endpoints); the run pushes its own weights
+    # into it first and never stops it
+    url: str | None = None
 
     def __post_init__(self) -> None:
+        if self.url is not None and not re.match(r"^https?://[^/\s]+(/v1)?/?$", self.url):
+            raise ValueError(f"engine url {self.url!r} is not the http(s) base URL of a running engine "
+                             "(e.g. http://127.0.0.1:8000/v1)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"engine port {self.port} is not a TCP port (0 picks a free one)")
         if self.ready_timeout <= 0:
@@ -294,6 +303,15 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def checkpoint_tensors(model_dir: Path) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every tensor of the model directory's safetensors files, by name (what an attached engine is
+    given to serve that checkpoint without a restart)."""
+    from lgt.trainer.vllm_ext import iter_safetensors
+
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        yield from iter_safetensors(path)
+
+
 def check_weights(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
                   *, tied: bool) -> None:
     """Raise EngineError unless ``tensors`` holds every checkpoint weight of ``expected`` with its shape.
@@ -387,14 +405,15 @@ def write_weights(tensors: Mapping[str, torch.Tensor], directory: Path) -> tuple
 class Engine:
     """A running vLLM server (see the module docstring). Build with ``Engine.start(cfg)``."""
 
-    def __init__(self, cfg: EngineConfig, proc: subprocess.Popen, port: int, log_path: Path, *, cpu: bool,
-                 weight_shapes: Mapping[str, tuple[int, ...]], tied: bool) -> None:
+    def __init__(self, cfg: EngineConfig, proc: subprocess.Popen | None, port: int, log_path: Path | None, *,
+                 cpu: bool, weight_shapes: Mapping[str, tuple[int, ...]], tied: bool,
+                 base_url: str | None = None) -> None:
         self.cfg = cfg
-        self.proc = proc
+        self.proc = proc  # None: attached to an engine this process did not start (Engine.attach)
         self.port = port
         self.log_path = log_path
         self.cpu = cpu
-        self.base_url = f"http://{cfg.host}:{port}"
+        self.base_url = base_url or f"http://{cfg.host}:{port}"
         self.last_sync: SyncTimings | None = None
         self.weight_shapes = dict(weight_shapes)  # the checkpoint's names and shapes, checked on update
         self.tied = tied
@@ -447,6 +466,40 @@ class Engine:
             raise
         return engine
 
+    @classmethod
+    def attach(cls, cfg: EngineConfig) -> Engine:
+        """The running engine at ``cfg.url`` (one lgt started), for ``cfg.model``'s weights: it must serve
+        ``cfg.served_model_name`` and a model of the same names and shapes (checked at each update).
+        ``stop()`` leaves it running; a restart is not possible. EngineError (one sentence) when it does
+        not answer or serves another name."""
+        if cfg.model is None or cfg.url is None:
+            raise EngineError("attaching needs the engine's url and the model directory being trained")
+        info = check_model_dir(cfg.model)
+        base = re.sub(r"(/v1)?/?$", "", cfg.url)
+        port = urlsplit(base).port or (443 if base.startswith("https") else 80)
+        engine = cls(cfg, None, port, None, cpu=is_cpu_build(engine_python(cfg)),
+                     weight_shapes=checkpoint_shapes(cfg.model), tied=info.tie_word_embeddings, base_url=base)
+        import httpx
+
+        try:
+            cards = engine._client.get("/v1/models", timeout=10.0).json().get("data") or []
+        except (httpx.HTTPError, ValueError, AttributeError):
+            engine.stop()
+            raise EngineError(f"the engine at {cfg.url} does not answer GET /v1/models: start one first "
+                              "(lgt-train engine MODEL_DIR --port N) or leave engine.url out") from None
+        names = [c.get("id") for c in cards if isinstance(c, dict)]
+        if cfg.served_model_name not in names:
+            engine.stop()
+            served = ", ".join(map(str, names)) or "nothing"
+            raise EngineError(f"the engine at {cfg.url} serves {served}, not {cfg.served_model_name!r} "
+                              "(engine.served_model_name)")
+        return engine
+
+    @property
+    def attached(self) -> bool:
+        """Running before this run and left running after it (``engine.url``)."""
+        return self.proc is None
+
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
@@ -461,6 +514,14 @@ class Engine:
                 raise EngineError(f"the vLLM engine (pid {self.pid}) was not ready after {timeout:.0f} s; "
                                   f"its log: {self.log_path}; last lines:\n{log_tail(self.log_path)}")
             time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        import httpx
+
+        try:
+            return self._client.get("/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _ready(self) -> bool:
         import httpx
@@ -477,6 +538,8 @@ class Engine:
         self._stopped = True
         atexit.unregister(self.stop)
         self._client.close()
+        if self.proc is None:  # attached: not ours to stop
+            return
         pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
         _signal_group(pgid, signal.SIGTERM)
         if not _wait_group(self.proc, pgid, timeout):
@@ -501,17 +564,23 @@ class Engine:
         return f"{self.base_url}/v1"
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
 
     @property
     def died(self) -> bool:
         """Its process exited without being stopped (``check_alive`` raises then)."""
+        if self.proc is None:
+            return self._dead is not None
         return self._dead is not None or (not self._stopped and self.proc.poll() is not None)
 
     def check_alive(self) -> None:
-        """Raise EngineError when the engine was stopped or its process has exited."""
-        if self._dead is None and not self._stopped and self.proc.poll() is not None:
+        """Raise EngineError when the engine was stopped or its process has exited (an attached one:
+        when it no longer answers /health)."""
+        if self.proc is None:
+            if self._dead is None and not self._stopped and not self._healthy():
+                self._dead = f"the engine at {self.base_url} (engine.url) no longer answers /health"
+        elif self._dead is None and not self._stopped and self.proc.poll() is not None:
             self._dead = (f"the vLLM engine (pid {self.pid}) exited with code {self.proc.returncode}; its "
                           f"log: {self.log_path}; last lines:\n{log_tail(self.log_path)}")
             # its engine-core child may outlive it: stop the group so nothing is left behind
@@ -533,7 +602,7 @@ class Engine:
         except httpx.HTTPError as e:
             # a refused or reset connection often means the engine is dying: give it a moment to be
             # reaped, so the error names its exit rather than the symptom
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            with contextlib.suppress(subprocess.TimeoutExpired, AttributeError):
                 self.proc.wait(timeout=2.0)
             self.check_alive()
             raise EngineError(f"the vLLM engine at {self.base_url} did not answer {method} {path}: "

@@ -274,9 +274,17 @@ class Recipe:
         from . import rollouts
 
         cfg = self.cfg
-        self.log(f"starting the vLLM engine on {serve_dir.name} ...")
-        self.engine = enginemod.Engine.start(dataclasses.replace(
-            cfg.engine, model=serve_dir, log_path=self.run_dir / "logs" / "engine.log", seed=cfg.seed))
+        if cfg.engine.url:  # a running engine: it serves this run's weights from now on
+            self.log(f"using the vLLM engine at {cfg.engine.url} (engine.url): loading {serve_dir.name} ...")
+            self.engine = enginemod.Engine.attach(dataclasses.replace(cfg.engine, model=serve_dir))
+            if self.backend is not None:
+                self.backend.push_weights(self.engine)
+            else:
+                self.engine.update_weights(enginemod.checkpoint_tensors(serve_dir))
+        else:
+            self.log(f"starting the vLLM engine on {serve_dir.name} ...")
+            self.engine = enginemod.Engine.start(dataclasses.replace(
+                cfg.engine, model=serve_dir, log_path=self.run_dir / "logs" / "engine.log", seed=cfg.seed))
         if cfg.proxy.url:  # running replicas, one or several, on the run's store
             self.proxy = ProxyGroup([ProxyClient.connect(self.store, url, cfg.proxy.port, cfg.proxy.token)
                                      for url in cfg.proxy.url])
@@ -459,6 +467,9 @@ class Recipe:
         from . import engine as enginemod
 
         old = self.engine
+        if old.attached:
+            raise RuntimeError(f"{old.base_url} (engine.url) no longer answers, and this run did not start "
+                               "it: start it again, then continue with --resume")
         if not paused:  # hold new calls while the engine starts (in-flight ones have failed)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.proxy.pause, 10)

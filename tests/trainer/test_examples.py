@@ -4,7 +4,8 @@ Each has its agent's own environment (``DIR/.venv`` from its requirements.txt, o
 from its package-lock.json), built by ``scripts/setup_agent.sh``, which ``scripts/setup.sh`` runs.
 One training step on the tiny model: every token the engine generated is in the store (the recorded
 ids count what the engine reported), the calls came in through the API the framework speaks, samples
-were built and trained, and every rollout has its reward.
+were built and trained, and every rollout has its reward. The runs share one engine (``engine.url``):
+each loads its own weights into it first, and leaves it running.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import yaml
 from test_run import lgt_train, metrics  # tests/trainer is on sys.path
 
 from lgt.store.query import connect
+from lgt.trainer.engine import Engine, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 # example -> (the API it calls, what its agent environment is)
@@ -26,14 +28,23 @@ EXAMPLES = {"agents_sdk": ("responses", ".venv/bin/python"),
             "mini_swe_agent": ("chat/completions", ".venv/bin/python")}
 
 
+@pytest.fixture(scope="module")
+def engine(arith_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    with Engine.start(EngineConfig(model=arith_model_dir, max_model_len=8192,
+                                   extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+                                   log_path=tmp_path_factory.mktemp("engine") / "engine.log")) as e:
+        yield e
+
+
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
-def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path, example: str) -> None:
+def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path, example: str,
+                                           engine: Engine) -> None:
     here, (api, env) = ROOT / "examples" / example, EXAMPLES[example]
     if not (here / env).exists():
         pytest.skip(f"no agent environment in {here} (bash scripts/setup_agent.sh examples/{example})")
     cfg = yaml.safe_load((here / "run.yaml").read_text())
     cfg.update(model={"path": str(arith_model_dir)}, tasks=str((here / cfg["tasks"]).resolve()),
-               group_size=2, batch_groups=2, max_inflight=8, steps=1, eval=None)
+               group_size=2, batch_groups=2, max_inflight=8, steps=1, eval=None, engine={"url": engine.url})
     cfg["agent"] = {**cfg["agent"], "cwd": str(here), "timeout_s": 90}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -51,3 +62,4 @@ def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path
     rollouts = con.execute("SELECT count(DISTINCT rollout_id) FROM rollouts WHERE status = 'ok'"
                            ).fetchone()[0]
     assert rewards == rollouts >= 4
+    engine.check_alive()  # used, not stopped: the next example's run loads its weights into it
