@@ -55,7 +55,8 @@ REVERSE = "lgt.reverse"
 CALL = "lgt.call"
 ROUTED = "lgt.routed"
 REVERSE_PATH = re.compile(r"^/r/([^/?]+)/([^/?]+)(.*)$")
-SECRET_HEADERS = ("authorization", "api-key", "x-api-key", "proxy-authorization")
+SECRET_HEADERS = ("authorization", "api-key", "x-api-key", "x-goog-api-key", "proxy-authorization")
+NOTE_HEADER = "x-lgt-note"  # a translation note from an in-process transport (wsbridge), never forwarded
 
 
 @dataclass
@@ -550,10 +551,10 @@ class Record:
             self.rt.metrics.record_failures += 1
             log.exception("could not record the refused call of rollout %s", identity.name)
 
-    def _route(self, flow: http.HTTPFlow, path: str) -> None:
+    def _route(self, flow: http.HTTPFlow, path: str, keep_query: bool = True) -> None:
         assert self.upstream is not None
         up = self.upstream
-        query = flow.request.path.partition("?")[2]
+        query = flow.request.path.partition("?")[2] if keep_query else ""
         flow.request.scheme = up.scheme
         flow.request.host = up.hostname or "127.0.0.1"
         flow.request.port = up.port or (443 if up.scheme == "https" else 80)
@@ -572,11 +573,14 @@ class Record:
         rt = self.rt
         model_id = dialects.models_path(flow.request.method, flow.request.path) if self.upstream else None
         if model_id is not None:  # SDKs that list models first: the policy, under the names asked for
-            anthropic = "anthropic-version" in flow.request.headers
+            shape = dialects.models_shape(flow.request.path, flow.request.headers)
             names = list(dict.fromkeys([*([rt.served_model] if rt.served_model else []), *rt.model_names]))
-            body = wire.dumps(dialects.models_answer(anthropic, model_id, names))
+            body = wire.dumps(dialects.models_answer(shape, model_id, names))
             flow.response = http.Response.make(200, body, {"content-type": "application/json"})
             return
+        count_api = self.upstream and dialects.count_tokens_api(flow.request.method, flow.request.path)
+        if count_api:
+            return await self._count_tokens(flow, identity, count_api)  # answered here; not an LLM call
         endpoint = wire.endpoint_of(flow.request.method, flow.request.path)
         api = self._api(flow) if endpoint is None else None
         if api is not None:
@@ -592,12 +596,14 @@ class Record:
             return self._refuse(flow, identity, api, endpoint, body, 413, f"request body of {len(body)} "
                                 f"bytes exceeds the proxy's limit of {rt.max_body_bytes} bytes")
         agent_req: dict[str, Any] | None = None
-        notes: list[str] = []
+        notes: list[str] = [n[:300] for n in flow.request.headers.get_all(NOTE_HEADER)]  # wsbridge's
+        flow.request.headers.pop(NOTE_HEADER, None)
         try:
             if api is None:
                 req = wire.parse_request(endpoint, flow.request.get_content(strict=False))
             else:
-                agent_req, req = self._translate(identity, api, flow.request.get_content(strict=False), notes)
+                agent_req, req = self._translate(identity, api, flow.request.get_content(strict=False), notes,
+                                                 flow.request.path)
         except (wire.BadRequest, ValueError) as e:
             if self.upstream is not None or flow.metadata.get(REVERSE):
                 return self._refuse(flow, identity, api, endpoint, body, 400, str(e))
@@ -631,6 +637,40 @@ class Record:
             return self._refuse(flow, identity, api, endpoint, body, 500,
                                 f"could not forward this call: {e}", kind="server_error", bad=False)
         rt.live[call.call_id] = (call, flow)
+
+    async def _count_tokens(self, flow: http.HTTPFlow, identity: Identity,
+                            api: str = dialects.MESSAGES) -> None:
+        """``POST /v1/messages/count_tokens``: the request translated as a Messages call (with the
+        rollout's delivered prompt) and counted by the upstream's ``POST /tokenize`` (vLLM's, at its
+        root), so the count is the prompt token count of the call itself; ``{"input_tokens": N}``.
+        Gemini's ``POST …/models/<model>:countTokens`` likewise, answered ``{"totalTokens": N}``."""
+        rt = self.rt
+        try:
+            _, chat = self._translate(identity, api, flow.request.get_content(strict=False), [],
+                                      flow.request.path)
+        except (wire.BadRequest, ValueError) as e:
+            return self._bad(flow, 400, str(e), api=api)
+        subs = rt.resources.get(identity.rollout_id, identity.attempt)
+        if subs:
+            chat = resources.apply(chat, subs)[0]
+        payload = {k: chat[k] for k in ("messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+                                        "continue_final_message") if k in chat}
+        payload["model"] = rt.served_model or chat.get("model")
+        assert self.upstream is not None
+        root = self.upstream._replace(path=self.upstream.path.rstrip("/").removesuffix("/v1"), query="")
+        headers = {"authorization": f"Bearer {rt.upstream_api_key}"} if rt.upstream_api_key else {}
+        try:
+            status, body = await rt.resender.call_json("POST", f"{root.geturl()}/tokenize", payload, headers)
+        except Exception as e:  # the upstream is down: the agent's SDK reads Anthropic's error shape
+            status, body = 502, {"error": {"message": f"the upstream could not be reached ({e})"}}
+        count = body.get("count") if isinstance(body, dict) else None
+        if status == 200 and isinstance(count, int) and not isinstance(count, bool):
+            flow.response = http.Response.make(200, wire.dumps(dialects.count_answer(api, count)),
+                                               {"content-type": "application/json"})
+            return
+        why = _error_text(wire.dumps(body), 300) if body is not None else "no JSON answer"
+        flow.response = _json_response(502, f"lgt-proxy: the upstream could not count this request's "
+                                            f"tokens (HTTP {status}: {why})", "api_error", api=api)
 
     def _start_call(self, flow: http.HTTPFlow, identity: Identity, api: str | None, endpoint: str,
                     req: dict[str, Any], agent_req: dict[str, Any] | None, body: bytes,
@@ -666,11 +706,12 @@ class Record:
         if agent_req is not None:
             call.translator = dialects.translator(api, agent_req, model=agent_req.get("model"))
             if api == dialects.RESPONSES:
-                call.history = dialects.carried_history(agent_req, req)
+                call.history = dialects.carried_history(agent_req)
         flow.metadata[CALL] = call
         rt.saw_model(call.requested_model)
         if self.upstream is not None:
-            self._route(flow, f"{self.upstream.path.rstrip('/')}/{endpoint}")
+            self._route(flow, f"{self.upstream.path.rstrip('/')}/{endpoint}",
+                        keep_query=api != dialects.GEMINI)  # Gemini's ?alt=sse&key=… is not the engine's
             call.upstream = rt.upstream
             call.served_model = prepared.get("model")
         if prepared != req or agent_req is not None or rewritten:
@@ -687,16 +728,18 @@ class Record:
         log.warning("call %s of rollout %s: %s; ended", call.call_id, call.identity.name, call.timed_out)
         deadline.end_exchange(flow, f"lgt-proxy: {call.timed_out}")
 
-    def _translate(self, identity: Identity, api: str, content: bytes | None, notes: list[str]
-                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _translate(self, identity: Identity, api: str, content: bytes | None, notes: list[str],
+                   path: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
         """(the agent's request, the chat/completions request it becomes); BadRequest says why not, and
-        ``notes`` gets what the translation approximated."""
+        ``notes`` gets what the translation approximated. ``path``: the request's (Gemini names its model
+        and streaming there)."""
         try:
             agent_req = wire.loads(content or b"")
         except (ValueError, UnicodeDecodeError):
             raise wire.BadRequest(f"the body of this /{api} request is not valid JSON") from None
         if not isinstance(agent_req, dict):
             raise wire.BadRequest(f"the body of this /{api} request is not a JSON object")
+        agent_req = dialects.agent_request(api, path, agent_req)
         if "model" in agent_req and not isinstance(agent_req["model"], str):
             raise wire.BadRequest("'model' must be a string")
         history = None
@@ -709,7 +752,8 @@ class Record:
                     f"keeps the last {self.rt.conversations.limit} of all rollouts, at most "
                     f"{self.rt.conversations.max_bytes >> 20} MiB): send the whole conversation in 'input' "
                     "instead")
-        return agent_req, dialects.to_chat(api, agent_req, history, notes)
+            agent_req = dialects.with_history(agent_req, history)  # the whole conversation, as the API means
+        return agent_req, dialects.to_chat(api, agent_req, None, notes)
 
     # -- response side -----------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -723,6 +767,8 @@ class Record:
         if 200 <= flow.response.status_code < 300 and ctype.startswith("text/event-stream"):
             call.stream = StreamRewriter(self, flow, call)
             flow.response.stream = call.stream
+            if getattr(call.translator, "content_type", None):  # Gemini's stream without alt=sse: JSON
+                flow.response.headers["content-type"] = call.translator.content_type
 
     async def response(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get(CALL)

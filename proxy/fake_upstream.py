@@ -30,6 +30,9 @@ authenticate.py`, `tool_parsers/hermes_tool_parser.py`.
   "prompt_token_ids", "token_ids"}` always all present; prompt_token_ids only on a choice's first
   chunk. Then `data: [DONE]`. Tool calls stream like the hermes parser: `{"content": null,
   "tool_calls": [{"id", "type", "index", "function": {"name"}}]}`, then argument fragments.
+* `POST /tokenize` (vLLM's `entrypoints/serve/tokenize`, at the server's root, no API key): `messages`
+  (+ `tools`) rendered as chat renders them, or a `prompt`; `{"count", "max_model_len", "tokens",
+  "token_strs"}`.
 * Errors: `{"error": {"message", "type", "param", "code"}}`; request validation gives type
   "Bad Request" and pydantic-style messages; the API-key middleware answers 401
   `{"error": "Unauthorized"}`.
@@ -49,6 +52,8 @@ max_position_embeddings (a whole body then cannot be written as JSON: 400 "Out o
 values are not JSON compliant"; a stream sends that logprob as `null`, as pydantic writes NaN), and
 `__reject_token_ids__` answers 400 to a request with `return_token_ids` (an upstream that does not
 know the field).
+A script (`FakeUpstream(reply=...)`, `--script MODULE:NAME`) can answer chat requests instead of the
+built-in replies, with the same wire format (`lgt.proxy.harness_policy` plays a coding agent's model).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ import asyncio
 import codecs
 import contextlib
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -254,12 +260,36 @@ def chat_reply(body: Json, index: int, prompt: str) -> tuple[str, tuple[str, str
     if tools and choice != "none" and last.get("role") == "user":
         name = (choice["function"]["name"] if isinstance(choice, dict)
                 else tools[0].get("function", tools[0])["name"])
-        args = json.dumps({"expression": user})
-        digest = hashlib.sha256(f"{index}\0{prompt}".encode()).hexdigest()
-        return render_tool_call(name, args), (f"chatcmpl-tool-{digest[:16]}", name, args)
+        return _tool_reply(name, json.dumps({"expression": user}), index, prompt)
     if last.get("role") == "tool":
         return f"The result is {_text(last.get('content'))}.", None
     return f"The answer is {_number(user, index)}.", None
+
+
+def _tool_reply(name: str, args: str, index: int, prompt: str) -> tuple[str, tuple[str, str, str]]:
+    digest = hashlib.sha256(f"{index}\0{prompt}".encode()).hexdigest()
+    return render_tool_call(name, args), (f"chatcmpl-tool-{digest[:16]}", name, args)
+
+
+# A script answers a chat request instead of chat_reply: text, or (tool name, arguments JSON) for one
+# tool call, or None for the default answer. The answer is generated, tokenized and streamed as any.
+Script = Callable[[Json], "str | tuple[str, str] | None"]
+
+
+def scripted_reply(script: Script, body: Json, index: int,
+                   prompt: str) -> tuple[str, tuple[str, str, str] | None]:
+    out = script(body)
+    if out is None:
+        return chat_reply(body, index, prompt)
+    if isinstance(out, str):
+        return out, None
+    return _tool_reply(out[0], out[1], index, prompt)
+
+
+def load_script(spec: str) -> Script:
+    """``MODULE:NAME`` → the callable it names (``lgt.proxy.harness_policy:reply``)."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name or "reply")
 
 
 def _last_user_text(body: Json) -> str:
@@ -409,14 +439,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = body.get("max_completion_tokens")
     max_tokens = _check_max(body.get("max_tokens") if max_tokens is None else max_tokens)
     limit = request.app[_CONFIG]["max_model_len"]
-    if max_tokens is not None and len(prompt_ids) + max_tokens > limit:  # as vLLM refuses it
-        return _json(error_body(
-            f"This model's maximum context length is {limit} tokens. However, your request has "
-            f"{len(prompt_ids)} input tokens plus {max_tokens} 'max_tokens'. Please reduce one or the other.",
-            "BadRequestError", 400, "input_tokens, max_tokens"), 400)
+    if max_tokens is not None and max_tokens > limit:  # vLLM 0.32: renderers/params.py
+        key = "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
+        return _json(error_body(f"{key}={max_tokens} cannot be greater than max_model_len={limit}. Please "
+                                "request fewer output tokens.", "BadRequestError", 400, key), 400)
+    if len(prompt_ids) > limit:  # serve/utils/api_utils.py get_max_tokens
+        return _json(error_body(f"Input length ({len(prompt_ids)}) exceeds model's maximum context length "
+                                f"({limit}).", "BadRequestError", 400), 400)
+    # a limit the prompt leaves no room for is clamped to what is left of the context (no error)
+    max_tokens = limit - len(prompt_ids) if max_tokens is None else min(max_tokens, limit - len(prompt_ids))
     seqs = []
+    script = request.app[_CONFIG]["script"]
     for i in range(body.get("n") or 1):
-        reply, tool = chat_reply(body, i, prompt)
+        reply, tool = scripted_reply(script, body, i, prompt) if script else chat_reply(body, i, prompt)
         seqs.append(generate(reply, i, max_tokens, _stop(body), tool))
     k = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
     named = isinstance(body.get("tool_choice"), dict)  # a named tool call finishes with "stop"
@@ -578,6 +613,23 @@ def _completion_events(call: _Call, runs: list[tuple[list[int], Seq]],
                "system_fingerprint": call.fingerprint}
 
 
+async def tokenize_endpoint(request: web.Request) -> web.Response:
+    """vLLM's ``POST /tokenize`` (at the server's root): ``messages`` (+ ``tools``) rendered as the chat
+    endpoint renders them, or a ``prompt``; ``{"count", "max_model_len", "tokens", "token_strs"}``."""
+    body = request[_BODY]
+    if not isinstance(body, dict) or not (isinstance(body.get("messages"), list)
+                                          or isinstance(body.get("prompt"), str)):
+        return _invalid({"type": "missing", "loc": "body.messages", "msg": "Field required",
+                         "input": {}}, "body.messages")
+    if (code := parse_faults(_last_user_text(body)).status) is not None:
+        return _json(error_body(f"Injected failure (HTTP {code}).", _ERROR_TYPES.get(code, "Error"), code),
+                     code)
+    ids = tokenize(body["prompt"] if "messages" not in body else render_chat(body["messages"],
+                                                                                 body.get("tools")))
+    return _json({"count": len(ids), "max_model_len": request.app[_CONFIG]["max_model_len"],
+                  "tokens": ids, "token_strs": None})
+
+
 async def models(request: web.Request) -> web.Response:
     name, now = request.app[_CONFIG]["served_model"], int(time.time())
     perm = {"id": f"modelperm-{os.urandom(8).hex()}", "object": "model_permission",
@@ -621,18 +673,20 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
 
 def make_app(served_model: str = "policy", api_key: str | None = None,
              chunk_delay_s: float = 0.0, strict_model: bool = False,
-             max_model_len: int = 32768) -> web.Application:
-    """The fake server as an aiohttp Application; `app[REQUESTS]` records what it received."""
+             max_model_len: int = 1 << 20, reply: Script | None = None) -> web.Application:
+    """The fake server as an aiohttp Application; `app[REQUESTS]` records what it received; `reply`
+    scripts the chat answers (see `Script`)."""
     app = web.Application(middlewares=[_record_and_guard], client_max_size=64 * 1024**2)
     digest = hashlib.sha256(served_model.encode()).hexdigest()
     app[_CONFIG] = {"served_model": served_model, "api_key": api_key,
                     "chunk_delay_s": chunk_delay_s, "strict_model": strict_model,
-                    "max_model_len": max_model_len,
+                    "max_model_len": max_model_len, "script": reply,
                     "fingerprint": f"vllm-{VLLM_VERSION}-{digest[:8]}"}
     app[REQUESTS] = []
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize_endpoint)
     app.router.add_get("/health", health)
     app.on_response_prepare.append(_server_header)
     return app
@@ -708,7 +762,9 @@ async def _serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     async with FakeUpstream(args.host, args.port, ctx, served_model=args.served_model,
-                            api_key=args.api_key, chunk_delay_s=args.chunk_delay_ms / 1000) as up:
+                            api_key=args.api_key, chunk_delay_s=args.chunk_delay_ms / 1000,
+                            reply=load_script(args.script) if args.script else None,
+                            max_model_len=args.max_model_len) as up:
         print(f"fake upstream listening on {up.url}", flush=True)
         await stop.wait()
 
@@ -723,6 +779,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-delay-ms", type=float, default=0.0)
     p.add_argument("--tls-cert", default=None)
     p.add_argument("--tls-key", default=None)
+    p.add_argument("--max-model-len", type=int, default=1 << 20,
+                   help="its context, in its one-byte tokens (vLLM refuses a prompt or a max_tokens past it)")
+    p.add_argument("--script", default=None, metavar="MODULE:NAME",
+                   help="a callable that answers chat requests (e.g. lgt.proxy.harness_policy:reply)")
     asyncio.run(_serve(p.parse_args(argv)))
 
 

@@ -57,8 +57,8 @@ class Resender:
 
     async def call_json(self, method: str, url: str, payload: Any = None,
                         headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> tuple[int, Any]:
-        """A small JSON exchange with the upstream (its model card, its tokenizer): the status and the
-        parsed body (None when it is not JSON). aiohttp errors propagate."""
+        """A small JSON exchange with the upstream (e.g. its tokenizer): the status and the parsed body
+        (None when it is not JSON). aiohttp errors propagate."""
         async with self.session().request(method, url, json=payload, headers=headers or {},
                                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             try:

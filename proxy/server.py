@@ -19,9 +19,11 @@ from lgt.store.writer import TableWriter
 
 from . import auth
 from .addons import Egress, Identify, Record, Rewards, Runtime
+from .codex import CodexModels
 from .control import make_app
 from .gate import HOLD, REJECT, Gate
 from .resend import Resender
+from .wsbridge import Bridge, ResponsesSocket
 
 log = logging.getLogger("lgt.proxy")
 
@@ -233,7 +235,10 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         modes.append(f"reverse:{up.scheme}://{up.netloc}@{cfg.listen_host}:{cfg.reverse_port}")
     opts = options.Options()
     master = lean_master(opts)
-    master.addons.add(Identify(rt), Rewards(rt), Record(rt), Egress(rt))
+    bridge = Bridge(rt)  # the Responses API over WebSocket, relayed to a loopback server (wsbridge.py)
+    await bridge.start()
+    master.addons.add(Identify(rt), Rewards(rt), CodexModels(rt), Record(rt),
+                      ResponsesSocket(rt, bridge.port), Egress(rt))
     opts.update(
         mode=modes,
         confdir=str(cfg.proxy_dir),
@@ -250,6 +255,7 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
     try:
         await site.start()
     except OSError as e:
+        await bridge.stop()
         for w in writers:
             w.close()
         raise ConfigError(f"cannot listen on control port {cfg.control_host}:{cfg.control_port}: "
@@ -275,6 +281,7 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
             master.shutdown()
             await asyncio.gather(run, return_exceptions=True)
         await runner.cleanup()
+        await bridge.stop()
         await rt.resender.close()
         for w in writers:
             w.close()

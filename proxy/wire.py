@@ -141,18 +141,19 @@ OUTPUT_LIMITS = {CHAT: ("max_tokens", "max_completion_tokens"), COMPLETIONS: ("m
 
 
 def fit_output(endpoint: str, req: dict[str, Any], context: int | None, notes: list[str]) -> dict[str, Any]:
-    """``req`` without an output limit that the engine's context (``max_model_len``) cannot hold at
-    all: harnesses ask for 32k–128k tokens, which a hosted model takes and vLLM refuses (400) when the
-    prompt plus the limit passes its context. Left out, the engine stops at the context's end, as
-    the hosted API would have stopped at the limit; a note says so."""
+    """``req`` without an output limit greater than the engine's context (``max_model_len``): harnesses
+    ask for 32k–128k tokens, which a hosted model takes and vLLM 0.32 refuses (400 "max_tokens=N
+    cannot be greater than max_model_len=M"; a smaller limit that the prompt leaves no room for it
+    clamps by itself). Left out, the engine stops at the context's end, as the hosted API would have
+    stopped at the limit; a note says so."""
     if not context:
         return req
     over = [k for k in OUTPUT_LIMITS.get(endpoint, ()) if isinstance(req.get(k), int)
-            and not isinstance(req.get(k), bool) and req[k] >= context]
+            and not isinstance(req.get(k), bool) and req[k] > context]
     if not over:
         return req
     for k in over:
-        notes.append(f"{k} {req[k]} is not below the engine's context of {context} tokens: left out, so "
+        notes.append(f"{k} {req[k]} is more than the engine's context of {context} tokens: left out, so "
                      "the engine stops at the context's end")
     return {k: v for k, v in req.items() if k not in over}
 

@@ -84,7 +84,7 @@ def test_responses_input_becomes_chat_messages() -> None:
         {"role": "assistant", "content": "Let me", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"e": 1}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "5"},
-        {"role": "system", "content": "Answer in words."}]
+        {"role": "user", "content": "<system>\nAnswer in words.\n</system>"}]  # a later developer message
     assert chat["max_tokens"] == 40 and chat["temperature"] == 0.5 and chat["model"] == MODEL
     assert chat["tools"] == [{"type": "function", "function": {
         "name": "calculator", "parameters": FN_TOOL["parameters"], "description": "Evaluate an expression."}}]
@@ -121,23 +121,35 @@ def test_messages_become_chat_messages() -> None:
 
 
 @pytest.mark.parametrize(("api", "req", "message"), [
-    ("responses", {"input": [{"type": "item_reference", "id": "msg_1"}]},
-     "input[0] has type 'item_reference'"),
-    ("responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0] is a 'web_search' tool"),
-    ("responses", {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
-     "input[0].content[0] is a 'input_file' part"),
     ("responses", {"instructions": "only this"}, "has no input"),
+    ("responses", {"input": ["not an item"]}, "input[0] is not an object"),
     ("messages", {"max_tokens": 5, "messages": "hi"}, "has no 'messages' list"),
-    ("messages", {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
-     "messages[0] must be an object with role 'user' or 'assistant'"),
-    ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
-     "messages[0].content[0] is a 'document' block"),
-    ("messages", {"max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
-                  "messages": [{"role": "user", "content": "x"}]}, "is a server tool of Anthropic's"),
+    ("messages", {"max_tokens": 5, "messages": [{"content": "x"}]},
+     "messages[0] must be an object with a 'role'"),
+    ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"text": "x"}]}]},
+     "messages[0].content[0] is not a content block"),
 ])
 def test_what_cannot_be_translated_is_named(api: str, req: dict[str, Any], message: str) -> None:
     with pytest.raises(BadRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
         dialects.to_chat(api, req)
+
+
+@pytest.mark.parametrize(("req", "chat", "note"), [
+    ({"messages": [{"role": "user", "content": [{"type": "document", "title": "T", "source": {
+        "type": "text", "media_type": "text/plain", "data": "x"}}]}]},
+     {"messages": [{"role": "user", "content": "T\n\nx"}]}, "a document block sent as its text"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "web_search_20250305", "name": "web_search"}, ANTHROPIC_TOOL]},
+     {"messages": [{"role": "user", "content": "x"}], "tools": [dialects.chat_tool(
+         "calculator", ANTHROPIC_TOOL["input_schema"], ANTHROPIC_TOOL["description"])]},
+     "a tool that Anthropic's servers run (or one lgt does not know) not offered to the policy"),
+])
+def test_what_the_hosted_messages_api_takes_is_sent_and_noted(req: dict[str, Any], chat: dict[str, Any],
+                                                              note: str) -> None:
+    """Messages the hosted API takes are never refused: mapped to their nearest chat form, and noted."""
+    notes: list[str] = []
+    assert dialects.to_chat(dialects.MESSAGES, req, None, notes) == chat
+    assert len(notes) == 1 and notes[0].startswith(note)
 
 
 # chat answers: text, tool calls (0-2), reasoning, finish reasons; split into stream chunks anyhow
@@ -221,7 +233,7 @@ def without_ids(obj: Any) -> Any:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(streamed(), st.sampled_from(dialects.APIS))
+@given(streamed(), st.sampled_from([dialects.RESPONSES, dialects.MESSAGES]))  # Gemini's: its own file
 def test_a_stream_adds_up_to_the_whole_answer(case, api: str) -> None:
     """However the chat answer is split into chunks, the API's events are well formed (SDK types),
     and the answer they add up to equals the translation of the whole chat body."""
@@ -376,12 +388,15 @@ def test_responses_errors_in_the_apis_shape(proxy, agent_env, rollout):
             client.responses.create(model=MODEL, input="x", previous_response_id="resp_unknown")
         assert "previous_response_id 'resp_unknown' is not one of this rollout's recent" in str(e.value)
         with pytest.raises(openai.BadRequestError) as e:
-            client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
-        assert "tools[0] is a 'web_search' tool" in str(e.value)
+            client.responses.create(model=MODEL, input=[42])  # not the API's shape: OpenAI refuses it too
+        assert "input[0] is not an object" in str(e.value)
+        # a tool OpenAI runs is taken, as the hosted API takes it: not offered to the policy, and noted
+        assert client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}]).output_text
     rows = proxy.calls("rollout_id = ?", [rollout])  # refused before reaching the engine: on the record
-    assert [(r["api"], r["status"], r["http_status"], r["prompt_token_ids"]) for r in rows] == [
-        ("responses", "rejected", 400, None)] * 2
-    assert "previous_response_id 'resp_unknown'" in rows[0]["error"] and "web_search" in rows[1]["error"]
+    assert [(r["api"], r["status"], r["http_status"], r["prompt_token_ids"] is None) for r in rows] == [
+        ("responses", "rejected", 400, True)] * 2 + [("responses", "ok", 200, False)]
+    assert "previous_response_id 'resp_unknown'" in rows[0]["error"] and "input[0]" in rows[1]["error"]
+    assert any("tools[0] (a 'web_search' tool" in n for n in rows[2]["translation"])
 
 
 def test_anthropic_messages_text_whole_and_streamed(proxy, upstream, agent_env, rollout):
@@ -435,10 +450,9 @@ def test_anthropic_errors_in_the_apis_shape(proxy, agent_env, rollout):
     with anthropic_client() as client:
         with pytest.raises(anthropic.BadRequestError) as e:
             client.messages.create(model=CLAUDE, max_tokens=5, messages=[
-                {"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "x",
-                                                                             "media_type": "text/plain"}}]}])
+                {"role": "user", "content": [{"text": "a block without its type"}]}])
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
-        assert "messages[0].content[0] is a 'document' block" in e.value.body["error"]["message"]
+        assert "messages[0].content[0] is not a content block" in e.value.body["error"]["message"]
         with pytest.raises(anthropic.InternalServerError) as e:  # the engine's error, in Anthropic's shape
             client.messages.create(model=CLAUDE, max_tokens=5,
                                    messages=[{"role": "user", "content": "__status:500__"}])

@@ -431,3 +431,21 @@ def test_cli_serves_until_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_output_limits_past_the_context_as_vllm_answers_them() -> None:
+    with FakeUpstream.in_thread(port=0, max_model_len=64) as up, \
+            httpx.Client(base_url=up.url, trust_env=False, timeout=30) as c:
+        ask = {"model": "policy", "messages": [{"role": "user", "content": "What is 6*7?"}]}
+        r = c.post("/chat/completions", json={**ask, "max_tokens": 128000})
+        assert r.status_code == 400  # vLLM 0.32: a limit past the context is refused ...
+        assert r.json()["error"]["message"] == ("max_tokens=128000 cannot be greater than max_model_len=64. "
+                                                "Please request fewer output tokens.")
+        r = c.post("/chat/completions", json={**ask, "max_tokens": 64, "return_token_ids": True})
+        assert r.status_code == 200  # ... one the prompt leaves no room for is clamped
+        body = r.json()
+        assert len(body["prompt_token_ids"]) + len(body["choices"][0]["token_ids"]) <= 64
+        long = {"model": "policy", "messages": [{"role": "user", "content": "x" * 100}]}
+        r = c.post("/chat/completions", json=long)
+        assert r.status_code == 400
+        assert "exceeds model's maximum context length (64)" in r.json()["error"]["message"]

@@ -111,6 +111,8 @@ CASES = {
     "chat-n2": ("chat/completions", {**ASK, "n": 2, "temperature": 1.0, "seed": 7}),
     "chat-own-logprobs": ("chat/completions", {**ASK, "logprobs": True, "top_logprobs": 2}),
     "chat-usage": ("chat/completions", {**ASK, "stream_options": {"include_usage": True}}),
+    # a limit the prompt leaves no room for: vLLM clamps it (as the fake upstream does)
+    "chat-limit-clamped": ("chat/completions", {**ASK, "max_tokens": 512}),
     "completions": ("completions", {"model": "policy", "prompt": "What is 2+3?",
                                     "max_tokens": 12, "temperature": 0}),
 }
@@ -241,3 +243,21 @@ def test_responses_and_messages_sdks_get_what_vllm_serves(real_proxy: ProxyProc,
         assert row["prompt_token_ids"] == ref["prompt_token_ids"]
         assert row["response_token_ids"] == ref["choices"][0]["token_ids"]
         assert row["capture"] == "full"
+
+
+def test_a_limit_past_the_engines_context_is_refused_by_vllm_and_left_out_by_the_proxy(
+        real_proxy: ProxyProc, vllm_url: str, rollout: str) -> None:
+    """What the fake upstream copies: vLLM 0.32 answers 400 to a max_tokens greater than max_model_len;
+    through the proxy, which read the context from vLLM's model card, the call is answered."""
+    body = {**ASK, "max_tokens": 128000}
+    ctx = ssl.create_default_context(cafile=real_proxy.ca_bundle)
+    with httpx.Client(trust_env=False, timeout=60) as d, \
+            httpx.Client(proxy=real_proxy.proxy_url(rollout), verify=ctx, trust_env=False, timeout=60) as c:
+        want = d.post(f"{vllm_url}/chat/completions", json=body)
+        got = c.post("https://api.openai.invalid/v1/chat/completions", json=body)
+    assert want.status_code == 400
+    assert "max_tokens=128000 cannot be greater than max_model_len=512" in want.text
+    assert got.status_code == 200
+    [row] = real_proxy.calls("rollout_id = ?", [rollout])
+    assert row["translation"] == ["max_tokens 128000 is more than the engine's context of 512 tokens: left "
+                                  "out, so the engine stops at the context's end"]

@@ -41,7 +41,7 @@ def make_store(root: Path) -> None:
         calls.append({"call_id": "fitted", "rollout_id": "s1b", "attempt": 0, "seq": 2, "started_at": T0,
                       "endpoint": "chat/completions", "policy_version": 1, "streamed": False,
                       "status": "ok", "capture": "full",
-                      "translation": ["max_tokens 128000 is not below the engine's context of 512 tokens",
+                      "translation": ["max_tokens 128000 is more than the engine's context of 512 tokens",
                                       "thinking ignored"]})
     with TableWriter(root, "egress") as egress:
         for i, (host, allowed) in enumerate([("pypi.org", True), ("pypi.org", True),
@@ -59,7 +59,7 @@ def test_report_numbers(tmp_path: Path) -> None:
     assert data["totals"] == {"calls": 12, "rollouts": 4, "rewarded_rollouts": 4, "tokens": 80}
     assert data["capture"] == [("full", 8), ("no_logprobs (upstream_rejected_logprobs)", 1)]
     assert data["refused"] == [("413 request body of N bytes exceeds the proxy's limit", 2)]
-    assert data["approximated"] == [("max_tokens N is not below the engine's context of N tokens", 1),
+    assert data["approximated"] == [("max_tokens N is more than the engine's context of N tokens", 1),
                                     ("thinking ignored", 1)]
     assert data["egress"] == [("pypi.org", True, 2), ("telemetry.invalid", False, 1)]
 

@@ -470,7 +470,7 @@ def test_show_renders_a_messages_api_call_as_the_chat_call_it_became(tmp_path: P
 
 def test_show_lists_what_was_approximated_and_the_calls_the_proxy_refused(tmp_path: Path) -> None:
     first, second = tool_rollout("r-fit", "6*7", "42")
-    first["translation"] = ["max_tokens 128000 is not below the engine's context of 512 tokens: left out"]
+    first["translation"] = ["max_tokens 128000 is more than the engine's context of 512 tokens: left out"]
     second["seq"] = 2  # between them, a call the proxy answered 429 (reject mode); the agent sent it again
     refused = {**call_row("r-fit", 1, [], {}, status="rejected"), "http_status": 429,
                "error": "the policy is being updated; retry shortly"}
@@ -480,7 +480,7 @@ def test_show_lists_what_was_approximated_and_the_calls_the_proxy_refused(tmp_pa
     add_rollout(tmp_path, "r-fit", task_id="mult", group_id="g0", step=0)
     add_reward(tmp_path, "r-fit", 1)
     text = plain(render(load_trajectory(connect(tmp_path), "r-fit")))
-    assert "  approximated: max_tokens 128000 is not below the engine's context of 512 tokens" in text
+    assert "  approximated: max_tokens 128000 is more than the engine's context of 512 tokens" in text
     assert "call 1 · policy v0 · rejected" in text
     assert "  error: the policy is being updated; retry shortly" in text
     assert "not trained: the proxy answered it itself; it never reached the policy" in text

@@ -340,10 +340,10 @@ def test_prepare_request_greedy_overrides_the_agents_sampling() -> None:
 
 def test_fit_output_leaves_out_only_limits_the_context_cannot_hold() -> None:
     notes: list[str] = []
-    req = {"messages": [], "max_tokens": 8192, "max_completion_tokens": 100, "n": 1}
-    assert wire.fit_output(wire.CHAT, req, 8192, notes) == {"messages": [], "max_completion_tokens": 100,
-                                                             "n": 1}
-    assert notes == ["max_tokens 8192 is not below the engine's context of 8192 tokens: left out, so the "
+    req = {"messages": [], "max_tokens": 8193, "max_completion_tokens": 8192, "n": 1}
+    assert wire.fit_output(wire.CHAT, req, 8192, notes) == {"messages": [], "max_completion_tokens": 8192,
+                                                             "n": 1}  # equal to the context: vLLM takes it
+    assert notes == ["max_tokens 8193 is more than the engine's context of 8192 tokens: left out, so the "
                      "engine stops at the context's end"]
     same = {"prompt": "x", "max_tokens": True}  # not a number: vLLM's own validation answers it
     assert wire.fit_output(wire.COMPLETIONS, same, 4, notes) is same

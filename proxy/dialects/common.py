@@ -19,6 +19,23 @@ EMPTY_SCHEMA = {"type": "object", "properties": {}}
 Notes = list  # list[str]: what a translation approximated, one sentence each
 
 
+class Approx:
+    """What a translation approximated, one sentence per kind naming where (the first three places):
+    ``add(what, where)`` as it goes, ``flush(notes)`` at the end."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, list[str]] = {}
+
+    def add(self, what: str, where: str) -> None:
+        self.seen.setdefault(what, []).append(where)
+
+    def flush(self, notes: list[str]) -> None:
+        for what, wheres in self.seen.items():
+            more = f" and {len(wheres) - 3} more" if len(wheres) > 3 else ""
+            notes.append(f"{what} ({', '.join(wheres[:3])}{more})")
+        self.seen = {}
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..wire import Capture, dumps
 from .common import MESSAGES, RESPONSES, new_id, tool_input
-from .responses import text_logprobs, wants_logprobs
+from .responses import custom_input, text_logprobs, tool_routes, wants_encrypted_reasoning, wants_logprobs
 
 
 def _usage(capture: Capture) -> tuple[int, int]:
@@ -26,6 +28,8 @@ class _Tool:
     name: str = ""
     arguments: str = ""
     opened: bool = False
+    custom: str | None = None  # Responses: a custom tool call's input, read once from its arguments
+    checked: bool = False  # Messages: its arguments were read as the tool's input (and noted if not JSON)
 
 
 @dataclass
@@ -58,10 +62,13 @@ class Translator:
     finish_reason: str | None = None
     stop_reason: Any = None
     notes: list[str] = field(default_factory=list)  # what the answer's translation approximated
+    routes: dict[str, Any] = field(default_factory=dict)  # Responses: chat function → the agent's tool
 
     def __post_init__(self) -> None:
         if not self.response_id:
             self.response_id = new_id("resp" if self.api == RESPONSES else "msg")
+        if self.api == RESPONSES and not self.routes:
+            self.routes = tool_routes(self.request)
 
     # -- SSE ------------------------------------------------------------------------------------------
     def _event(self, kind: str, data: dict[str, Any]) -> bytes:
@@ -79,7 +86,7 @@ class Translator:
         text = r.get("text") if isinstance(r.get("text"), dict) else {"format": {"type": "text"}}
         return {
             "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
-            "background": False, "error": None,
+            "background": bool(r.get("background")), "error": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": r.get("instructions"), "max_output_tokens": r.get("max_output_tokens"),
             "metadata": r.get("metadata") or {}, "model": self.model or r.get("model") or "",
@@ -104,18 +111,44 @@ class Translator:
         return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.text_logprobs}
 
     def _reasoning_item(self) -> dict[str, Any]:
-        return {"id": self.reasoning_id, "type": "reasoning", "summary": [],
+        item = {"id": self.reasoning_id, "type": "reasoning", "summary": [],
                 "content": [{"type": "reasoning_text", "text": self.reasoning}]}
+        if wants_encrypted_reasoning(self.request):  # an opaque token: passed-back reasoning is dropped
+            item["encrypted_content"] = f"lgt-proxy:{self.reasoning_id}"
+        return item
 
     def _call_item(self, t: _Tool, status: str) -> dict[str, Any]:
-        return {"id": t.item_id, "type": "function_call", "status": status, "call_id": t.call_id,
-                "name": t.name, "arguments": t.arguments}
+        """A ``function_call`` item — or a ``custom_tool_call`` for a custom tool — under the agent's
+        own tool name and namespace (the policy called the flattened chat function)."""
+        route = self.routes.get(t.name)
+        done = status != "in_progress"
+        if route is not None and route.kind == "custom":
+            item = {"id": t.item_id, "type": "custom_tool_call", "status": status, "call_id": t.call_id,
+                    "name": route.name, "input": self._custom_input(t) if done else ""}
+        else:
+            item = {"id": t.item_id, "type": "function_call", "status": status, "call_id": t.call_id,
+                    "name": route.name if route else t.name, "arguments": t.arguments if done else ""}
+        if route is not None and route.namespace is not None:
+            item["namespace"] = route.namespace
+        return item
+
+    def _is_custom(self, t: _Tool) -> bool:
+        route = self.routes.get(t.name)
+        return route is not None and route.kind == "custom"
+
+    def _custom_input(self, t: _Tool) -> str:
+        if t.custom is None:
+            t.custom, note = custom_input(t.arguments)
+            if note:
+                self.notes.append(f"custom tool call {t.name!r}: {note}")
+        return t.custom
 
     def _output(self) -> list[tuple[int, dict[str, Any]]]:
         out: list[tuple[int, dict[str, Any]]] = []
         if self.reasoning_index >= 0:
             out.append((self.reasoning_index, self._reasoning_item() if self.api == RESPONSES else
-                        {"type": "thinking", "thinking": self.reasoning, "signature": ""}))
+                        {"type": "thinking", "thinking": self.reasoning if self._thinking_shown() else "",
+                         "signature": self._signature()}))
         if self.text_index >= 0:
             out.append((self.text_index, self._message_item("completed") if self.api == RESPONSES else
                         {"type": "text", "text": self.text}))
@@ -124,10 +157,46 @@ class Translator:
                 out.append((t.index, self._call_item(t, "completed")))
             else:
                 out.append((t.index, {"type": "tool_use", "id": t.call_id, "name": t.name,
-                                      "input": tool_input(t.arguments)}))
+                                      "input": self._input(t)}))
         return sorted(out, key=lambda x: x[0])
 
     # -- Anthropic objects ----------------------------------------------------------------------------
+    def _signature(self) -> str:
+        """A thinking block's ``signature``: the SDKs and Claude Code expect one and pass it back; the
+        proxy drops passed-back thinking, so it only names where the block came from."""
+        return base64.b64encode(f"lgt-proxy:{self.response_id}".encode()).decode()
+
+    def _thinking_shown(self) -> bool:
+        """False when the agent asked ``thinking.display: "omitted"`` (the block comes with its signature
+        and no text, as the hosted API sends it); the reasoning stays on the record as tokens."""
+        thinking = self.request.get("thinking")
+        return not (isinstance(thinking, dict) and thinking.get("display") == "omitted")
+
+    def _input(self, t: _Tool) -> dict[str, Any]:
+        """A tool call's ``input``: its arguments as a JSON object (what else the policy wrote is wrapped,
+        and noted, so the agent always gets an object)."""
+        value = tool_input(t.arguments)
+        if not t.checked:
+            t.checked = True
+            try:
+                ok = isinstance(json.loads(t.arguments or "{}"), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                self.notes.append(f"tool call {t.name!r}: the policy's arguments are not a JSON object; sent "
+                                  f"to the agent under {next(iter(value), 'an object')!r}")
+        return value
+
+    def _empty_text(self) -> list[bytes]:
+        """An answer without a content block gets one empty text block, as the hosted API gives it
+        (clients read ``content[0]``)."""
+        if self.items:
+            return []
+        self.text_index, self.items = 0, 1
+        empty = {"type": "text", "text": ""}
+        return [self._event("content_block_start", {"index": 0, "content_block": empty}),
+                self._event("content_block_stop", {"index": 0})]
+
     def _stop_reason(self) -> str:
         if self.finish_reason == "length":
             return "max_tokens"
@@ -188,7 +257,7 @@ class Translator:
             out.append(self._event("response.reasoning_text.delta", {
                 "item_id": self.reasoning_id, "output_index": self.reasoning_index, "content_index": 0,
                 "delta": delta}))
-        else:
+        elif self._thinking_shown() and not self.reasoning_closed:  # later reasoning: final message only
             out.append(self._event("content_block_delta", {
                 "index": self.reasoning_index, "delta": {"type": "thinking_delta", "thinking": delta}}))
         return out
@@ -203,8 +272,8 @@ class Translator:
                         "content_index": 0, "text": self.reasoning}),
                     self._event("response.output_item.done", {"output_index": self.reasoning_index,
                                                               "item": self._reasoning_item()})]
-        return [self._event("content_block_delta", {"index": self.reasoning_index,
-                                                    "delta": {"type": "signature_delta", "signature": ""}}),
+        return [self._event("content_block_delta", {"index": self.reasoning_index, "delta": {
+                    "type": "signature_delta", "signature": self._signature()}}),
                 self._event("content_block_stop", {"index": self.reasoning_index})]
 
     def _text_delta(self, delta: str, logprobs: list[dict[str, Any]] = ()) -> list[bytes]:
@@ -260,33 +329,43 @@ class Translator:
             t.opened = True
             if self.api == RESPONSES:
                 out.append(self._event("response.output_item.added", {
-                    "output_index": t.index, "item": {**self._call_item(t, "in_progress"), "arguments": ""}}))
+                    "output_index": t.index, "item": self._call_item(t, "in_progress")}))
             else:
                 out.append(self._event("content_block_start", {
                     "index": t.index, "content_block": {"type": "tool_use", "id": t.call_id, "name": t.name,
                                                         "input": {}}}))
         if args:
             t.arguments += args
-            if self.api == RESPONSES:
+            if self.api == RESPONSES and not self._is_custom(t):  # a custom call's input: whole, at its end
                 out.append(self._event("response.function_call_arguments.delta", {
                     "item_id": t.item_id, "output_index": t.index, "delta": args}))
-            else:
-                out.append(self._event("content_block_delta", {
-                    "index": t.index, "delta": {"type": "input_json_delta", "partial_json": args}}))
-        return out
+        return out  # Messages: the input is sent whole when the block closes (_close_tool)
 
     def _close_tool(self, t: _Tool) -> list[bytes]:
         if not t.opened:
             return []
         t.opened = False
         index = t.index
-        if self.api == RESPONSES:
-            return [self._event("response.function_call_arguments.done", {
-                        "item_id": t.item_id, "output_index": index, "name": t.name,
-                        "arguments": t.arguments}),
+        if self.api == RESPONSES and self._is_custom(t):
+            at = {"item_id": t.item_id, "output_index": index}
+            text = self._custom_input(t)
+            delta = [self._event("response.custom_tool_call_input.delta", {**at, "delta": text})
+                     ] if text else []
+            return [*delta, self._event("response.custom_tool_call_input.done", {**at, "input": text}),
                     self._event("response.output_item.done", {"output_index": index,
                                                               "item": self._call_item(t, "completed")})]
-        return [self._event("content_block_stop", {"index": index})]
+        if self.api == RESPONSES:
+            return [self._event("response.function_call_arguments.done", {
+                        "item_id": t.item_id, "output_index": index,
+                        "name": self._call_item(t, "completed")["name"], "arguments": t.arguments}),
+                    self._event("response.output_item.done", {"output_index": index,
+                                                              "item": self._call_item(t, "completed")})]
+        if not t.arguments.strip():  # no arguments: the input stays the {} the block started with
+            return [self._event("content_block_stop", {"index": index})]
+        whole = dumps(self._input(t)).decode()
+        return [self._event("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": whole}}),
+                self._event("content_block_stop", {"index": index})]
 
     def chunk(self, obj: dict[str, Any]) -> bytes:
         """The agent's events for one chat stream chunk (b"" when it says nothing in the API)."""
@@ -331,6 +410,7 @@ class Translator:
             out.append(self._event("response.incomplete" if incomplete else "response.completed",
                                    {"response": final}))
         else:
+            out += self._empty_text()
             stop = self._stop_reason()
             out.append(self._event("message_delta", {
                 "delta": {"stop_reason": stop,
@@ -356,6 +436,7 @@ class Translator:
             incomplete = "max_output_tokens" if self.finish_reason == "length" else None
             return self._envelope("incomplete" if incomplete else "completed",
                                   [item for _, item in self._output()], usage, incomplete)
+        self._empty_text()
         return self._message([item for _, item in self._output()], self._stop_reason(), usage)
 
     def body(self, chat: dict[str, Any], capture: Capture) -> dict[str, Any]:
@@ -374,7 +455,10 @@ class Translator:
         return self.final(capture)
 
     def history(self) -> list[dict[str, Any]]:
-        """The assistant's turn as chat messages (for a later ``previous_response_id``)."""
+        """Responses: the answer's output items (a later ``previous_response_id`` continues with them);
+        otherwise the assistant's turn as chat messages."""
+        if self.api == RESPONSES:
+            return [item for _, item in self._output()]
         msg: dict[str, Any] = {"role": "assistant", "content": self.text or None}
         if self.tools:
             msg["tool_calls"] = [{"id": t.call_id, "type": "function",
