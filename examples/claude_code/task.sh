@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One rollout of examples/claude_code: Claude Code as it ships (node_modules, pinned in package.json),
+# headless (-p), in a fresh project folder with a HOME of its own; then the task's own check
+# (../write_a_word/check.py), whose last line {"reward": …} is the reward. Knows nothing of lgt: Claude Code
+# calls api.anthropic.com through HTTPS_PROXY, which under `lgt-train run` is lgt-proxy (the policy).
+# Its own settings only: the smallest prompt Claude Code makes (--bare, one tool, a short system prompt,
+# and the env vars in run.yaml), so the demo model's context holds it.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/claude-code-task.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+mkdir -p "$tmp/project" "$tmp/home"
+export HOME=$tmp/home XDG_CONFIG_HOME=$tmp/home/.config XDG_CACHE_HOME=$tmp/home/.cache \
+       XDG_DATA_HOME=$tmp/home/.local/share XDG_STATE_HOME=$tmp/home/.local/state
+cd "$tmp/project"
+"$here/node_modules/.bin/claude" -p "$TASK_PROMPT" --bare --tools Bash --allowedTools Bash \
+    --permission-mode acceptEdits --output-format json --system-prompt "$(cat "$here/system.md")" \
+    > "$tmp/claude.json" < /dev/null
+code=$?
+head -c 2000 "$tmp/claude.json"; echo
+[ $code -eq 0 ] || exit $code   # Claude Code itself failed: a failed attempt, retried (not reward 0)
+python3 "$here/../write_a_word/check.py" "$tmp/project"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One rollout of examples/codex: Codex CLI as it ships (node_modules, pinned in package.json), headless
+# (`codex exec`), in a fresh project folder with a CODEX_HOME of its own holding config.toml; then the
+# task's own check (../write_a_word/check.py), whose last line {"reward": …} is the reward. Knows nothing
+# of lgt: Codex calls api.openai.com — the Responses API over a WebSocket first — through HTTPS_PROXY,
+# which under `lgt-train run` is lgt-proxy (the policy). Codex reads the proxy's CA from SSL_CERT_FILE.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/codex-task.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+mkdir -p "$tmp/project" "$tmp/home/.codex"
+export HOME=$tmp/home CODEX_HOME=$tmp/home/.codex XDG_CONFIG_HOME=$tmp/home/.config \
+       XDG_CACHE_HOME=$tmp/home/.cache XDG_DATA_HOME=$tmp/home/.local/share XDG_STATE_HOME=$tmp/home/.local/state
+sed "s#@HERE@#$here#" "$here/config.toml" > "$CODEX_HOME/config.toml"
+cd "$tmp/project"
+"$here/node_modules/.bin/codex" exec --skip-git-repo-check --sandbox workspace-write "$TASK_PROMPT" \
+    > "$tmp/codex.out" 2> "$tmp/codex.err" < /dev/null
+code=$?
+tail -c 2000 "$tmp/codex.out"; tail -c 2000 "$tmp/codex.err" >&2
+[ $code -eq 0 ] || exit $code   # Codex itself failed: a failed attempt, retried (not reward 0)
+python3 "$here/../write_a_word/check.py" "$tmp/project"
