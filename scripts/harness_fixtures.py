@@ -3,11 +3,13 @@
 
 Each harness installed by ``npm ci`` in ``tests/harnesses`` (Claude Code, Codex CLI, Gemini CLI,
 qwen-code, opencode, pi) is run unmodified, with only its own flags, environment variables and config
-files, on one task: "write the word PINEAPPLE into the file answer.txt in the current directory",
+files (``lgt.proxy.harnesses``: the one description the tests through lgt-proxy use too), on one task:
+"write the word PINEAPPLE into the file answer.txt in the current directory",
 aimed at its default hosted API through ``HTTPS_PROXY``. The proxy is a mitmproxy run in this
 process that never forwards anything: it answers every request itself — provider-format canned
 answers (Anthropic Messages SSE, OpenAI Responses SSE and WebSocket, Gemini ``streamGenerateContent``
-SSE, chat/completions SSE): first a call of the harness's own write/shell tool, then, once the tool's
+SSE, chat/completions SSE): first a call of the harness's own write/shell tool (picked and filled by
+``lgt.proxy.harness_policy``, as the scripted engine behind lgt-proxy does), then, once the tool's
 result comes back, a short final text; model lists, update checks and telemetry get plausible answers.
 Everything the harness sent (method, URL, redacted headers, body as JSON, WebSocket messages) and what
 it was answered is written to ``tests/fixtures/harnesses/<harness>[.<profile>]/NN-<kind>.json`` with
@@ -46,30 +48,40 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-ROOT = Path(__file__).resolve().parent.parent
-HARNESS_DIR = ROOT / "tests" / "harnesses"
-FIXTURES = ROOT / "tests" / "fixtures" / "harnesses"
-TASK = "Write the word PINEAPPLE into the file answer.txt in the current directory."
-WORD = "PINEAPPLE"
-FINAL_TEXT = "Done: answer.txt now holds PINEAPPLE."
-NETNS_MARK = "LGT_HARNESS_NETNS"
-FAKE_KEY = "sk-test-harness-fixtures"
-PROXY_USER, PROXY_PASS = "harness-fixtures", "tok"
+from lgt.proxy.harness_policy import (
+    Task,
+    ToolCall,
+    choose_call,
+    fill_schema,
+    has_tool_result,
+    offered_tools,
+    task_text,
+)
+from lgt.proxy.harnesses import (
+    HARNESSES,
+    INSTALL_DIRS,
+    PACKAGES,
+    Harness,
+    Place,
+    command,
+    environment,
+    installed_version,
+    prepare,
+)
 
-PACKAGES = {  # harness → npm package
-    "claude_code": "@anthropic-ai/claude-code",
-    "codex": "@openai/codex",
-    "gemini": "@google/gemini-cli",
-    "qwen": "@qwen-code/qwen-code",
-    "opencode": "opencode-ai",
-    "pi": "@mariozechner/pi-coding-agent",
-}
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "harnesses"
+WORD = "PINEAPPLE"
+TASK = task_text(WORD, "answer.txt")  # "Write the word PINEAPPLE into the file answer.txt in the current …"
+FINAL_TEXT = Task(WORD, "answer.txt").final_text
+SIDE_TEXT = f"Write {WORD} to answer.txt"  # strings in the JSON side calls get (titles, routing reasons)
+NETNS_MARK = "LGT_HARNESS_NETNS"
+PROXY_USER, PROXY_PASS = "harness-fixtures", "tok"
 
 SECRET_HEADERS = {"authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization",
                   "cookie", "set-cookie", "chatgpt-account-id", "x-openai-api-key"}
@@ -110,84 +122,6 @@ def parse_sse(raw: bytes) -> list[dict[str, Any]]:
         if ev:
             events.append(ev)
     return events
-
-
-@dataclass
-class ToolCall:
-    name: str
-    args: dict[str, Any] | str  # str: a freeform (custom) tool's raw input
-    kind: str = "function"  # function | custom
-    namespace: str | None = None
-
-
-def _props(schema: Any) -> dict[str, Any]:
-    if isinstance(schema, dict):
-        return schema.get("properties") or {}
-    return {}
-
-
-PATCH = "*** Begin Patch\n*** Add File: answer.txt\n+PINEAPPLE\n*** End Patch\n"
-
-
-def tool_args(name: str, schema: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """Arguments for a write or shell tool, from its JSON schema's property names."""
-    props = _props(schema)
-    low = {k.lower(): k for k in props}
-    if "patch" in name.lower():  # apply_patch: one string property takes the whole patch
-        key = next((k for k in props if "patch" in k.lower() or k.lower() == "input"),
-                   next(iter(props), "input"))
-        return {key: PATCH}
-    shell = "echo PINEAPPLE > answer.txt"
-    args: dict[str, Any] = {}
-    path_key = next((low[k] for k in ("file_path", "filepath", "absolute_path", "path", "file", "filename")
-                     if k in low), None)
-    content_key = next((low[k] for k in ("content", "contents", "text", "file_text", "data") if k in low),
-                       None)
-    cmd_key = next((low[k] for k in ("command", "cmd", "commands", "script") if k in low), None)
-    if path_key and content_key:
-        args[path_key] = str(workdir / "answer.txt")
-        args[content_key] = WORD + "\n"
-    elif cmd_key:
-        typ = (props[cmd_key] or {}).get("type")
-        args[cmd_key] = ["bash", "-lc", shell] if typ == "array" else shell
-    else:
-        args["command"] = shell
-    for req in (schema or {}).get("required", []) if isinstance(schema, dict) else []:
-        if req in args:
-            continue
-        p = props.get(req) or {}
-        if req.lower() in ("description",):
-            args[req] = "Write PINEAPPLE into answer.txt"
-        elif req.lower() in ("workdir", "cwd", "directory", "dir_path", "directory_path"):
-            args[req] = str(workdir)
-        elif p.get("type") == "boolean":
-            args[req] = False
-        elif p.get("type") in ("integer", "number"):
-            args[req] = 10000 if "timeout" in req.lower() else 1
-        elif p.get("type") == "array":
-            args[req] = []
-        else:
-            args[req] = ""
-    return args
-
-
-def fill_schema(schema: Any) -> Any:
-    """A value that satisfies a (simple) JSON schema: for side calls asked for structured output."""
-    if not isinstance(schema, dict):
-        return "ok"
-    t = schema.get("type")
-    t = (t[0] if isinstance(t, list) and t else t or "").lower()  # Gemini writes OBJECT, STRING, INTEGER
-    if "enum" in schema:
-        return schema["enum"][0]
-    if t == "object" or "properties" in schema:
-        return {k: fill_schema(v) for k, v in _props(schema).items()}
-    if t == "array":
-        return []
-    if t == "boolean":
-        return False
-    if t in ("integer", "number"):
-        return schema.get("minimum", 1)
-    return f"Write {WORD} to answer.txt"
 
 
 # ---- Anthropic Messages --------------------------------------------------------------------------
@@ -409,76 +343,8 @@ LEAN: str | None = None  # --lean: None, "added" or "done"
 
 
 # --------------------------------------------------------------------------------------------------
-# which answer: the conversation's state and the tools it offers
-# --------------------------------------------------------------------------------------------------
-
-def _texts(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False)
-
-
-def has_tool_result(api: str, body: dict[str, Any]) -> bool:
-    if api == "messages":
-        for m in body.get("messages") or []:
-            c = m.get("content")
-            if isinstance(c, list) and any(isinstance(b, dict) and b.get("type") == "tool_result" for b in c):
-                return True
-        return False
-    if api == "responses":
-        inp = body.get("input")
-        return isinstance(inp, list) and any(
-            isinstance(i, dict) and i.get("type") in ("function_call_output", "custom_tool_call_output",
-                                                      "local_shell_call_output", "tool_search_output")
-            for i in inp)
-    if api == "chat":
-        return any(m.get("role") == "tool" for m in body.get("messages") or [])
-    if api == "gemini":
-        return any("functionResponse" in p for c in body.get("contents") or [] for p in c.get("parts") or []
-                   if isinstance(p, dict))
-    return False
-
-
-def offered_tools(api: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """[{name, kind, schema, namespace, raw}] of every tool the request offers (namespaces flattened)."""
-    out: list[dict[str, Any]] = []
-
-    def add_openai(t: dict[str, Any], ns: str | None = None):
-        typ = t.get("type")
-        if typ == "namespace":
-            for sub in t.get("tools") or []:
-                add_openai(sub, t.get("name"))
-        elif typ == "function":
-            f = t.get("function") if isinstance(t.get("function"), dict) else t
-            out.append({"name": f.get("name"), "kind": "function", "schema": f.get("parameters") or {},
-                        "namespace": ns})
-        elif typ == "custom":
-            out.append({"name": t.get("name"), "kind": "custom", "schema": t.get("format"), "namespace": ns})
-        else:
-            out.append({"name": t.get("name") or typ, "kind": typ, "schema": {}, "namespace": ns})
-
-    if api == "messages":
-        for t in body.get("tools") or []:
-            typ = t.get("type") or "custom"  # Anthropic's "custom" is a plain JSON-schema tool
-            out.append({"name": t.get("name"), "kind": "function" if typ == "custom" else typ,
-                        "schema": t.get("input_schema") or {}, "namespace": None})
-    elif api in ("responses", "chat"):
-        for t in body.get("tools") or []:
-            add_openai(t)
-        inp = body.get("input") if api == "responses" else None
-        for item in inp if isinstance(inp, list) else []:  # Codex: tools as an input item
-            if isinstance(item, dict) and item.get("type") == "additional_tools":
-                for t in item.get("tools") or []:
-                    add_openai(t)
-    elif api == "gemini":
-        for t in body.get("tools") or []:
-            for f in t.get("functionDeclarations") or t.get("function_declarations") or []:
-                out.append({"name": f.get("name"), "kind": "function",
-                            "schema": f.get("parameters") or f.get("parametersJsonSchema") or {},
-                            "namespace": None})
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# harnesses
+# one run of a harness (how each is run: lgt.proxy.harnesses; which tool it is answered with:
+# lgt.proxy.harness_policy)
 # --------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -486,273 +352,22 @@ class Run:
     """One harness run: where it runs and what it was answered."""
     harness: str
     profile: str
-    workdir: Path
-    home: Path
+    place: Place
     tool_prefs: list[str]
     ws: str = "refuse"  # accept | refuse: what a WebSocket upgrade gets
     calls: list[dict[str, Any]] = field(default_factory=list)
     connects: dict[str, int] = field(default_factory=dict)
     proxy_auth_seen: set[str] = field(default_factory=set)
     tool_used: list[str] = field(default_factory=list)
-    custom_tool_input: Callable[[dict[str, Any], Path], str] | None = None
     extra_env: dict[str, str | None] = field(default_factory=dict)
 
+    @property
+    def workdir(self) -> Path:
+        return self.place.workdir
 
-def codex_exec_input(tool: dict[str, Any], workdir: Path) -> str:
-    """Codex's freeform ``exec`` tool takes JavaScript that calls its nested tools."""
-    return ('const r = await tools.exec_command({cmd: "echo PINEAPPLE > answer.txt"});\n'
-            'text(JSON.stringify(r));\n')
-
-
-@dataclass
-class Harness:
-    name: str
-    bin: str
-    argv: Callable[[Run], list[str]]
-    env: Callable[[Run], dict[str, str]] = lambda r: {}
-    files: Callable[[Run], dict[str, str]] = lambda r: {}  # path (relative to home, or absolute) → text
-    tool_prefs: tuple[str, ...] = ()
-    ws: str = "refuse"
-    notes: str = ""
-
-
-def _j(obj: Any) -> str:
-    return json.dumps(obj, indent=2)
-
-
-HARNESSES: dict[str, dict[str, Harness]] = {}
-
-
-SHORT_PROMPT = "You are a coding agent. Use the tools to do the user's task, then say done."
-
-
-def _add(h: Harness, profile: str) -> None:
-    HARNESSES.setdefault(h.name, {})[profile] = h
-
-
-# ---- Claude Code ---------------------------------------------------------------------------------
-# -p skips the workspace trust dialog; as root, --dangerously-skip-permissions is refused, so edits are
-# allowed by --permission-mode acceptEdits and the shell by --allowedTools.
-
-CLAUDE_QUIET = {
-    "DISABLE_AUTOUPDATER": "1",
-    "DISABLE_TELEMETRY": "1",
-    "DISABLE_ERROR_REPORTING": "1",
-    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # no bootstrap, event logging, metrics lookups
-}
-CLAUDE_SMALL = {
-    "ENABLE_TOOL_SEARCH": "false",  # no DeferredToolPlaceholder (with the default tools: 21 tools inline!)
-    "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",  # no "x-anthropic-billing-header: …" system block
-    "CLAUDE_CODE_DISABLE_EXPERIMENTAL_BETAS": "1",  # no context_management, diagnostics; fewer betas
-    "DISABLE_PROMPT_CACHING": "1",  # no cache_control
-    "CLAUDE_CODE_DISABLE_THINKING": "1",  # no thinking field
-}
-_claude_base = ["-p", TASK, "--permission-mode", "acceptEdits", "--output-format", "json"]
-_add(Harness("claude_code", "claude",
-             lambda r: [*_claude_base, "--allowedTools", "Write", "Bash"],
-             env=lambda r: {"ANTHROPIC_API_KEY": FAKE_KEY, **CLAUDE_QUIET},
-             tool_prefs=("Write", "Bash"),
-             notes="quiet: no auto-update, telemetry, error reports or non-essential traffic"), "default")
-_add(Harness("claude_code", "claude",
-             lambda r: [*_claude_base, "--bare", "--tools", "Bash", "--allowedTools", "Bash",
-                        "--system-prompt", SHORT_PROMPT],
-             env=lambda r: {"ANTHROPIC_API_KEY": FAKE_KEY, **CLAUDE_QUIET, **CLAUDE_SMALL},
-             tool_prefs=("Bash",),
-             notes="smallest prompt found: --bare (no environment/system message, no CLAUDE.md, hooks, "
-                   "plugins), one tool, own system prompt, betas/caching/thinking/attribution off"),
-     "minimal")
-
-
-# ---- Codex ---------------------------------------------------------------------------------------
-# Codex is Rust: it takes the proxy's CA from CODEX_CA_CERTIFICATE or SSL_CERT_FILE (not
-# NODE_EXTRA_CA_CERTS). It opens a WebSocket to wss://api.openai.com/v1/responses first; answered 426
-# it falls back to HTTPS at once, answered 401/403/404/502 after 7 tries (~6 s), answered 400 it fails.
-
-CODEX_QUIET = """\
-check_for_update_on_startup = false
-
-[analytics]
-enabled = false   # no OpenTelemetry metrics to ab.chatgpt.com
-
-[feedback]
-enabled = false
-
-[features]
-plugins = false   # no plugin sync (github.com, api.github.com, chatgpt.com)
-"""
-CODEX_SMALL = """\
-model = "gpt-5"   # the default model (gpt-6.x) gets one freeform JavaScript `exec` tool of ~25 KB
-model_instructions_file = "{home}/.codex/instructions.md"
-include_permissions_instructions = false
-include_apps_instructions = false
-include_collaboration_mode_instructions = false
-include_environment_context = false
-web_search = "disabled"
-check_for_update_on_startup = false
-
-[analytics]
-enabled = false
-
-[feedback]
-enabled = false
-
-[skills]
-include_instructions = false
-
-[skills.bundled]
-enabled = false
-
-[features]
-plugins = false
-multi_agent = false
-goals = false
-sleep_tool = false
-view_image = false
-image_generation = false
-apps = false
-tool_suggest = false
-skill_search = false
-browser_use = false
-computer_use = false
-"""
-_codex_argv = lambda r: ["exec", "--skip-git-repo-check", "--sandbox", "workspace-write", TASK]  # noqa: E731
-_codex_env = lambda r: {"OPENAI_API_KEY": FAKE_KEY, "CODEX_HOME": str(r.home / ".codex")}  # noqa: E731
-_add(Harness("codex", "codex", _codex_argv, env=_codex_env,
-             files=lambda r: {".codex/config.toml": CODEX_QUIET},
-             tool_prefs=("exec_command", "shell", "shell_command", "apply_patch", "exec"), ws="accept",
-             notes="quiet config.toml; the Responses API over WebSocket (answered)"), "default")
-_add(Harness("codex", "codex", _codex_argv, env=_codex_env,
-             files=lambda r: {".codex/config.toml": CODEX_QUIET},
-             tool_prefs=("exec_command", "shell", "shell_command", "apply_patch", "exec"), ws="refuse",
-             notes="as default, but the WebSocket upgrade is answered 426: Codex falls back to HTTPS POST "
-                   "/v1/responses (SSE) at once and sends the whole history each call"), "http")
-_add(Harness("codex", "codex", _codex_argv, env=_codex_env,
-             files=lambda r: {".codex/config.toml": CODEX_SMALL.format(home=r.home),
-                              ".codex/instructions.md": SHORT_PROMPT + "\n"},
-             tool_prefs=("exec_command", "shell", "shell_command", "apply_patch", "exec"), ws="accept",
-             notes="smallest prompt found: model gpt-5 (classic function tools), own base instructions, "
-                   "no permissions/apps/collaboration/environment/skills sections, features off"), "minimal")
-
-
-# ---- Gemini CLI ----------------------------------------------------------------------------------
-# -p is headless; --yolo approves tools; without --skip-trust it exits 55 in an untrusted folder.
-
-GEMINI_QUIET = {"general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
-                "privacy": {"usageStatisticsEnabled": False},  # no Clearcut logs to play.googleapis.com
-                "telemetry": {"enabled": False}}
-GEMINI_SMALL = {**GEMINI_QUIET,
-                "model": {"name": "gemini-2.5-flash", "skipNextSpeakerCheck": True},
-                "tools": {"core": ["write_file"]},
-                "skills": {"enabled": False},
-                "useWriteTodos": False,
-                "context": {"includeDirectoryTree": False},
-                "experimental": {"enableAgents": False, "topicUpdateNarration": False},
-                "general": {**GEMINI_QUIET["general"], "topicUpdateNarration": False}}
-_add(Harness("gemini", "gemini", lambda r: ["-p", TASK, "--yolo", "--skip-trust"],
-             env=lambda r: {"GEMINI_API_KEY": FAKE_KEY},
-             files=lambda r: {".gemini/settings.json": _j(GEMINI_QUIET)},
-             tool_prefs=("write_file", "run_shell_command"),
-             notes="quiet settings.json; model 'auto' (a flash-lite routing call picks the model)"),
-     "default")
-_add(Harness("gemini", "gemini", lambda r: ["-p", TASK, "--yolo", "--skip-trust"],
-             env=lambda r: {"GEMINI_API_KEY": FAKE_KEY, "GEMINI_SYSTEM_MD": str(r.home / "system.md")},
-             files=lambda r: {".gemini/settings.json": _j(GEMINI_SMALL), "system.md": SHORT_PROMPT + "\n"},
-             tool_prefs=("write_file", "run_shell_command"),
-             notes="smallest prompt found: GEMINI_SYSTEM_MD replaces the system prompt, tools.core keeps "
-                   "write_file, a fixed model (no routing call), skills/todos/agents off"), "minimal")
-
-
-# ---- qwen-code -----------------------------------------------------------------------------------
-# --auth-type openai with OPENAI_API_KEY/OPENAI_MODEL; without OPENAI_BASE_URL it speaks
-# chat/completions to DashScope's OpenAI-compatible endpoint (dashscope.aliyuncs.com/compatible-mode/v1).
-
-QWEN_QUIET = {"general": {"enableAutoUpdate": False},
-              "privacy": {"usageStatisticsEnabled": False},  # no RUM events to *.rum.aliyuncs.com
-              "telemetry": {"enabled": False}}
-QWEN_SMALL = {**QWEN_QUIET,
-              # tools.core keeps the core tools to write_file; the agent/goal/worktree/... tools are not
-              # core tools and need tools.disabled (--bare would ignore settings files altogether)
-              "tools": {"core": ["write_file"], "toolSearch": {"enabled": False},
-                        "disabled": ["agent", "enter_worktree", "exit_worktree", "get_goal", "update_goal",
-                                     "list_agents", "record_artifact", "report_findings", "send_message",
-                                     "skill", "task_stop"]},
-              "skills": {"disabledLevels": ["user", "project", "bundled", "builtin", "extension"]},
-              "memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False,
-                         "enableAutoSkill": False},
-              "model": {"skipStartupContext": True, "skipNextSpeakerCheck": True, "skipLoopDetection": True}}
-_add(Harness("qwen", "qwen", lambda r: ["-p", TASK, "--yolo", "--auth-type", "openai"],
-             env=lambda r: {"OPENAI_API_KEY": FAKE_KEY, "OPENAI_MODEL": "qwen3-coder-plus"},
-             files=lambda r: {".qwen/settings.json": _j(QWEN_QUIET)},
-             tool_prefs=("write_file", "run_shell_command"),
-             notes="quiet settings.json; no OPENAI_BASE_URL: DashScope's compatible-mode endpoint"),
-     "default")
-_add(Harness("qwen", "qwen", lambda r: ["-p", TASK, "--yolo", "--auth-type", "openai"],
-             env=lambda r: {"OPENAI_API_KEY": FAKE_KEY, "OPENAI_MODEL": "gpt-4.1",
-                            "OPENAI_BASE_URL": "https://api.openai.com/v1",
-                            "QWEN_SYSTEM_MD": str(r.home / "system.md")},
-             files=lambda r: {".qwen/settings.json": _j(QWEN_SMALL), "system.md": SHORT_PROMPT + "\n",
-                              # made from the locale (~1 KB) and sent as context when missing
-                              ".qwen/output-language.md":
-                                  "<!-- qwen-code:llm-output-language: English -->\n"},
-             tool_prefs=("write_file", "run_shell_command"),
-             notes="smallest prompt found, aimed at api.openai.com: QWEN_SYSTEM_MD replaces the system "
-                   "prompt, tools.core keeps write_file, no tool search, skills or startup context"),
-     "minimal")
-
-
-# ---- opencode ------------------------------------------------------------------------------------
-# `run` is headless; without a permission rule it asks before touching its own work dir.
-
-OPENCODE_QUIET = {"OPENCODE_DISABLE_AUTOUPDATE": "1",
-                  "OPENCODE_DISABLE_MODELS_FETCH": "1"}  # its models.dev snapshot, not models.opencode.ai
-_add(Harness("opencode", "opencode", lambda r: ["run", "-m", "openai/gpt-5", TASK],
-             env=lambda r: {"OPENAI_API_KEY": FAKE_KEY, **OPENCODE_QUIET,
-                            "OPENCODE_CONFIG_CONTENT": json.dumps({
-                                "permission": {"*": "allow"}, "share": "disabled", "autoupdate": False})},
-             tool_prefs=("write", "bash", "apply_patch"),
-             notes="quiet; a title call (gpt-5.4-nano) precedes the main call"), "default")
-_add(Harness("opencode", "opencode", lambda r: ["run", "-m", "openai/gpt-5", "--title", "t", TASK],
-             env=lambda r: {"OPENAI_API_KEY": FAKE_KEY, **OPENCODE_QUIET,
-                            "OPENCODE_CONFIG_CONTENT": json.dumps({
-                                "permission": {"*": "deny", "edit": "allow"},  # denied tools are not offered
-                                "share": "disabled", "autoupdate": False,
-                                "agent": {"build": {"prompt": SHORT_PROMPT}}})},
-             tool_prefs=("write", "apply_patch", "bash"),
-             notes="smallest prompt found: --title (no title call), every permission denied but edit "
-                   "(gpt-5 gets apply_patch alone), the build agent's prompt replaced"), "minimal")
-
-
-# ---- pi ------------------------------------------------------------------------------------------
-
-_add(Harness("pi", "pi", lambda r: ["-p", "--provider", "openai", "--no-session", "--offline", TASK],
-             env=lambda r: {"OPENAI_API_KEY": FAKE_KEY},
-             tool_prefs=("write", "bash"),
-             notes="--offline: no startup network operations; --no-session: nothing saved"), "default")
-_add(Harness("pi", "pi", lambda r: ["-p", "--provider", "openai", "--no-session", "--offline",
-                                    "--tools", "write", "--system-prompt", SHORT_PROMPT, "--no-skills",
-                                    "--no-context-files", "--no-extensions", "--no-prompt-templates",
-                                    "--thinking", "off", TASK],
-             env=lambda r: {"OPENAI_API_KEY": FAKE_KEY},
-             tool_prefs=("write", "bash"),
-             notes="smallest prompt found: one tool, own system prompt, no skills/context files/"
-                   "extensions/templates, thinking off"), "minimal")
-
-
-# ---- stock: only the key (and what a run cannot do without); to see what the quiet settings remove --
-
-def _stock(name: str, env: dict[str, str], files: Callable[[Run], dict[str, str]] = lambda r: {}):
-    base = HARNESSES[name]["default"]
-    _add(Harness(name, base.bin, base.argv, env=lambda r: dict(env), files=files, tool_prefs=base.tool_prefs,
-                 ws=base.ws, notes="stock: only a key and what a headless run needs"), "stock")
-
-
-_stock("claude_code", {"ANTHROPIC_API_KEY": FAKE_KEY})
-_stock("codex", {"OPENAI_API_KEY": FAKE_KEY}, lambda r: {".codex/config.toml": ""})
-_stock("gemini", {"GEMINI_API_KEY": FAKE_KEY})
-_stock("qwen", {"OPENAI_API_KEY": FAKE_KEY, "OPENAI_MODEL": "qwen3-coder-plus"})
-_stock("opencode", {"OPENAI_API_KEY": FAKE_KEY,
-                    "OPENCODE_CONFIG_CONTENT": json.dumps({"permission": {"*": "allow"}})})
-_stock("pi", {"OPENAI_API_KEY": FAKE_KEY})
+    @property
+    def task(self) -> Task:
+        return Task(WORD, "answer.txt", str(self.place.workdir))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1014,22 +629,11 @@ class Answerer:
                                   for t in tools]}
         if run is None or not tools or has_tool_result(api, body):
             return None, note
-        by_name = {t["name"]: t for t in tools}
-        for pref in run.tool_prefs:
-            t = by_name.get(pref)
-            if t is None:
-                continue
-            if t["kind"] == "custom":
-                fn = run.custom_tool_input or (lambda tool, wd: PATCH if "patch" in tool["name"] else
-                                               codex_exec_input(tool, wd))
-                call = ToolCall(t["name"], fn(t, run.workdir), "custom", t["namespace"])
-            else:
-                call = ToolCall(t["name"], tool_args(t["name"], t["schema"], run.workdir), "function",
-                                t["namespace"])
-            run.tool_used.append(t["name"])
+        call = choose_call(tools, run.task, run.tool_prefs)
+        if call is not None:
+            run.tool_used.append(call.name)
             note["tool_call"] = {"name": call.name, "kind": call.kind, "args": call.args}
-            return call, note
-        return None, note
+        return call, note
 
     def kind_of(self, api: str, body: dict[str, Any], call: ToolCall | None) -> str:
         if call is not None:
@@ -1047,7 +651,7 @@ class Answerer:
         fmt = (body.get("output_config") or {}).get("format") or {}
         text = FINAL_TEXT
         if fmt.get("type") == "json_schema":
-            text = json.dumps(fill_schema(fmt.get("schema")))
+            text = json.dumps(fill_schema(fmt.get("schema"), SIDE_TEXT))
             kind = "title" if "title" in text else "side-json"
         events = anthropic_answer(body, call, text)
         if LEAN:
@@ -1066,7 +670,7 @@ class Answerer:
         text = FINAL_TEXT
         fmt = (body.get("text") or {}).get("format") or {}
         if fmt.get("type") == "json_schema":
-            text = json.dumps(fill_schema(fmt.get("schema")))
+            text = json.dumps(fill_schema(fmt.get("schema"), SIDE_TEXT))
             kind = "side-json"
         events = responses_events(body, call, text)
         return kind, lean_responses(events) if LEAN else events, note
@@ -1093,7 +697,7 @@ class Answerer:
         gc = body.get("generationConfig") or {}
         if gc.get("responseMimeType") == "application/json":
             schema = gc.get("responseJsonSchema") or gc.get("responseSchema")
-            text = json.dumps(fill_schema(schema))
+            text = json.dumps(fill_schema(schema, SIDE_TEXT))
             kind = "router" if "complexity_score" in json.dumps(schema) else "side-json"  # model routing
         chunks = gemini_chunks(body, call, text, model)
         if method == "streamGenerateContent":
@@ -1104,13 +708,6 @@ class Answerer:
 # --------------------------------------------------------------------------------------------------
 # running
 # --------------------------------------------------------------------------------------------------
-
-def installed_version(pkg: str) -> str:
-    try:
-        return json.loads((HARNESS_DIR / "node_modules" / pkg / "package.json").read_text())["version"]
-    except (OSError, ValueError, KeyError):
-        return "?"
-
 
 async def start_proxy(confdir: Path, addon: Answerer):
     from mitmproxy import options
@@ -1135,20 +732,11 @@ async def start_proxy(confdir: Path, addon: Answerer):
 
 
 def harness_env(run: Run, port: int, ca: Path, h: Harness) -> dict[str, str]:
-    """A clean environment: nothing of this machine's own (its CA variables, keys, proxies) leaks in."""
+    """The harness's environment (lgt.proxy.harnesses.environment) with this script's proxy and CA."""
     proxy = f"http://{PROXY_USER}:{PROXY_PASS}@127.0.0.1:{port}"
-    bins = HARNESS_DIR / "node_modules" / ".bin"
-    env = {
-        "PATH": f"{bins}:{Path(shutil.which('node') or '/usr/bin/node').parent}:/usr/local/bin:/usr/bin:/bin",
-        "HOME": str(run.home), "USER": "root", "LANG": "C.UTF-8", "TERM": "dumb", "SHELL": "/bin/bash",
-        "TMPDIR": str(run.home / "tmp"),
-        "XDG_CONFIG_HOME": str(run.home / ".config"), "XDG_DATA_HOME": str(run.home / ".local/share"),
-        "XDG_CACHE_HOME": str(run.home / ".cache"), "XDG_STATE_HOME": str(run.home / ".local/state"),
+    env = environment(h, run.place, {
         "HTTPS_PROXY": proxy, "HTTP_PROXY": proxy, "https_proxy": proxy, "http_proxy": proxy,
-        "NO_PROXY": "", "no_proxy": "",
-        "NODE_EXTRA_CA_CERTS": str(ca), "SSL_CERT_FILE": str(ca),
-    }
-    env.update(h.env(run))
+        "NO_PROXY": "", "no_proxy": "", "NODE_EXTRA_CA_CERTS": str(ca), "SSL_CERT_FILE": str(ca)})
     for k, v in run.extra_env.items():  # an experiment's extra variables; None unsets one
         if v is None:
             env.pop(k, None)
@@ -1157,24 +745,15 @@ def harness_env(run: Run, port: int, ca: Path, h: Harness) -> dict[str, str]:
     return env
 
 
-def prepare(run: Run, h: Harness) -> None:
-    for d in (run.workdir, run.home / "tmp", run.home / ".config", run.home / ".cache"):
-        d.mkdir(parents=True, exist_ok=True)
-    for rel, text in h.files(run).items():
-        p = Path(rel) if os.path.isabs(rel) else run.home / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-
-
 async def run_one(addon: Answerer, port: int, ca: Path, h: Harness, profile: str, base: Path,
                   timeout: float, extra_env: dict[str, str | None] | None = None,
                   extra_args: list[str] | None = None, ws: str | None = None) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"{h.name}-{profile}-", dir=base))
-    run = Run(h.name, profile, root / "work", root / "home", list(h.tool_prefs), ws=ws or h.ws,
+    run = Run(h.name, profile, Place(TASK, root / "work", root / "home"), list(h.tool_prefs), ws=ws or h.ws,
               extra_env=dict(extra_env or {}))
-    prepare(run, h)
+    prepare(h, run.place)
     env = harness_env(run, port, ca, h)
-    argv = [str(HARNESS_DIR / "node_modules" / ".bin" / h.bin), *h.argv(run), *(extra_args or [])]
+    argv = [*command(h, run.place), *(extra_args or [])]
     addon.run = run
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(*argv, cwd=run.workdir, env=env, stdin=subprocess.DEVNULL,
@@ -1236,14 +815,14 @@ def write_fixtures(res: dict[str, Any], out: Path) -> Path:
                       "query": c.get("query"), "body_bytes": c["body_bytes"],
                       "tools": len(note.get("tools_offered") or []),
                       "tool_call": (note.get("tool_call") or {}).get("name")})
-    pkg = PACKAGES[h.name]
+    pkg = h.package
     manifest = {
         "harness": h.name, "profile": run.profile, "package": pkg, "version": installed_version(pkg),
         "command": [Path(res["argv"][0]).name, *res["argv"][1:]],
         "env_names": sorted(res["env"]),
         "env_values_harness": {k: ("<fake key>" if "KEY" in k else v.replace(root, "$ROOT"))
-                               for k, v in h.env(run).items()},
-        "config_files": {k.replace(root, "$ROOT"): v for k, v in h.files(run).items()},
+                               for k, v in h.env(run.place).items()},
+        "config_files": {k.replace(root, "$ROOT"): v for k, v in h.files(run.place).items()},
         "notes": h.notes, "websocket": run.ws,
         "task": TASK, "exit_code": res["rc"], "wall_s": res["wall_s"],
         "answer_txt": res["answer"], "ok": res["ok"],
@@ -1366,22 +945,25 @@ def complete_lock(lock_path: Path) -> list[str]:
 
 
 def update_lock() -> int:
-    pj = HARNESS_DIR / "package.json"
-    doc = json.loads(pj.read_text())
-    for pkg in PACKAGES.values():
-        v = subprocess.run(["npm", "view", pkg, "version"], capture_output=True, text=True,
-                           check=True).stdout.strip()
-        print(f"{pkg}: {doc['dependencies'].get(pkg)} → {v}")
-        doc["dependencies"][pkg] = v
-    doc["dependencies"] = dict(sorted(doc["dependencies"].items()))
-    pj.write_text(json.dumps(doc, indent=2) + "\n")
-    (HARNESS_DIR / "package-lock.json").unlink(missing_ok=True)
-    subprocess.run(["npm", "install", "--package-lock-only", "--no-audit", "--no-fund"], cwd=HARNESS_DIR,
-                   check=True)
-    added = complete_lock(HARNESS_DIR / "package-lock.json")
-    if added:
-        print("lock entries added for packages this registry does not serve:", ", ".join(added))
-    subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=HARNESS_DIR, check=True)
+    """Pin each harness's newest version in the package.json that installs it (INSTALL_DIRS), rewrite
+    those locks and install them."""
+    for folder in sorted(set(INSTALL_DIRS.values())):
+        pj = folder / "package.json"
+        doc = json.loads(pj.read_text())
+        for pkg in [PACKAGES[n] for n, d in INSTALL_DIRS.items() if d == folder]:
+            v = subprocess.run(["npm", "view", pkg, "version"], capture_output=True, text=True,
+                               check=True).stdout.strip()
+            print(f"{pkg}: {doc['dependencies'].get(pkg)} → {v}")
+            doc["dependencies"][pkg] = v
+        doc["dependencies"] = dict(sorted(doc["dependencies"].items()))
+        pj.write_text(json.dumps(doc, indent=2) + "\n")
+        (folder / "package-lock.json").unlink(missing_ok=True)
+        subprocess.run(["npm", "install", "--package-lock-only", "--no-audit", "--no-fund"], cwd=folder,
+                       check=True)
+        added = complete_lock(folder / "package-lock.json")
+        if added:
+            print("lock entries added for packages this registry does not serve:", ", ".join(added))
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=folder, check=True)
     return 0
 
 
@@ -1424,7 +1006,8 @@ def main() -> int:
                          "(Anthropic blocks whole in content_block_start, one chat chunk, Responses items "
                          "by output_item.added/.done only); 'done' drops Responses' output_item.added too")
     ap.add_argument("--update-lock", action="store_true",
-                    help="pin the newest versions in tests/harnesses/package.json, rewrite the lock, npm ci")
+                    help="pin the newest versions (in tests/harnesses and the examples that train "
+                         "Claude Code, Codex and Gemini CLI), rewrite the locks, npm ci")
     args = ap.parse_args()
     if args.update_lock:
         return update_lock()
@@ -1435,8 +1018,10 @@ def main() -> int:
     bad = [h for h in args.harness if h not in HARNESSES]
     if bad:
         ap.error(f"unknown harness {', '.join(bad)} (known: {', '.join(HARNESSES)})")
-    if not (HARNESS_DIR / "node_modules" / ".bin").is_dir():
-        ap.error(f"the harnesses are not installed: run `npm ci` in {HARNESS_DIR}")
+    missing = sorted({str(INSTALL_DIRS[h]) for h in args.harness
+                      if not (INSTALL_DIRS[h] / "node_modules" / ".bin").is_dir()})
+    if missing:
+        ap.error(f"harnesses not installed: run `bash scripts/setup_agent.sh {' '.join(missing)}`")
     if not args.no_netns:
         reexec_in_netns()
     return asyncio.run(main_async(args))

@@ -10,6 +10,9 @@
 #                refuses); only tests/verl/ run in it. LGT_SKIP_VERL=1 skips it.
 #   examples/*/.venv  the example agents' own environments (scripts/setup_agent.sh; LGT_SKIP_AGENTS=1 skips)
 #   tests/clients/node/node_modules   undici, for the Node.js client test (when npm is present)
+#   tests/harnesses/node_modules      pinned coding-agent harnesses for tests/test_harnesses.py: qwen-code,
+#                opencode, pi (Claude Code, Codex CLI and Gemini CLI are their examples' own, above)
+#                (when npm is present; LGT_SKIP_AGENTS=1 or LGT_SKIP_HARNESSES=1 skips)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,5 +60,9 @@ fi
 if command -v npm >/dev/null 2>&1 && [ ! -d tests/clients/node/node_modules/undici ]; then
   (cd tests/clients/node && npm ci --no-audit --no-fund --silent) ||
     echo "setup: warning: npm could not install undici; the Node.js client test will skip" >&2
+fi
+if command -v npm >/dev/null 2>&1 && [ "${LGT_SKIP_AGENTS:-0}" != 1 ] && [ "${LGT_SKIP_HARNESSES:-0}" != 1 ]; then
+  bash scripts/setup_agent.sh tests/harnesses ||
+    echo "setup: warning: npm could not install the harnesses; tests/test_harnesses.py will skip them" >&2
 fi
 echo "setup: environments ready" >&2
