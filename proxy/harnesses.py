@@ -147,41 +147,12 @@ enabled = false
 [features]
 plugins = false   # no plugin sync (github.com, api.github.com, chatgpt.com)
 """
-CODEX_SMALL = """\
-model = "gpt-5"   # the default model (gpt-6.x) gets one freeform JavaScript `exec` tool of ~25 KB
-model_instructions_file = "{home}/.codex/instructions.md"
-include_permissions_instructions = false
-include_apps_instructions = false
-include_collaboration_mode_instructions = false
-include_environment_context = false
-web_search = "disabled"
-check_for_update_on_startup = false
+# the smallest prompt Codex makes: examples/codex's own config.toml (the example trains Codex with it)
+def _codex_small(p: Place) -> dict[str, str]:
+    folder = ROOT / "examples" / "codex"
+    return {".codex/config.toml": (folder / "config.toml").read_text().replace("@HERE@", str(folder))}
 
-[analytics]
-enabled = false
 
-[feedback]
-enabled = false
-
-[skills]
-include_instructions = false
-
-[skills.bundled]
-enabled = false
-
-[features]
-plugins = false
-multi_agent = false
-goals = false
-sleep_tool = false
-view_image = false
-image_generation = false
-apps = false
-tool_suggest = false
-skill_search = false
-browser_use = false
-computer_use = false
-"""
 CODEX_TOOLS = ("exec_command", "shell", "shell_command", "apply_patch", "exec")
 
 
@@ -201,8 +172,7 @@ _add(Harness("codex", "http", "codex", _codex_argv, env=_codex_env,
              notes="as default, but the WebSocket upgrade is answered 426: Codex falls back to HTTPS POST "
                    "/v1/responses (SSE) at once and sends the whole history each call"))
 _add(Harness("codex", "minimal", "codex", _codex_argv, env=_codex_env,
-             files=lambda p: {".codex/config.toml": CODEX_SMALL.format(home=p.home),
-                              ".codex/instructions.md": SHORT_PROMPT + "\n"},
+             files=_codex_small,
              tool_prefs=CODEX_TOOLS, ws="accept",
              notes="smallest prompt found: model gpt-5 (classic function tools), own base instructions, "
                    "no permissions/apps/collaboration/environment/skills sections, features off"))
@@ -214,14 +184,7 @@ _add(Harness("codex", "minimal", "codex", _codex_argv, env=_codex_env,
 GEMINI_QUIET = {"general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
                 "privacy": {"usageStatisticsEnabled": False},  # no Clearcut logs to play.googleapis.com
                 "telemetry": {"enabled": False}}
-GEMINI_SMALL = {**GEMINI_QUIET,
-                "model": {"name": "gemini-2.5-flash", "skipNextSpeakerCheck": True},
-                "tools": {"core": ["write_file"]},
-                "skills": {"enabled": False},
-                "useWriteTodos": False,
-                "context": {"includeDirectoryTree": False},
-                "experimental": {"enableAgents": False, "topicUpdateNarration": False},
-                "general": {**GEMINI_QUIET["general"], "topicUpdateNarration": False}}
+GEMINI_EXAMPLE = ROOT / "examples" / "gemini_cli"  # its settings.json and system.md: the smallest prompt
 
 
 def _gemini(p: Place) -> list[str]:
@@ -233,8 +196,9 @@ _add(Harness("gemini", "default", "gemini", _gemini, env=lambda p: {"GEMINI_API_
              tool_prefs=("write_file", "run_shell_command"),
              notes="quiet settings.json; model 'auto' (a flash-lite routing call picks the model)"))
 _add(Harness("gemini", "minimal", "gemini", _gemini,
-             env=lambda p: {"GEMINI_API_KEY": FAKE_KEY, "GEMINI_SYSTEM_MD": str(p.home / "system.md")},
-             files=lambda p: {".gemini/settings.json": _j(GEMINI_SMALL), "system.md": SHORT_PROMPT + "\n"},
+             env=lambda p: {"GEMINI_API_KEY": FAKE_KEY,
+                            "GEMINI_SYSTEM_MD": str(GEMINI_EXAMPLE / "system.md")},
+             files=lambda p: {".gemini/settings.json": (GEMINI_EXAMPLE / "settings.json").read_text()},
              tool_prefs=("write_file", "run_shell_command"),
              notes="smallest prompt found: GEMINI_SYSTEM_MD replaces the system prompt, tools.core keeps "
                    "write_file, a fixed model (no routing call), skills/todos/agents off"))

@@ -7,12 +7,7 @@
 # and the env vars in run.yaml), so the demo model's context holds it.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/claude-code-task.XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
-mkdir -p "$tmp/project" "$tmp/home"
-export HOME=$tmp/home XDG_CONFIG_HOME=$tmp/home/.config XDG_CACHE_HOME=$tmp/home/.cache \
-       XDG_DATA_HOME=$tmp/home/.local/share XDG_STATE_HOME=$tmp/home/.local/state
-cd "$tmp/project"
+source "$here/../write_a_word/fresh_folder.sh" claude-code   # $tmp/project (cwd), HOME=$tmp/home
 "$here/node_modules/.bin/claude" -p "$TASK_PROMPT" --bare --tools Bash --allowedTools Bash \
     --permission-mode acceptEdits --output-format json --system-prompt "$(cat "$here/system.md")" \
     > "$tmp/claude.json" < /dev/null

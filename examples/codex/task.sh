@@ -6,13 +6,10 @@
 # which under `lgt-train run` is lgt-proxy (the policy). Codex reads the proxy's CA from SSL_CERT_FILE.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/codex-task.XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
-mkdir -p "$tmp/project" "$tmp/home/.codex"
-export HOME=$tmp/home CODEX_HOME=$tmp/home/.codex XDG_CONFIG_HOME=$tmp/home/.config \
-       XDG_CACHE_HOME=$tmp/home/.cache XDG_DATA_HOME=$tmp/home/.local/share XDG_STATE_HOME=$tmp/home/.local/state
+source "$here/../write_a_word/fresh_folder.sh" codex   # $tmp/project (cwd), HOME=$tmp/home
+export CODEX_HOME=$HOME/.codex
+mkdir -p "$CODEX_HOME"
 sed "s#@HERE@#$here#" "$here/config.toml" > "$CODEX_HOME/config.toml"
-cd "$tmp/project"
 "$here/node_modules/.bin/codex" exec --skip-git-repo-check --sandbox workspace-write "$TASK_PROMPT" \
     > "$tmp/codex.out" 2> "$tmp/codex.err" < /dev/null
 code=$?

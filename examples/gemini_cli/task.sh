@@ -6,14 +6,10 @@
 # HTTPS_PROXY, which under `lgt-train run` is lgt-proxy (the policy).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/gemini-task.XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
-mkdir -p "$tmp/project" "$tmp/home/.gemini"
-export HOME=$tmp/home XDG_CONFIG_HOME=$tmp/home/.config XDG_CACHE_HOME=$tmp/home/.cache \
-       XDG_DATA_HOME=$tmp/home/.local/share XDG_STATE_HOME=$tmp/home/.local/state \
-       GEMINI_SYSTEM_MD=$here/system.md
+source "$here/../write_a_word/fresh_folder.sh" gemini   # $tmp/project (cwd), HOME=$tmp/home
+export GEMINI_SYSTEM_MD=$here/system.md
+mkdir -p "$HOME/.gemini"
 cp "$here/settings.json" "$HOME/.gemini/settings.json"
-cd "$tmp/project"
 "$here/node_modules/.bin/gemini" -p "$TASK_PROMPT" --yolo --skip-trust > "$tmp/gemini.out" 2> "$tmp/gemini.err" \
     < /dev/null
 code=$?

@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from ..wire import BadRequest
-from .common import chat_tool, place_system
+from .common import Approx, chat_tool, place_system
 
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's system block with a per-request hash
 CARRY_LIMIT = 4096  # an unknown block is carried as its JSON text up to this many characters
@@ -51,21 +51,6 @@ def is_count_tokens(method: str, path: str) -> bool:
     return method.upper() == "POST" and path.split("?", 1)[0].rstrip("/").endswith(COUNT_TOKENS)
 
 
-class _Approx:
-    """What a translation approximated, one sentence per kind naming where (the first few places)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[str, list[str]] = {}
-
-    def add(self, what: str, where: str) -> None:
-        self.seen.setdefault(what, []).append(where)
-
-    def flush(self, notes: list[str]) -> None:
-        for what, wheres in self.seen.items():
-            more = f" and {len(wheres) - 3} more" if len(wheres) > 3 else ""
-            notes.append(f"{what} ({', '.join(wheres[:3])}{more})")
-
-
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
@@ -81,7 +66,7 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else "" if value is None else json.dumps(value, ensure_ascii=False)
 
 
-def _carried(b: dict[str, Any], where: str, ap: _Approx) -> dict[str, Any] | None:
+def _carried(b: dict[str, Any], where: str, ap: Approx) -> dict[str, Any] | None:
     """A block with no chat form: its JSON as text, or left out when longer than CARRY_LIMIT."""
     text = json.dumps(b, ensure_ascii=False, separators=(",", ":"))
     if len(text) > CARRY_LIMIT:
@@ -92,7 +77,7 @@ def _carried(b: dict[str, Any], where: str, ap: _Approx) -> dict[str, Any] | Non
     return {"type": "text", "text": text}
 
 
-def _image(b: dict[str, Any], where: str, ap: _Approx) -> dict[str, Any]:
+def _image(b: dict[str, Any], where: str, ap: Approx) -> dict[str, Any]:
     src = b.get("source") if isinstance(b.get("source"), dict) else {}
     if src.get("type") == "base64" and isinstance(src.get("data"), str):
         media = src.get("media_type") if isinstance(src.get("media_type"), str) else "image/png"
@@ -104,7 +89,7 @@ def _image(b: dict[str, Any], where: str, ap: _Approx) -> dict[str, Any]:
     return {"type": "text", "text": f"[image: {src.get('file_id') or src.get('type') or 'unknown source'}]"}
 
 
-def _document(b: dict[str, Any], where: str, ap: _Approx) -> dict[str, Any]:
+def _document(b: dict[str, Any], where: str, ap: Approx) -> dict[str, Any]:
     src = b.get("source") if isinstance(b.get("source"), dict) else {}
     title = b.get("title") if isinstance(b.get("title"), str) else None
     kind = src.get("type")
@@ -123,7 +108,7 @@ def _document(b: dict[str, Any], where: str, ap: _Approx) -> dict[str, Any]:
     return {"type": "text", "text": f"{title}\n\n{body}" if title else body}
 
 
-def _search_result(b: dict[str, Any], where: str, ap: _Approx) -> dict[str, Any]:
+def _search_result(b: dict[str, Any], where: str, ap: Approx) -> dict[str, Any]:
     inner = b.get("content")
     parts = _blocks(inner, f"{where}.content") if isinstance(inner, (str, list)) else []
     head = [x for x in (b.get("title"), b.get("source")) if isinstance(x, str) and x]
@@ -132,7 +117,7 @@ def _search_result(b: dict[str, Any], where: str, ap: _Approx) -> dict[str, Any]
                                                          if p.get("type") == "text")])}
 
 
-def _user_part(b: dict[str, Any], where: str, ap: _Approx) -> dict[str, Any] | None:
+def _user_part(b: dict[str, Any], where: str, ap: Approx) -> dict[str, Any] | None:
     """One block of a user turn (or of a tool result) as a chat content part; None: left out."""
     kind = b["type"]
     if kind == "text":
@@ -159,7 +144,7 @@ def _joined(parts: list[dict[str, Any]]) -> Any:
     return parts
 
 
-def _system_text(content: Any, where: str, ap: _Approx) -> str:
+def _system_text(content: Any, where: str, ap: Approx) -> str:
     """The text of a system prompt (top-level ``system`` or a ``role: "system"`` message)."""
     texts = []
     for i, b in enumerate(_blocks(content, where)):
@@ -173,7 +158,7 @@ def _system_text(content: Any, where: str, ap: _Approx) -> str:
     return "\n".join(texts)
 
 
-def _assistant(blocks: list[dict[str, Any]], where: str, ap: _Approx) -> dict[str, Any]:
+def _assistant(blocks: list[dict[str, Any]], where: str, ap: Approx) -> dict[str, Any]:
     text: list[str] = []
     carried = False
     calls: list[dict[str, Any]] = []
@@ -205,7 +190,7 @@ def _assistant(blocks: list[dict[str, Any]], where: str, ap: _Approx) -> dict[st
     return msg
 
 
-def _user(blocks: list[dict[str, Any]], where: str, ap: _Approx) -> list[dict[str, Any]]:
+def _user(blocks: list[dict[str, Any]], where: str, ap: Approx) -> list[dict[str, Any]]:
     """A user turn: a ``tool`` message per tool result, then a user message with the other parts (and
     images the tool results held, which a chat ``tool`` message cannot carry)."""
     out: list[dict[str, Any]] = []
@@ -254,7 +239,7 @@ def _referenced(messages: list[Any]) -> set[str]:
     return names
 
 
-def _tool(t: Any, i: int, loaded: set[str], ap: _Approx) -> dict[str, Any] | None:
+def _tool(t: Any, i: int, loaded: set[str], ap: Approx) -> dict[str, Any] | None:
     """A chat function tool for one of the request's tools; None for a tool Anthropic runs itself, or
     a deferred one (``defer_loading``) that no ``tool_reference`` has loaded yet."""
     if not isinstance(t, dict) or not isinstance(t.get("name"), str):
@@ -281,7 +266,7 @@ def _tool(t: Any, i: int, loaded: set[str], ap: _Approx) -> dict[str, Any] | Non
     return None
 
 
-def _tool_choice(choice: Any, names: list[str], ap: _Approx) -> dict[str, Any]:
+def _tool_choice(choice: Any, names: list[str], ap: Approx) -> dict[str, Any]:
     if not isinstance(choice, dict):
         return {}
     out: dict[str, Any] = {}
@@ -300,7 +285,7 @@ def _tool_choice(choice: Any, names: list[str], ap: _Approx) -> dict[str, Any]:
     return out
 
 
-def _thinking(thinking: Any, ap: _Approx) -> dict[str, Any]:
+def _thinking(thinking: Any, ap: Approx) -> dict[str, Any]:
     """``thinking`` as the chat template's ``enable_thinking`` switch (Qwen3's, Gemma's …; templates
     without it ignore it): ``disabled`` → false, ``enabled`` / ``adaptive`` → true."""
     if not isinstance(thinking, dict):
@@ -323,7 +308,7 @@ def _response_format(req: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _ignored_with_effect(req: dict[str, Any], ap: _Approx) -> None:
+def _ignored_with_effect(req: dict[str, Any], ap: Approx) -> None:
     """Top-level fields the hosted API acts on in ways that change what the model sees."""
     servers = req.get("mcp_servers")
     if isinstance(servers, list) and servers:
@@ -342,7 +327,7 @@ def messages_to_chat(req: dict[str, Any], notes: list[str] | None = None) -> dic
     notes = [] if notes is None else notes
     if not isinstance(req, dict):
         raise BadRequest("a /v1/messages request must be a JSON object")
-    ap = _Approx()
+    ap = Approx()
     msgs: list[dict[str, Any]] = []
     if req.get("system") is not None:
         msgs.append({"role": "system", "content": _system_text(req["system"], "system", ap)})
