@@ -55,7 +55,7 @@ from aiohttp import web
 from lgt.proxy import dialects, harnesses, wire
 from lgt.proxy.auth import rollout_env
 from lgt.proxy.client import ControlClient, resolve_token
-from lgt.proxy.fake_upstream import FakeUpstream, render_chat, tokenize
+from lgt.proxy.fake_upstream import FakeUpstream, detokenize, render_chat, tokenize
 from lgt.proxy.harness_policy import ScriptedPolicy, task_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,8 +139,9 @@ def live(names: list[str], profile: str, repeat: int, base: Path) -> list[dict[s
                     if not harnesses.installed(h):
                         continue
                     rollout = f"bench-{name}-{profile}-{i}"
-                    place = harnesses.Place(task_text("BENCH", "answer.txt"), base / rollout / "work",
-                                            base / rollout / "home")
+                    work = base / rollout / "work"  # minimal prompts leave the work dir out: name it
+                    target = work / "answer.txt" if profile == "minimal" else Path("answer.txt")
+                    place = harnesses.Place(task_text("BENCH", str(target)), work, base / rollout / "home")
                     harnesses.prepare(h, place)
                     env = harnesses.environment(h, place, rollout_env(store, rollout, port=port))
                     c0, t0 = cpu_s(proc.pid), time.monotonic()
@@ -203,14 +204,26 @@ def samples_of(store: Path, name: str, rs: list[tuple[str, float, float, bool]])
         add_reward(store, rollout, 1.0 if ok else 0.0)
     con = connect(store)
     ids = [r for r, *_ in rs]
-    b = build_samples(con)
-    mine = [s for s in b.samples.to_pylist() if s["rollout_id"] in ids]
     generated = con.execute("SELECT coalesce(sum(len(response_token_ids)), 0) FROM calls WHERE status = 'ok' "
                             "AND list_contains(?, rollout_id)", [ids]).fetchone()[0]
-    per_rollout = Counter(Counter(s["rollout_id"] for s in mine).values())
-    breaks = Counter(r["reason"] for r in b.merge_breaks.to_pylist() if r["rollout_id"] in ids)
-    return {"samples_per_rollout": dict(sorted(per_rollout.items())), "generated_tokens": int(generated),
-            "trained_tokens": sum(sum(s["loss_mask"]) for s in mine), "breaks": dict(breaks)}
+    out: dict[str, Any] = {"generated_tokens": int(generated)}
+    for mode in ("exact", "realign"):  # the fake engine's byte tokenizer names (and realigns) breaks
+        b = build_samples(con, mode=mode, tokenizer=ByteTokenizer())
+        mine = [s for s in b.samples.to_pylist() if s["rollout_id"] in ids]
+        per_rollout = Counter(Counter(s["rollout_id"] for s in mine).values())
+        out[mode] = {"samples_per_rollout": dict(sorted(per_rollout.items())),
+                     "trained_tokens": sum(sum(s["loss_mask"]) for s in mine),
+                     "breaks": dict(Counter(r["reason"] for r in b.merge_breaks.to_pylist()
+                                            if r["rollout_id"] in ids))}
+    return out
+
+
+class ByteTokenizer:
+    """The fake engine's tokenizer, as the sample builder asks for one (``decode``)."""
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return detokenize(ids)
 
 
 # --- part 2: translation CPU ----------------------------------------------------------------------
@@ -371,13 +384,15 @@ def main() -> int:
                         [[r["harness"], r["api"], f"{r['ok']}/{r['runs']}", fmt(r["calls_per_task"], "g"),
                           fmt(r["wall_s"], ".2f"), fmt(r["engine_ms"]), fmt(r["hop_ms"]),
                           fmt(r["hop_task_ms"]), fmt(r["proxy_cpu_task_ms"], ".0f")] for r in res]))
-            print("\nTheir trajectories as training samples (exact mode; lgt.store.samples.build_samples)")
-            print(table(["harness", "rollouts", "samples per rollout (rollouts)", "generated tokens",
+            print("\nTheir trajectories as training samples (lgt.store.samples.build_samples; merge breaks "
+                  "named with the fake engine's byte tokenizer)")
+            print(table(["harness", "rollouts", "mode", "samples per rollout (rollouts)", "generated tokens",
                          "trained tokens", "merge breaks by reason"],
-                        [[r["harness"], str(r["runs"]),
-                          ", ".join(f"{k}: {n}" for k, n in r["samples_per_rollout"].items()) or "-",
-                          str(r["generated_tokens"]), str(r["trained_tokens"]),
-                          ", ".join(f"{k} {n}" for k, n in r["breaks"].items()) or "none"] for r in res]))
+                        [[r["harness"], str(r["runs"]), mode,
+                          ", ".join(f"{k}: {n}" for k, n in r[mode]["samples_per_rollout"].items()) or "-",
+                          str(r["generated_tokens"]), str(r[mode]["trained_tokens"]),
+                          ", ".join(f"{k} {n}" for k, n in r[mode]["breaks"].items()) or "none"]
+                         for r in res for mode in ("exact", "realign")]))
         rows, skipped = cpu(args.min_cpu_s)
         print("\nCPU per call over the recorded calls (tests/fixtures/harnesses): translated vs the same "
               f"call as chat/completions ({skipped} previous_response_id calls left out)")
