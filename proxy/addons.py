@@ -39,7 +39,7 @@ from lgt.store.schema import (
     STATUS_UPSTREAM_ERROR,
     STATUS_UPSTREAM_TIMEOUT,
 )
-from lgt.store.writer import TableWriter
+from lgt.store.writer import TableWriter, os_reason
 
 from . import deadline, dialects, resources, wire
 from .auth import AuthError, Identity, parse_basic, verify
@@ -975,7 +975,7 @@ class Record:
         except Exception as e:
             rt.metrics.record_failures += 1
             if isinstance(e, OSError):  # a full or read-only disk: refuse new calls until it is writable
-                rt.store_error = f"the store cannot be written ({e.strerror or e})"
+                rt.store_error = f"the store cannot be written ({os_reason(e)})"
                 rt.store_probed = time.monotonic()
                 log.error("could not record call %s of rollout %s: %s; new LLM calls are refused until "
                           "the store can be written", call.call_id, call.identity.name, rt.store_error)

@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -38,6 +39,15 @@ log = logging.getLogger("lgt.store")
 
 WAL_DIR = "_wal"
 
+
+_ERRNO = re.compile(r"\[errno (\d+)\]", re.I)
+
+
+def os_reason(e: OSError) -> str:
+    """Why a write failed, as the system says it ("No space left on device"): Python's OSError has it in
+    ``strerror``; pyarrow's ("Error writing bytes to file. Detail: [errno 28] …") in its text."""
+    m = _ERRNO.search(str(e))
+    return os.strerror(int(m[1])) if m else (e.strerror or str(e))
 
 def _encode(obj: Any) -> Any:
     raise TypeError(f"cannot store a value of type {type(obj).__name__}")

@@ -59,6 +59,7 @@ from lgt.proxy import auth
 from lgt.proxy.client import ControlClient, resolve_token
 from lgt.store.ingest import add_rows, attempt_reward_row, reward_value, rollout_row
 from lgt.store.schema import ROLLOUT_SPLITS
+from lgt.store.writer import os_reason
 
 from .forkserver import ForkedProcess, ForkServer, ForkServerError, python_script_command
 
@@ -902,7 +903,7 @@ class RolloutController:
         except OSError as e:
             with self._rows_lock:  # nothing lost: the next flush writes them
                 self._rows = (rollouts + self._rows[0], rewards + self._rows[1])
-            raise StoreWriteError(f"the store {self.store} cannot be written ({e.strerror or e}): free space "
+            raise StoreWriteError(f"the store {self.store} cannot be written ({os_reason(e)}): free space "
                                   "there, then continue the run with lgt-train run --resume") from None
         return len(rollouts)
 

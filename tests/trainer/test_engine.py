@@ -359,6 +359,36 @@ def test_weight_sync_while_clients_run(engine: Engine, client: OpenAI, tiny_mode
 
 
 @pytest.mark.slow
+def test_an_attached_engine_serves_a_checkpoint_and_is_left_running(engine: Engine, tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """``engine: {url: …}``: a run uses an engine it did not start — it loads its own weights into it
+    (whatever the engine served before) and leaves it running when it ends."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    old = hf_logprobs(model, PROMPT_IDS)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # the engine serves someone else's weights now
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    engine.update_weights(model.named_parameters())
+    assert (engine_logprobs(engine, PROMPT_IDS) - old).abs().max() > 0.1
+
+    attached = Engine.attach(EngineConfig(url=engine.url, model=tiny_model_dir))
+    assert attached.attached and attached.pid is None and attached.base_url == engine.base_url
+    attached.update_weights(engine_mod.checkpoint_tensors(tiny_model_dir))
+    assert (engine_logprobs(attached, PROMPT_IDS) - old).abs().max() < TOLERANCE
+    attached.check_alive()
+    attached.stop()
+    engine.check_alive()  # still running: it was not the attached object's to stop
+
+    with pytest.raises(EngineError, match=r"does not answer GET /v1/models: start one first"):
+        Engine.attach(EngineConfig(url=f"http://127.0.0.1:{free_port('127.0.0.1')}/v1", model=tiny_model_dir))
+    with pytest.raises(EngineError, match=r"serves policy, not 'other' \(engine.served_model_name\)"):
+        Engine.attach(EngineConfig(url=engine.url, model=tiny_model_dir, served_model_name="other"))
+    with pytest.raises(ValueError, match="engine url 'localhost:1' is not the http"):
+        EngineConfig(url="localhost:1")
+
+
+@pytest.mark.slow
 def test_stop_leaves_no_process(engine: Engine) -> None:
     """Runs last in this module: it stops the shared engine."""
     pgid = engine.pid
@@ -397,33 +427,3 @@ def test_ipc_payload_is_opened_on_the_workers_own_device() -> None:
         t = torch.arange(4.0, device="cuda")
         [(_, opened)] = open_ipc_payload(engine_mod.ipc_payload({"w": t}), torch.cuda.current_device())
         assert torch.equal(opened.cpu(), t.cpu())
-
-
-@pytest.mark.slow
-def test_an_attached_engine_serves_a_checkpoint_and_is_left_running(engine: Engine, tiny_model_dir: Path,
-                                                                   tmp_path: Path) -> None:
-    """``engine: {url: …}``: a run uses an engine it did not start — it loads its own weights into it
-    (whatever the engine served before) and leaves it running when it ends."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    old = hf_logprobs(model, PROMPT_IDS)
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():  # the engine serves someone else's weights now
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    engine.update_weights(model.named_parameters())
-    assert (engine_logprobs(engine, PROMPT_IDS) - old).abs().max() > 0.1
-
-    attached = Engine.attach(EngineConfig(url=engine.url, model=tiny_model_dir))
-    assert attached.attached and attached.pid is None and attached.base_url == engine.base_url
-    attached.update_weights(engine_mod.checkpoint_tensors(tiny_model_dir))
-    assert (engine_logprobs(attached, PROMPT_IDS) - old).abs().max() < TOLERANCE
-    attached.check_alive()
-    attached.stop()
-    engine.check_alive()  # still running: it was not the attached object's to stop
-
-    with pytest.raises(EngineError, match=r"does not answer GET /v1/models: start one first"):
-        Engine.attach(EngineConfig(url=f"http://127.0.0.1:{free_port('127.0.0.1')}/v1", model=tiny_model_dir))
-    with pytest.raises(EngineError, match=r"serves policy, not 'other' \(engine.served_model_name\)"):
-        Engine.attach(EngineConfig(url=engine.url, model=tiny_model_dir, served_model_name="other"))
-    with pytest.raises(ValueError, match="engine url 'localhost:1' is not the http"):
-        EngineConfig(url="localhost:1")

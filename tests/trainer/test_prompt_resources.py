@@ -67,8 +67,8 @@ def test_rollouts_get_their_resources_and_record_the_version(tmp_path, proxy, up
     results = asyncio.run(run_all(ctl, tasks, "g000001"))
     assert [r.status for r in results] == ["ok", "ok"]
     assert {r.resource_version for r in results} == {res.version}
-    systems = [r.body["messages"][0] for r in upstream.requests if r.body["messages"][-1]["content"] in
-               ("0+1", "1+1")]
+    chats = [r for r in upstream.requests if r.method == "POST"]  # the proxy also reads the model card
+    systems = [r.body["messages"][0] for r in chats if r.body["messages"][-1]["content"] in ("0+1", "1+1")]
     assert sorted(m["content"] for m in systems) == ["Solve 0+1 exactly.", "Solve 1+1 exactly."]
     assert all(m["role"] == "system" for m in systems)  # put first: the agent sent none
     seen = json.loads((tmp_path / "res-1~0.json").read_text())["env"]
