@@ -4,6 +4,7 @@
     .venv/bin/python bench/trainer_throughput.py --models 10m --repeats 7 --samples 32
     .venv/bin/python bench/trainer_throughput.py --with-sync          # + weight sync vs engine restart
     .venv-verl/bin/python bench/trainer_throughput.py --verl          # + verl, 1 rank and 2 Ray ranks
+    python bench/trainer_throughput.py --models 0.5b --device cuda --dtype bfloat16 --max-len 1024  # one GPU
 
 Models (random weights, nothing downloaded): ``tiny`` is the tests' tiny Qwen2 (tests/engine/
 make_tiny_model.py: vocab ~400, hidden 128, 2 layers); ``10m`` is a Qwen2 with vocab 32000, hidden 256,
@@ -37,6 +38,7 @@ wall-clock and process CPU time are measured: on a shared machine the CPU-time r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -111,17 +113,29 @@ def make_batch(n: int, min_len: int, max_len: int, vocab: int, gen_frac: float, 
     return pa.Table.from_pylist(rows, schema=training_schema(SAMPLES))
 
 
-class BareLoop:
-    """The floor: forward, masked token cross-entropy, backward, AdamW — on tensors padded beforehand."""
+def make_05b(out: Path) -> Path:
+    """lgt's 0.5b preset (Qwen2-0.5B's shape, random weights, lgt's small vocabulary; ~0.36B params)."""
+    from lgt.trainer import tiny
 
-    def __init__(self, model_dir: Path, table: pa.Table, budget: int, lr: float) -> None:
+    return tiny.build_model(out, preset="0.5b")
+
+
+class BareLoop:
+    """The floor: forward, masked token cross-entropy, backward, AdamW — on tensors padded beforehand
+    (on ``device``; ``dtype`` bfloat16: float32 weights and AdamW, the forward under autocast, as the
+    backend does)."""
+
+    def __init__(self, model_dir: Path, table: pa.Table, budget: int, lr: float, device: str = "cpu",
+                 dtype: str = "float32") -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+        dev = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if dtype == "bfloat16"
+                         else contextlib.nullcontext())
         batch = read_samples(table)
-        self.micro = [pad_micro_batch(batch, rows, torch.device("cpu"))
-                      for rows in pack_micro_batches(batch.lengths, budget)]
+        self.micro = [pad_micro_batch(batch, rows, dev) for rows in pack_micro_batches(batch.lengths, budget)]
         self.num_tokens = float(batch.masked.sum())
         self.tokens = float(batch.lengths.sum())
 
@@ -130,7 +144,8 @@ class BareLoop:
         self.opt.zero_grad(set_to_none=True)
         for mb in self.micro:
             ids, mask = mb["input_ids"], mb["loss_mask"]
-            logits = self.model(ids).logits
+            with self.autocast:
+                logits = self.model(ids).logits
             # labels shifted instead of logits (as transformers' own loss does): no (B, T, V) copy
             labels = F.pad(ids[:, 1:], (0, 1), value=-100)
             nll = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1),
@@ -142,9 +157,11 @@ class BareLoop:
 
 
 def timed(fn, cpu_clock=time.process_time) -> tuple[float, float]:
-    """(wall seconds, CPU seconds by ``cpu_clock``) of ``fn()``."""
+    """(wall seconds, CPU seconds by ``cpu_clock``) of ``fn()`` (a GPU's queued work included)."""
     wall, cpu = time.perf_counter(), cpu_clock()
     fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - wall, cpu_clock() - cpu
 
 
@@ -164,13 +181,11 @@ def verl_sides(model_dir: Path, args: argparse.Namespace) -> dict[str, tuple[obj
 def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> None:
     vocab = TorchBackend.load(model_dir, TorchConfig(device="cpu")).vocab_size
     table = make_batch(args.samples, args.min_len, args.max_len, vocab, args.gen_frac)
-    sides = {
-        "backend": TorchBackend.load(model_dir, TorchConfig(
-            lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, device="cpu")),
-        "backend, entropy=True": TorchBackend.load(model_dir, TorchConfig(
-            lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, device="cpu", entropy=True)),
-    }
-    bare = BareLoop(model_dir, table, args.micro_batch_tokens, lr=1e-5)
+    on = {"lr": 1e-5, "micro_batch_tokens": args.micro_batch_tokens, "device": args.device,
+          "dtype": args.dtype}
+    sides = {"backend": TorchBackend.load(model_dir, TorchConfig(**on)),
+             "backend, entropy=True": TorchBackend.load(model_dir, TorchConfig(**on, entropy=True))}
+    bare = BareLoop(model_dir, table, args.micro_batch_tokens, lr=1e-5, device=args.device, dtype=args.dtype)
     run = {k: (lambda b=b: b.train_step(table)) for k, b in sides.items()}
     cpu_of = {k: time.process_time for k in run}
     verl = verl_sides(model_dir, args) if args.verl else {}
@@ -191,7 +206,8 @@ def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> None:
     print(f"\n## {name}: {params / 1e6:.2f}M params, vocab {vocab}; {args.samples} samples, "
           f"{bare.tokens:.0f} tokens ({bare.num_tokens:.0f} trained), {len(bare.micro)} micro-batches of "
           f"<= {args.micro_batch_tokens} padded tokens ({metrics['padded_tokens']:.0f} padded in all); "
-          f"median of {args.repeats}, torch threads {torch.get_num_threads()}")
+          f"median of {args.repeats}, torch threads {torch.get_num_threads()}, {args.device} {args.dtype}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
     floor_wall = statistics.median(w for w, _ in times["bare loop"])
     floor_cpu = statistics.median(c for _, c in times["bare loop"])
     print(f"  {'':<22} {'wall s':>8} {'tokens/s':>9} {'ratio':>6}   "
@@ -220,7 +236,9 @@ def bench_sync(model_dir: Path, n: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="tiny,10m", help="comma-separated: tiny, 10m")
+    parser.add_argument("--models", default="tiny,10m", help="comma-separated: tiny, 10m, 0.5b")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--min-len", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=256)
@@ -240,9 +258,11 @@ def main() -> None:
         dirs = {"tiny": tiny}
         if "10m" in args.models.split(","):
             dirs["10m"] = make_10m(Path(tmp) / "qwen2-11m", tiny)
+        if "0.5b" in args.models.split(","):
+            dirs["0.5b"] = make_05b(Path(tmp) / "qwen2-0.5b")
         for name in args.models.split(","):
             if name not in dirs:
-                sys.exit(f"unknown model {name!r}: choose tiny and/or 10m")
+                sys.exit(f"unknown model {name!r}: choose tiny, 10m or 0.5b")
             bench_model(name, dirs[name], args)
         if args.with_sync:
             bench_sync(tiny, args.sync_updates)
