@@ -7,7 +7,7 @@ each spends to reach the target reward.
 The task: the agent (tests/trainer/agents/prompt_agent.py) is given its prompt as a resource and earns
 reward 1 only when the prompt says "Answer in one word." and keeps the task's question; it starts from
 "Solve {question}." (reward 0). Rollouts are real: each runs the agent through lgt-proxy (a fake engine
-on loopback answers its model call). The critic is tests/trainer/scripted_critic.py — deterministic
+on loopback answers its model call). The critic is testing/scripted_critic.py — deterministic
 rewrites, among them an empty answer, a lost placeholder and a timeout — unless --critic-base-url names
 a real model, which then has to find the instruction itself from the traces and rewards.
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests" / "trainer"))
 def spent(run_dir: Path, target: float) -> tuple[int, float | None]:
     """Rollouts run until the first validation score at or above ``target`` (all of them if none), and
     the best validation reward."""
-    from lgt.trainer.apo import Ledger
+    from lgt.trainer.apo.optimize import Ledger
 
     n, reached, best = 0, None, None
     for r in Ledger(run_dir).rows:
@@ -46,11 +46,10 @@ def spent(run_dir: Path, target: float) -> tuple[int, float | None]:
 
 async def one(optimizer: str, args: argparse.Namespace, store: Path, proxy, critic_url: str,
               tmp: Path) -> dict:
-    from scripted_critic import SEED
-
-    from lgt.trainer import apo
-    from lgt.trainer.resources import Resources, ResourceSpec
-    from lgt.trainer.rollouts import AgentSpec, ProxyEndpoint, RolloutController
+    from lgt.testing.scripted_critic import SEED
+    from lgt.trainer.apo import optimize as apo
+    from lgt.trainer.rollout.controller import AgentSpec, ProxyEndpoint, RolloutController
+    from lgt.trainer.rollout.resources import Resources, ResourceSpec
 
     (tmp / "prompt.txt").write_text(SEED)
     start = Resources({"system_prompt": ResourceSpec(tmp / "prompt.txt", "env")})
@@ -91,10 +90,9 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from scripted_critic import ScriptedCritic
-
-    from lgt.proxy.fake_upstream import FakeUpstream
-    from lgt.trainer.proxy_client import ProxyClient
+    from lgt.testing.fake_upstream import FakeUpstream
+    from lgt.testing.scripted_critic import ScriptedCritic
+    from lgt.trainer.serving.proxy import ProxyClient
 
     out = []
     with tempfile.TemporaryDirectory(prefix="lgt-apo-") as d, FakeUpstream.in_thread(port=0) as up:

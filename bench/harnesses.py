@@ -7,9 +7,9 @@ translation costs next to chat/completions.
 
 Two parts, one run:
 
-1. **Live.** Each harness (``lgt.proxy.harnesses``: its own flags, env and config files) does the task
+1. **Live.** Each harness (``lgt.testing.harnesses``: its own flags, env and config files) does the task
    "Write the word W into the file answer.txt" through one ``lgt-proxy --egress deny`` in front of the
-   fake vLLM answering as ``lgt.proxy.harness_policy`` (a tool call, then a final text), ``--repeat``
+   fake vLLM answering as ``lgt.testing.harness_policy`` (a tool call, then a final text), ``--repeat``
    times. Per harness: calls per task (rows in the store), the engine's own time per call (measured
    inside the engine, from the request's arrival to its last byte), and the proxy's hop per call: the
    call's recorded latency (from the moment the proxy starts the call, its request read and translated,
@@ -55,8 +55,8 @@ from aiohttp import web
 from lgt.proxy import dialects, harnesses, wire
 from lgt.proxy.auth import rollout_env
 from lgt.proxy.client import ControlClient, resolve_token
-from lgt.proxy.fake_upstream import FakeUpstream, detokenize, render_chat, tokenize
-from lgt.proxy.harness_policy import ScriptedPolicy, task_text
+from lgt.testing.fake_upstream import FakeUpstream, detokenize, render_chat, tokenize
+from lgt.testing.harness_policy import ScriptedPolicy, task_text
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "harnesses"

@@ -1,6 +1,6 @@
 """The CUDA-IPC weight hand-off, measured on one GPU without vLLM: what the trainer does to hand an
-engine its new weights (``lgt.trainer.engine.ipc_payload``) and what the engine's worker does to take
-them (``lgt.trainer.vllm_ext.open_ipc_payload``), in two processes, next to the host path the CPU build
+engine its new weights (``lgt.trainer.serving.engine.ipc_payload``) and what the engine's worker does to take
+them (``vllm_ext.open_ipc_payload``), in two processes, next to the host path the CPU build
 uses (the tensors copied to the host and packed into shared memory: ``engine.shm_pack`` /
 ``vllm_ext.open_shm_layout``, then copied back to the GPU by the worker).
 
@@ -26,7 +26,7 @@ import torch
 
 WORKER = r"""
 import json, sys, time, torch
-from lgt.trainer.vllm_ext import open_ipc_payload, open_shm_layout
+from lgt.trainer.serving.vllm_ext import open_ipc_payload, open_shm_layout
 for line in sys.stdin:
     msg = json.loads(line)
     t0 = time.perf_counter()
@@ -47,8 +47,8 @@ for line in sys.stdin:
 
 
 def main() -> int:
-    from lgt.trainer import tiny
-    from lgt.trainer.engine import ipc_payload, shm_pack
+    from lgt.trainer.demo import tiny
+    from lgt.trainer.serving.engine import ipc_payload, shm_pack
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="0.5b")

@@ -5,7 +5,7 @@ one run.
     .venv/bin/python bench/k8s_controller.py                 # 1,000 rollouts, 128 in flight
     .venv/bin/python bench/k8s_controller.py --rollouts 200 --inflight 32
 
-The fake API server (tests/trainer/fake_kube.py) runs in its own process, its kubelet starting each
+The fake API server (testing/fake_kube.py) runs in its own process, its kubelet starting each
 Job's container as a local process (a shell agent: it works --agent-s seconds, prints the time it
 ended and its reward). The
 controller is lgt's RolloutController with ``runner: kubernetes`` in this process; its CPU and peak
@@ -39,7 +39,7 @@ AGENT = "sleep {s}; date +%s.%N; echo 1.0"  # works, prints the time it ended, t
 SERVE = """
 import sys, time, json
 sys.path.insert(0, {path!r})
-from fake_kube import FakeKube
+from lgt.testing.fake_kube import FakeKube
 with FakeKube.in_thread(history=100000) as kube:
     kube.write_kubeconfig({kubeconfig!r})
     print("ready", flush=True)
@@ -83,7 +83,7 @@ def make_store(tmp: Path) -> Path:
 def polling_runner(base: type, poll_s: float) -> type:
     """The baseline: the same Jobs and Secrets, but each attempt polls its own Job (then reads its
     pod) every ``poll_s`` instead of sharing two watches."""
-    from lgt.trainer import kube
+    from lgt.trainer.rollout import kube
 
     class Polling(base):  # type: ignore[misc,valid-type]
         async def start(self) -> None:
@@ -125,7 +125,8 @@ def polling_runner(base: type, poll_s: float) -> type:
 
 
 async def run_one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
-    from lgt.trainer import kube, rollouts
+    from lgt.trainer.rollout import controller as rollouts
+    from lgt.trainer.rollout import kube
 
     proc, kubeconfig = start_fake(tmp)
     store = make_store(tmp)

@@ -41,7 +41,7 @@ def run(config: Path, run_dir: Path, seed: int, mode: str | None, sets: list[str
 
 
 def row(run_dir: Path) -> dict:
-    from lgt.trainer import summary
+    from lgt.trainer.report import summary
 
     s = summary.summarize(run_dir)
     cfg = json.loads((run_dir / "config.json").read_text())

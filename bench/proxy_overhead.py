@@ -10,7 +10,7 @@ and through lgt-proxy, in one run, over loopback HTTPS with an instant fake-vLLM
     .venv-proxy/bin/python bench/proxy_overhead.py --api messages --stream   # … as Anthropic Messages
     .venv-proxy/bin/python bench/proxy_overhead.py --stream --upstream-timeout 30   # with the proxy's clock
 
-Processes: the fake upstream (``lgt.proxy.fake_upstream`` over TLS, throw-away CA), the proxies,
+Processes: the fake upstream (``lgt.testing.fake_upstream`` over TLS, throw-away CA), the proxies,
 and this script as the client load (aiohttp, ``--concurrency`` workers on one keep-alive pool, short
 chat completions). The paths, in rotating order per repeat:
 
@@ -325,7 +325,7 @@ def main() -> int:
         ca, cert, key = make_certs(tmp)
         up_port, mitm_port, lgt_port, ctl_port = (free_port() for _ in range(4))
         up_pid = procs.start("upstream", [
-            PY, "-m", "lgt.proxy.fake_upstream", "--port", str(up_port),
+            PY, "-m", "lgt.testing.fake_upstream", "--port", str(up_port),
             "--tls-cert", str(cert), "--tls-key", str(key),
             "--chunk-delay-ms", str(args.chunk_delay_ms)], up_port)
         up_url = f"https://127.0.0.1:{up_port}/v1"

@@ -5,7 +5,7 @@ and resumes it every few seconds, as the trainer does at each update. Nothing ma
     .venv-proxy/bin/python bench/soak.py --agents 200 --minutes 1 --pause-every 2
     .venv-proxy/bin/python bench/soak.py --json > soak.json      # the figures as JSON (table on stderr)
 
-Processes: the fake vLLM upstream (``lgt.proxy.fake_upstream`` over TLS on loopback), lgt-proxy, and
+Processes: the fake vLLM upstream (``lgt.testing.fake_upstream`` over TLS on loopback), lgt-proxy, and
 this script: ``--agents`` agents (asyncio, each its own rollout credentials and its own connection
 through the proxy, as separate agent processes would have) and the driver. Each agent loops: one chat
 call (``--stream-share`` of them streamed; answers of 16, 64 or 256 tokens; ``--slow-share`` of them
@@ -220,7 +220,7 @@ def main() -> int:
     try:
         ca, cert, key = make_certs(tmp)
         up_port, port, ctl_port = free_port(), free_port(), free_port()
-        procs.start("upstream", [PY, "-m", "lgt.proxy.fake_upstream", "--port", str(up_port),
+        procs.start("upstream", [PY, "-m", "lgt.testing.fake_upstream", "--port", str(up_port),
                                  "--tls-cert", str(cert), "--tls-key", str(key)], up_port)
         store = tmp / "store"
         urls = [rollout_env(store, f"soak-{i}", port=port, ca="proxy")["HTTPS_PROXY"]

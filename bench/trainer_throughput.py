@@ -56,14 +56,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from lgt.store.samples import SAMPLES  # noqa: E402
-from lgt.trainer.algorithm import training_schema  # noqa: E402
-from lgt.trainer.torch_backend import (  # noqa: E402
+from lgt.trainer.backends.torch_backend import (  # noqa: E402
     TorchBackend,
     TorchConfig,
     pack_micro_batches,
     pad_micro_batch,
     read_samples,
 )
+from lgt.trainer.rl.algorithm import training_schema  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,7 +115,7 @@ def make_batch(n: int, min_len: int, max_len: int, vocab: int, gen_frac: float, 
 
 def make_05b(out: Path) -> Path:
     """lgt's 0.5b preset (Qwen2-0.5B's shape, random weights, lgt's small vocabulary; ~0.36B params)."""
-    from lgt.trainer import tiny
+    from lgt.trainer.demo import tiny
 
     return tiny.build_model(out, preset="0.5b")
 
@@ -167,9 +167,9 @@ def timed(fn, cpu_clock=time.process_time) -> tuple[float, float]:
 
 def verl_sides(model_dir: Path, args: argparse.Namespace) -> dict[str, tuple[object, object]]:
     """``{name: (actor, cpu_seconds)}``: the verl backend in this process and on 2 Ray ranks."""
-    from lgt.trainer.backend import VerlConfig
-    from lgt.trainer.verl_backend import VerlBackend
-    from lgt.trainer.verl_ray import VerlRayActor
+    from lgt.trainer.backends.base import VerlConfig
+    from lgt.trainer.backends.verl_backend import VerlBackend
+    from lgt.trainer.backends.verl_ray import VerlRayActor
 
     cfg = VerlConfig(model_path=str(model_dir), lr=1e-5, param_dtype="fp32",
                      micro_batch_tokens=args.micro_batch_tokens)

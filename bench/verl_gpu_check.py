@@ -50,7 +50,7 @@ def synthetic_samples(model_dir: Path, device: str, *, rollouts: int, seed: int)
     from transformers import AutoModelForCausalLM
 
     from lgt.store.samples import SAMPLES
-    from lgt.trainer.algorithm import training_schema
+    from lgt.trainer.rl.algorithm import training_schema
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     vocab = model.config.vocab_size
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu and device == "cpu":
         print("no CUDA here: pass --cpu to run the check on the CPU", file=sys.stderr)
         return 2
-    from lgt.trainer.verl_backend import VerlBackend, VerlConfig
+    from lgt.trainer.backends.verl_backend import VerlBackend, VerlConfig
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lgt-verl-check-") as tmp:

@@ -30,8 +30,8 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lgt.trainer import engine as engine_mod
-from lgt.trainer.engine import Engine, EngineConfig
+from lgt.trainer.serving import engine as engine_mod
+from lgt.trainer.serving.engine import Engine, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_IDS = [1, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150]

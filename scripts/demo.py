@@ -1,6 +1,6 @@
 """Demo: wrap an unchanged OpenAI-SDK agent with lgt-proxy and look at what was recorded, with SQL.
 
-1. starts a local vLLM-compatible upstream (lgt.proxy.fake_upstream: deterministic, token ids and
+1. starts a local vLLM-compatible upstream (lgt.testing.fake_upstream: deterministic, token ids and
    logprobs like vLLM) and `lgt-proxy` in front of it, store under runs/demo/store;
 2. runs examples/openai_agent/agent.py for a few rollouts with `eval "$(lgt-proxy creds ID)"`'s
    environment — the agent still aims at https://api.openai.invalid/v1;
@@ -56,7 +56,7 @@ def main() -> None:
                 if "proxy" not in k.lower() and k not in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")}
     procs = []
     try:
-        up = subprocess.Popen([PY, "-m", "lgt.proxy.fake_upstream", "--port", str(up_port)],
+        up = subprocess.Popen([PY, "-m", "lgt.testing.fake_upstream", "--port", str(up_port)],
                               stdout=subprocess.DEVNULL, env=base_env)
         procs.append(up)
         wait_port(up_port, up, "the upstream")

@@ -3,13 +3,13 @@
 
 Each harness installed by ``npm ci`` in ``tests/harnesses`` (Claude Code, Codex CLI, Gemini CLI,
 qwen-code, opencode, pi) is run unmodified, with only its own flags, environment variables and config
-files (``lgt.proxy.harnesses``: the one description the tests through lgt-proxy use too), on one task:
+files (``lgt.testing.harnesses``: the one description the tests through lgt-proxy use too), on one task:
 "write the word PINEAPPLE into the file answer.txt in the current directory",
 aimed at its default hosted API through ``HTTPS_PROXY``. The proxy is a mitmproxy run in this
 process that never forwards anything: it answers every request itself — provider-format canned
 answers (Anthropic Messages SSE, OpenAI Responses SSE and WebSocket, Gemini ``streamGenerateContent``
 SSE, chat/completions SSE): first a call of the harness's own write/shell tool (picked and filled by
-``lgt.proxy.harness_policy``, as the scripted engine behind lgt-proxy does), then, once the tool's
+``lgt.testing.harness_policy``, as the scripted engine behind lgt-proxy does), then, once the tool's
 result comes back, a short final text; model lists, update checks and telemetry get plausible answers.
 Everything the harness sent (method, URL, redacted headers, body as JSON, WebSocket messages) and what
 it was answered is written to ``tests/fixtures/harnesses/<harness>[.<profile>]/NN-<kind>.json`` with
@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from lgt.proxy.harness_policy import (
+from lgt.testing.harness_policy import (
     Task,
     ToolCall,
     choose_call,
@@ -62,7 +62,7 @@ from lgt.proxy.harness_policy import (
     offered_tools,
     task_text,
 )
-from lgt.proxy.harnesses import (
+from lgt.testing.harnesses import (
     HARNESSES,
     INSTALL_DIRS,
     PACKAGES,
@@ -343,8 +343,8 @@ LEAN: str | None = None  # --lean: None, "added" or "done"
 
 
 # --------------------------------------------------------------------------------------------------
-# one run of a harness (how each is run: lgt.proxy.harnesses; which tool it is answered with:
-# lgt.proxy.harness_policy)
+# one run of a harness (how each is run: lgt.testing.harnesses; which tool it is answered with:
+# lgt.testing.harness_policy)
 # --------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -732,7 +732,7 @@ async def start_proxy(confdir: Path, addon: Answerer):
 
 
 def harness_env(run: Run, port: int, ca: Path, h: Harness) -> dict[str, str]:
-    """The harness's environment (lgt.proxy.harnesses.environment) with this script's proxy and CA."""
+    """The harness's environment (lgt.testing.harnesses.environment) with this script's proxy and CA."""
     proxy = f"http://{PROXY_USER}:{PROXY_PASS}@127.0.0.1:{port}"
     env = environment(h, run.place, {
         "HTTPS_PROXY": proxy, "HTTP_PROXY": proxy, "https_proxy": proxy, "http_proxy": proxy,

@@ -10,7 +10,7 @@ How the work is divided (``sql/samples.sql`` holds the SQL):
 * SQL, over scalar columns: which attempts can be trained, the seq order of their calls
   (``sample_order``), and after the merge each attempt's group, reward and trained-token count
   (``sample_rollouts``). The store gives facts: advantages and loss weights are the trainer's
-  (:mod:`lgt.trainer.algorithm`, by a registered estimator).
+  (:mod:`lgt.trainer.rl.algorithm`, by a registered estimator).
 * One streaming pass over the calls files' token lists (:func:`merge_calls`): the prefix check is a
   memcmp (``pyarrow.Buffer.equals``) on zero-copy slices of the Arrow buffers, and samples are
   assembled by joining byte ranges. The files are read with pyarrow, as the store's contract lays

@@ -23,7 +23,7 @@ import pytest
 
 from lgt.proxy import auth
 from lgt.proxy.client import ControlClient, resolve_token
-from lgt.proxy.fake_upstream import FakeUpstream
+from lgt.testing.fake_upstream import FakeUpstream
 
 ENV_VARS = (
     "HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy", "ALL_PROXY", "all_proxy",

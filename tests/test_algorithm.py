@@ -1,4 +1,4 @@
-"""Advantages and loss weights (lgt.trainer.algorithm): from the store's facts to what the loss needs.
+"""Advantages and loss weights (lgt.trainer.rl.algorithm): from the store's facts to what the loss needs.
 
 No torch: these run in the proxy's environment, on samples the real sample builder made.
 """
@@ -20,8 +20,8 @@ from test_samples import Agent, Turn, make_tokenizer, reward, rollout, sentence,
 from tokenizers import Tokenizer
 
 from lgt.store.samples import build_samples
-from lgt.trainer import algorithm
-from lgt.trainer.algorithm import AlgorithmConfig, assign
+from lgt.trainer.rl import algorithm
+from lgt.trainer.rl.algorithm import AlgorithmConfig, assign
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import ProxyProc, sse_objects, stable
-from lgt.proxy.fake_upstream import FakeUpstream
+from lgt.testing.fake_upstream import FakeUpstream
 from lgt.trainer.cli import main as lgt_train
 
 HOSTED = "https://api.openai.invalid/v1"

@@ -38,7 +38,7 @@ import pytest
 
 from conftest import ProxyProc, free_port  # tests/ is on sys.path (pytest rootdir conftest)
 from lgt.proxy import auth
-from lgt.proxy.fake_upstream import FakeUpstream
+from lgt.testing.fake_upstream import FakeUpstream
 
 CHAT = "chat/completions"
 COMPLETIONS = "completions"

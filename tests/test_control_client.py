@@ -17,9 +17,9 @@ from conftest import ProxyProc
 from lgt.proxy import auth
 from lgt.proxy.cli import main as lgt_proxy
 from lgt.proxy.client import ControlClient, ControlError, resolve_token
-from lgt.proxy.fake_upstream import FakeUpstream
 from lgt.store.query import connect
-from lgt.trainer.proxy_client import ProxyClient
+from lgt.testing.fake_upstream import FakeUpstream
+from lgt.trainer.serving.proxy import ProxyClient
 
 CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "What is 6*7?"}]}
 

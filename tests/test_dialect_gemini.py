@@ -26,8 +26,8 @@ from test_clients import CHAT, SERVED, post_direct, ref_tokens  # tests/ is on s
 from conftest import ProxyProc
 from lgt.proxy import dialects
 from lgt.proxy.dialects import gemini
-from lgt.proxy.fake_upstream import FakeUpstream
 from lgt.proxy.wire import BadRequest, Capture
+from lgt.testing.fake_upstream import FakeUpstream
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harnesses"
 HOST = "https://generativelanguage.googleapis.com"

@@ -21,8 +21,8 @@ from test_dialects import anthropic_client, event_types, sse_events  # tests/ is
 
 from lgt.proxy import dialects
 from lgt.proxy.dialects.messages import CLIENT_TOOLS
-from lgt.proxy.fake_upstream import render_chat, tokenize
 from lgt.proxy.wire import CHAT, BadRequest, Capture
+from lgt.testing.fake_upstream import render_chat, tokenize
 
 anthropic = pytest.importorskip("anthropic")
 httpx = pytest.importorskip("httpx")

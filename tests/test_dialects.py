@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from test_clients import CHAT, SERVED, post_direct, ref_tokens  # tests/ is on sys.path
 
 from lgt.proxy import dialects
-from lgt.proxy.fake_upstream import FakeUpstream
 from lgt.proxy.wire import BadRequest, Capture
+from lgt.testing.fake_upstream import FakeUpstream
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from conftest import ProxyProc
-from lgt.proxy.fake_upstream import FakeUpstream
+from lgt.testing.fake_upstream import FakeUpstream
 
 HOSTED = "https://api.openai.invalid/v1"
 

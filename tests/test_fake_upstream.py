@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from lgt.proxy.fake_upstream import (
+from lgt.testing.fake_upstream import (
     FakeUpstream,
     render_chat,
     render_tool_call,
@@ -417,7 +417,7 @@ def _self_signed(tmp_path: Any) -> tuple[Any, Any]:
 
 def test_cli_serves_until_sigterm() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lgt.proxy.fake_upstream", "--port", "0", "--served-model", "p",
+        [sys.executable, "-m", "lgt.testing.fake_upstream", "--port", "0", "--served-model", "p",
          "--api-key", "k"], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]

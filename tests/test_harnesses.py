@@ -2,11 +2,11 @@
 
 Claude Code, Codex CLI, Gemini CLI, qwen-code, opencode and pi (the versions pinned in
 tests/harnesses, ``npm ci`` there) each get one task — "Write the word W into the file F" — with only
-their own flags, environment and config files (``lgt.proxy.harnesses``, the description the fixture
+their own flags, environment and config files (``lgt.testing.harnesses``, the description the fixture
 script uses too) plus the rollout's environment from ``lgt.proxy.auth.rollout_env`` (``HTTPS_PROXY``
 with its credentials, the CA variables). They aim at their default hosted APIs; one ``lgt-proxy``
 (``--egress deny``: nothing else leaves) routes their model calls to one scripted engine — the fake
-vLLM answering with ``lgt.proxy.harness_policy``: a call of the harness's own write or shell tool, then a
+vLLM answering with ``lgt.testing.harness_policy``: a call of the harness's own write or shell tool, then a
 short final text. Each run must exit 0 with the file holding the word, and every call that reached the
 engine must be a row: ``ok``, ``capture = full``, the prompt and response token ids (and logprobs)
 the engine produced, ``api`` the harness's API; no ``rejected`` row; the egress table lists what the
@@ -30,7 +30,7 @@ from test_clients import post_direct  # tests/ is on sys.path
 
 from conftest import ProxyProc
 from lgt.proxy import harnesses
-from lgt.proxy.fake_upstream import (
+from lgt.testing.fake_upstream import (
     FakeUpstream,
     generate,
     load_script,
@@ -39,7 +39,7 @@ from lgt.proxy.fake_upstream import (
     token_logprob,
     tokenize,
 )
-from lgt.proxy.harness_policy import (
+from lgt.testing.harness_policy import (
     Answer,
     ScriptedPolicy,
     Task,
@@ -67,8 +67,8 @@ def test_task_and_workdir_from_the_prompt() -> None:
     assert find_task(["Generate a title for this conversation."]) is None
 
 
-def test_the_fake_engine_loads_the_policy_by_name() -> None:  # python -m lgt.proxy.fake_upstream --script
-    assert isinstance(load_script("lgt.proxy.harness_policy:reply"), ScriptedPolicy)
+def test_the_fake_engine_loads_the_policy_by_name() -> None:  # python -m lgt.testing.fake_upstream --script
+    assert isinstance(load_script("lgt.testing.harness_policy:reply"), ScriptedPolicy)
 
 
 @pytest.mark.parametrize("d", sorted(p.parent for p in FIXTURES.glob("*/manifest.json")),

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ProxyProc, sse_objects, stable
 from lgt.proxy.client import ControlClient, ControlError
-from lgt.proxy.fake_upstream import FakeUpstream, render_chat, token_logprob, tokenize
+from lgt.testing.fake_upstream import FakeUpstream, render_chat, token_logprob, tokenize
 
 HOSTED = "https://api.openai.invalid/v1"
 

@@ -10,7 +10,7 @@ from test_proxy import CHAT, HOSTED, client
 
 from lgt.proxy import resources
 from lgt.proxy.client import ControlError
-from lgt.proxy.fake_upstream import render_chat, tokenize
+from lgt.testing.fake_upstream import render_chat, tokenize
 
 PROMPT = "You are a careful calculator. Answer as 'The answer is N.'"
 

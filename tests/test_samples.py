@@ -595,7 +595,7 @@ def test_group_build_equals_the_whole_build_of_those_groups(tmp_path: Path, tok:
 @pytest.mark.parametrize("chunk", [1, 4, 7, 100])
 def test_a_streamed_build_is_the_whole_build_a_chunk_at_a_time(tmp_path: Path, tok: Tokenizer,
                                                                chunk: int) -> None:
-    from lgt.trainer.algorithm import AlgorithmConfig, assign
+    from lgt.trainer.rl.algorithm import AlgorithmConfig, assign
 
     root = groups_store(tmp_path, tok)
     whole = build_samples(connect(root))

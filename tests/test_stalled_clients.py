@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from conftest import ProxyProc
-from lgt.proxy.fake_upstream import FakeUpstream
+from lgt.testing.fake_upstream import FakeUpstream
 
 IDLE = 2
 HOST = "api.openai.invalid"

@@ -1,7 +1,7 @@
 """Adding rewards and rollouts, store migrations, bad files on connect, and `show`'s rendering.
 
 The stores are real Parquet written by the store's own ``TableWriter`` with rows shaped as the proxy
-writes them: a byte tokenizer (id = byte + 3, as ``lgt.proxy.fake_upstream``) and a ChatML-like
+writes them: a byte tokenizer (id = byte + 3, as ``lgt.testing.fake_upstream``) and a ChatML-like
 template, so that a real ``tokenizers`` tokenizer built here decodes them.
 """
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import ProxyProc
-from lgt.proxy.fake_upstream import FakeUpstream
+from lgt.testing.fake_upstream import FakeUpstream
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")

@@ -279,7 +279,7 @@ def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator
 
     from lgt.store.samples import SAMPLES, trained_rollouts
     from lgt.store.writer import publish
-    from lgt.trainer import algorithm
+    from lgt.trainer.rl import algorithm
 
     cfg = algorithm.AlgorithmConfig(estimator=estimator, std_normalize=not no_std, sample_mode=mode)
     check_out(out, mode, tokenizer)
@@ -432,7 +432,7 @@ def run_cmd(config_file: Path | None, mode: str | None, steps: int | None, max_m
         raise click.ClickException("interrupted; continue with --resume") from None
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(_run_error(e)) from None
-    from lgt.trainer import summary
+    from lgt.trainer.report import summary
 
     click.echo(summary.render(summary.write(out)))
 
@@ -476,8 +476,9 @@ def apo_cmd(config_file: Path, run_dir: Path | None, resume_dir: Path | None, ch
             sets: tuple[str, ...]) -> None:
     """Optimise CONFIG_FILE's prompt resource (its apo section) with real rollouts: a critic reads the
     worst and best traces, rewrites the prompt, and the best rewrites by validation reward go on."""
-    from lgt.trainer import apo, recipe
     from lgt.trainer import config as cfgmod
+    from lgt.trainer import recipe
+    from lgt.trainer.apo import optimize as apo
 
     try:
         cfg = cfgmod.load(config_file, _overrides(sets))
@@ -551,7 +552,7 @@ def _note_config_differences(cfgmod: Any, config_file: Path, overrides: dict[str
 def _reexec(python: str, cfg: Any) -> None:
     """Run this same command in ``python`` (the backend's environment); the engine keeps this
     environment's vLLM (``$LGT_ENGINE_PYTHON``)."""
-    from lgt.trainer.engine import engine_python
+    from lgt.trainer.serving.engine import engine_python
 
     os.environ.setdefault("LGT_ENGINE_PYTHON", engine_python(cfg.engine))
     os.environ["LGT_REEXEC"] = "1"
@@ -573,7 +574,7 @@ def _reexec(python: str, cfg: Any) -> None:
 def make_model_cmd(out: Path, preset: str, warm_start: str, seconds: float, steps: int | None,
                    seed: int) -> None:
     """Build a small model + tokenizer locally (HF format; nothing downloaded)."""
-    from lgt.trainer import tiny
+    from lgt.trainer.demo import tiny
 
     path = tiny.make_model(out, preset=preset, warm_start_task=None if warm_start == "none" else warm_start,
                            seconds=seconds, steps=steps, seed=seed)
@@ -594,8 +595,8 @@ def engine_cmd(model_dir: Path, vllm_args: tuple[str, ...], port: int, max_model
     (e.g. -- --enable-auto-tool-choice --tool-call-parser hermes)."""
     import signal as sig
 
-    from lgt.trainer.engine import Engine, EngineConfig, EngineError
     from lgt.trainer.models import ModelError
+    from lgt.trainer.serving.engine import Engine, EngineConfig, EngineError
 
     try:
         engine = Engine.start(EngineConfig(model=model_dir.resolve(), port=port, max_model_len=max_model_len,

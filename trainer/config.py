@@ -1,10 +1,10 @@
 """The run config: one YAML file describes a training run (``lgt-train run FILE``).
 
 A section of the run config *is* its component's config, not a copy of it: ``agent`` is the rollout
-controller's :class:`~lgt.trainer.rollouts.AgentSpec`, ``engine`` the engine's
-:class:`~lgt.trainer.engine.EngineConfig`, ``backend`` the chosen backend's config
-(:data:`lgt.trainer.backend.BACKENDS`, picked by ``backend.name``), ``algorithm`` the
-:class:`~lgt.trainer.algorithm.AlgorithmConfig` whose loss settings every backend uses. Each class
+controller's :class:`~lgt.trainer.rollout.controller.AgentSpec`, ``engine`` the engine's
+:class:`~lgt.trainer.serving.engine.EngineConfig`, ``backend`` the chosen backend's config
+(:data:`lgt.trainer.backends.base.BACKENDS`, picked by ``backend.name``), ``algorithm`` the
+:class:`~lgt.trainer.rl.algorithm.AlgorithmConfig` whose loss settings every backend uses. Each class
 checks its own values when built; this module reads YAML into them, checking every key and type, and
 refuses what the run sets itself (``backend.loss`` comes from ``algorithm``, ``engine.model`` is the
 model being trained). ``ConfigError`` names the bad key in one sentence. Relative paths are relative to
@@ -25,13 +25,13 @@ from typing import Any
 
 import yaml
 
-from .algorithm import AlgorithmConfig, LossConfig
-from .apo import ApoConfig
-from .backend import BACKENDS, TorchConfig, VerlConfig
-from .engine import EngineConfig
-from .evaluation import EvalConfig
-from .resources import ResourceSpec
-from .rollouts import AgentSpec
+from lgt.trainer.apo.optimize import ApoConfig
+from lgt.trainer.backends.base import BACKENDS, TorchConfig, VerlConfig
+from lgt.trainer.rl.algorithm import AlgorithmConfig, LossConfig
+from lgt.trainer.rollout.controller import AgentSpec
+from lgt.trainer.rollout.resources import ResourceSpec
+from lgt.trainer.run.evaluation import EvalConfig
+from lgt.trainer.serving.engine import EngineConfig
 
 MODES = ("sync", "async")
 BackendConfig = TorchConfig | VerlConfig
@@ -51,7 +51,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MakeModel:
-    """Build the model locally when ``model.path`` does not exist yet (lgt.trainer.tiny.make_model)."""
+    """Build the model locally when ``model.path`` does not exist yet (lgt.trainer.demo.tiny.make_model)."""
 
     preset: str = "demo"
     warm_start: str | None = "arith"  # arith | carry | calc | both | null
@@ -87,7 +87,7 @@ class RunConfig:
     backend: BackendConfig = TorchConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     proxy: ProxySection = ProxySection()
-    eval: EvalConfig | None = None  # held-out evaluation (lgt.trainer.evaluation); null: none
+    eval: EvalConfig | None = None  # held-out evaluation (lgt.trainer.run.evaluation); null: none
     resources: dict[str, ResourceSpec] = dataclasses.field(default_factory=dict)  # prompts (resources.py)
     apo: ApoConfig | None = None  # lgt-train apo: which resource, the optimiser, the critic (apo.py)
     mode: str = "async"

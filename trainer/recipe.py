@@ -6,17 +6,17 @@ directory (or that it can be made), the backend's environment, the engine's inte
 One sentence names what is wrong; nothing has been built, started or written.
 
 **setup** builds each component once, from its own config section: the model (made locally when asked),
-the backend (:data:`lgt.trainer.backend.BACKENDS`: load, or resume from the run's last checkpoint), the
+the backend (:data:`lgt.trainer.backends.base.BACKENDS`: load, or resume from the run's last checkpoint), the
 vLLM engine serving it, ``lgt-proxy`` in front of the engine (or a running one), and the rollout
 controller that launches the unmodified agent once per rollout.
 
 **train**, each step:
   1. enough complete groups are ready (sync: the whole batch launched for this step; async: the
      ``batch_groups`` oldest finished groups, while other rollouts keep running) — admission control
-     and the batch are :mod:`lgt.trainer.batch`'s pure functions;
+     and the batch are :mod:`lgt.trainer.run.admission`'s pure functions;
   2. the batch's samples from the store (merged per rollout), while the other rollouts still run
      (the batch's groups are finished: nothing of theirs changes); stale groups dropped; advantages
-     and loss weights (:mod:`lgt.trainer.algorithm`);
+     and loss weights (:mod:`lgt.trainer.rl.algorithm`);
   3. ``POST /pause`` to the proxy: new model calls are held, in-flight ones drain (seconds recorded);
   4. on a GPU the engine sleeps (its memory freed for the update); the backend trains; the engine
      wakes and gets the new weights without a restart (``backend.push_weights``);
@@ -56,14 +56,13 @@ import pyarrow as pa
 
 from lgt.store.query import connect
 from lgt.store.samples import build_group_samples
-
-from . import batch as batchmod
-from . import config as cfgmod
-from . import evaluation
-from .backend import BackendError, entry
-from .config import ConfigError, RunConfig
-from .proxy_client import ProxyClient, ProxyError, ProxyGroup
-from .summary import WINDOW, read_jsonl
+from lgt.trainer import config as cfgmod
+from lgt.trainer.backends.base import BackendError, entry
+from lgt.trainer.config import ConfigError, RunConfig
+from lgt.trainer.report.summary import WINDOW, read_jsonl
+from lgt.trainer.run import admission as batchmod
+from lgt.trainer.run import evaluation
+from lgt.trainer.serving.proxy import ProxyClient, ProxyError, ProxyGroup
 
 FAIL_FAST_GROUPS = 2  # groups that all failed, with no rollout ever ok, end the run
 TARGET_WINDOW = WINDOW  # target_reward is reached when the mean reward of this many last steps reaches it
@@ -115,9 +114,11 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     ConfigError (or another ValueError: one sentence) names what is wrong. Fast: reads the tasks file and
     a few small JSON files, looks commands up on PATH; imports no torch, verl or vLLM.
     """
-    from . import models, rollouts, tiny
-    from .engine import EngineError, engine_python
-    from .proxy_client import ProxyError, find_proxy_command
+    from lgt.trainer import models
+    from lgt.trainer.demo import tiny
+    from lgt.trainer.rollout import controller as rollouts
+    from lgt.trainer.serving.engine import EngineError, engine_python
+    from lgt.trainer.serving.proxy import ProxyError, find_proxy_command
 
     tasks = cfgmod.load_tasks(cfg.tasks)
     held = cfgmod.load_tasks(cfg.eval.tasks) if cfg.eval is not None and cfg.eval.tasks else None
@@ -154,7 +155,7 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
         backend_python(cfg)
         engine_python(cfg.engine)
         if cfg.resources:
-            from .resources import Resources
+            from lgt.trainer.rollout.resources import Resources
             Resources(cfg.resources)  # every template readable
         if cfg.proxy.url is None and not cfg.proxy.command:
             find_proxy_command()
@@ -226,7 +227,7 @@ class Recipe:
 
     # ------------------------------------------------------------------------------------ setup
     def setup(self) -> None:
-        from . import checkpoints
+        from lgt.trainer.backends import checkpoints
 
         cfg = self.cfg
         self.prepare(new_run=not self.resume)
@@ -270,8 +271,8 @@ class Recipe:
     def serve(self, serve_dir: Path) -> None:
         """The vLLM engine on ``serve_dir``, lgt-proxy in front of it (or a running one), the rollout
         controller."""
-        from . import engine as enginemod
-        from . import rollouts
+        from lgt.trainer.rollout import controller as rollouts
+        from lgt.trainer.serving import engine as enginemod
 
         cfg = self.cfg
         if cfg.engine.url:  # a running engine: it serves this run's weights from now on
@@ -307,7 +308,7 @@ class Recipe:
                                             control_token=p.token) for p in self.proxy.replicas]
         resources = None
         if cfg.resources:
-            from .resources import Resources
+            from lgt.trainer.rollout.resources import Resources
             resources = Resources(cfg.resources)
             resources.save(self.run_dir)
         self.controller = rollouts.RolloutController(cfg.agent, endpoints, self.store, self.run_dir,
@@ -316,7 +317,7 @@ class Recipe:
 
     def setup_eval(self, checkpoint: Path | None) -> None:
         """``lgt-train eval``: the engine serves ``checkpoint`` (or the config's model), no backend."""
-        from . import checkpoints
+        from lgt.trainer.backends import checkpoints
 
         self.prepare()
         if checkpoint is not None:
@@ -339,7 +340,8 @@ class Recipe:
             await self.aclose()
 
     def ensure_model(self) -> Path:
-        from . import models, tiny
+        from lgt.trainer import models
+        from lgt.trainer.demo import tiny
 
         m = self.cfg.model
         if m.make is not None:  # reuses the model when it was made with the same settings
@@ -437,7 +439,7 @@ class Recipe:
         back on its port with the current policy's weights; the proxy on its ports and store (its
         write-ahead log recovered). Calls that were in flight failed: their agents' SDKs retry them,
         or the attempt fails and is retried; new calls are held while the engine starts."""
-        from .engine import EngineError
+        from lgt.trainer.serving.engine import EngineError
 
         try:
             await asyncio.to_thread(self.engine.check_alive)  # a dead one's group is stopped: seconds
@@ -464,7 +466,7 @@ class Recipe:
         self.log(f"{what} is back after {time.monotonic() - t:.1f} s")
 
     async def _restart_engine(self, paused: bool) -> None:
-        from . import engine as enginemod
+        from lgt.trainer.serving import engine as enginemod
 
         old = self.engine
         if old.attached:
@@ -491,7 +493,7 @@ class Recipe:
     async def _alive(self, fn: Callable[[], Any], *, paused: bool) -> Any:
         """``fn()`` in a thread; when it fails because the engine or proxy died, both are checked (and
         restarted) and it runs once more."""
-        from .engine import EngineError
+        from lgt.trainer.serving.engine import EngineError
 
         try:
             return await asyncio.to_thread(fn)
@@ -545,7 +547,7 @@ class Recipe:
         return sum(1 for g in self.groups.values() if not g.done)
 
     def launch(self) -> None:
-        """Start groups while admission control allows (:func:`lgt.trainer.batch.may_launch`)."""
+        """Start groups while admission control allows (:func:`lgt.trainer.run.admission.may_launch`)."""
         while batchmod.may_launch(
                 self.limits, running_rollouts=sum(g.pending for g in self.groups.values()),
                 unfinished_groups=self.unfinished_groups(), ready_groups=len(self.ready),
@@ -733,7 +735,7 @@ class Recipe:
                      f"train {perf['perf/train_s']:.2f}s  sync {perf['perf/sync_s']:.2f}s")
 
     def samples_for(self, batch: list[Group]) -> batchmod.Prepared:
-        """The batch's samples from the store, ready for the loss (:func:`lgt.trainer.batch.prepare`)."""
+        """The batch's samples from the store, ready for the loss (:func:`~.run.admission.prepare`)."""
         cfg = self.cfg
         samples = build_group_samples(self.store, [g.group_id for g in batch], mode=cfg.algorithm.sample_mode,
                                       tokenizer=self.tokenizer).samples
@@ -835,7 +837,7 @@ def evaluate(cfg: RunConfig, *, checkpoint: Path | None = None, run_dir: Path | 
         raise ConfigError("the run config has no eval section to say which tasks are held out: add e.g. "
                           "eval: {split: 0.2} or eval: {tasks: heldout.jsonl}")
     if checkpoint is not None:
-        from .checkpoints import read_state
+        from lgt.trainer.backends.checkpoints import read_state
         read_state(checkpoint)  # not a finished, readable checkpoint: one sentence, before anything starts
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = (run_dir or Path.cwd() / "runs" / f"{cfg.name}-eval-{stamp}").resolve()
@@ -850,10 +852,10 @@ def evaluate(cfg: RunConfig, *, checkpoint: Path | None = None, run_dir: Path | 
 def optimize_prompt(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False,
                     checkpoint: Path | None = None,
                     display: Callable[[StepStats, str], None] | None = None) -> tuple[Path, dict[str, Any]]:
-    """``lgt-train apo``: the run's ``apo.resource`` optimised with real rollouts (:mod:`lgt.trainer.apo`)
+    """``lgt-train apo``: the run's ``apo.resource`` optimised with real rollouts (:mod:`~.apo.optimize`)
     on the config's model or ``checkpoint`` (an RL run's checkpoints/step-N); the best candidate, and the
     run directory (``apo/`` in it)."""
-    from . import apo
+    from lgt.trainer.apo import optimize as apo
 
     if cfg.apo is None:
         raise ConfigError("the run config has no apo section: add e.g. apo: {resource: system_prompt}")
@@ -915,8 +917,7 @@ def agent_broken(n_groups: int, results: list[Any]) -> str:
 def finish(run_dir: Path, store: Path | None = None, stopped: str | None = None) -> None:
     """summary.json, metrics.csv, plots and the report page from what the run wrote."""
     from lgt.store.report import write_report
-
-    from . import plots, summary
+    from lgt.trainer.report import plots, summary
 
     summary.write(run_dir, stopped=stopped)
     if store is not None and store.exists():

@@ -88,7 +88,7 @@ WHERE link NOT IN ('first', 'extends');
 -- attempt, rollout_tokens).
 --   excluded: the rollout's status when not 'ok' (failed, timeout), no_reward, no_trainable_calls.
 -- The store gives facts: advantages and loss weights are computed by the trainer over the rollouts it
--- trains together (lgt.trainer.algorithm: a failed rollout never counts as reward 0).
+-- trains together (lgt.trainer.rl.algorithm: a failed rollout never counts as reward 0).
 CREATE OR REPLACE MACRO sample_rollouts(sample_tokens) AS TABLE
 SELECT r.rollout_id, r.attempt, r.task_id, r.step,
        coalesce(r.group_id, r.rollout_id || '~' || r.attempt) AS group_id,

@@ -25,7 +25,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def arith_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny preset after a few seconds of the arith warm start (knows the answer format)."""
-    from lgt.trainer import tiny
+    from lgt.trainer.demo import tiny
 
     return tiny.make_model(tmp_path_factory.mktemp("arith-model") / "m", preset="tiny",
                            warm_start_task="arith", seconds=3, progress=False)

@@ -1,4 +1,4 @@
-"""lgt-train apo's beam search (trainer/apo.py) with real rollouts through the proxy and a scripted
+"""lgt-train apo's beam search (trainer/apo/optimize.py) with real rollouts through the proxy and a scripted
 critic on 127.0.0.1: it finds the instruction the agent's reward needs, placeholders survive, a critic
 that answers garbage, drops a placeholder or times out costs one candidate, and a restart scores no
 finished candidate again."""
@@ -10,12 +10,12 @@ import json
 import sys
 
 import pytest
-from scripted_critic import SEED, ScriptedCritic
 from test_rollouts import AGENTS, endpoint
 
-from lgt.trainer import apo
-from lgt.trainer.resources import Resources, ResourceSpec
-from lgt.trainer.rollouts import AgentSpec, RolloutController
+from lgt.testing.scripted_critic import SEED, ScriptedCritic
+from lgt.trainer.apo import optimize as apo
+from lgt.trainer.rollout.controller import AgentSpec, RolloutController
+from lgt.trainer.rollout.resources import Resources, ResourceSpec
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The training step's pure logic (lgt.trainer.batch): admission, task order, batches, staleness,
+"""The training step's pure logic (lgt.trainer.run.admission): admission, task order, batches, staleness,
 per-rollout weights after filtering. No vLLM, no proxy, no model."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lgt.store.samples import SAMPLES
-from lgt.trainer import batch
-from lgt.trainer.algorithm import AlgorithmConfig
+from lgt.trainer.rl.algorithm import AlgorithmConfig
+from lgt.trainer.run import admission as batch
 
 ASYNC = batch.Limits(mode="async", group_size=8, batch_groups=4, max_inflight=64, max_staleness=1)
 SYNC = batch.Limits(mode="sync", group_size=8, batch_groups=4, max_inflight=64, max_staleness=1)

@@ -104,9 +104,9 @@ def test_missing_required_and_bad_files(tmp_path: Path) -> None:
 
 
 def test_sections_are_the_components_configs(tmp_path: Path) -> None:
-    from lgt.trainer.algorithm import AlgorithmConfig, LossConfig
-    from lgt.trainer.backend import TorchConfig, VerlConfig
-    from lgt.trainer.engine import EngineConfig
+    from lgt.trainer.backends.base import TorchConfig, VerlConfig
+    from lgt.trainer.rl.algorithm import AlgorithmConfig, LossConfig
+    from lgt.trainer.serving.engine import EngineConfig
 
     cfg = config.load(write(tmp_path, BASE
                             + "algorithm: {kl_coef: 0.1, kl_kind: k2, dual_clip: 3, agg: token-mean}\n"
@@ -271,9 +271,9 @@ def test_a_resume_that_fails_in_setup_leaves_the_run_directory_as_it_was(tmp_pat
     # config.json nor the summary, plots or report are rewritten
     from click.testing import CliRunner
 
-    from lgt.trainer.backend import TorchConfig
+    from lgt.trainer.backends.base import TorchConfig
+    from lgt.trainer.backends.torch_backend import OPTIMIZER_FILE, TorchBackend
     from lgt.trainer.cli import main
-    from lgt.trainer.torch_backend import OPTIMIZER_FILE, TorchBackend
 
     path = write(tmp_path, BASE.replace("model: {path: m}", f"model: {{path: {tiny_model_dir}}}"))
     cfg = config.load(path)

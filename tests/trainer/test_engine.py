@@ -1,4 +1,4 @@
-"""The vLLM engine manager (trainer/engine.py) and its weight sync (trainer/vllm_ext.py).
+"""The vLLM engine manager (trainer/serving/engine.py) and its weight sync (trainer/serving/vllm_ext.py).
 
 Fast tests cover the pure helpers and the input checks that must fail before anything starts. The slow
 ones start the real vLLM build installed in this environment (the CPU build here) on the tiny model:
@@ -25,8 +25,9 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
-from lgt.trainer import engine as engine_mod
-from lgt.trainer.engine import (
+from lgt.trainer.models import ModelError
+from lgt.trainer.serving import engine as engine_mod
+from lgt.trainer.serving.engine import (
     Engine,
     EngineConfig,
     EngineError,
@@ -38,8 +39,7 @@ from lgt.trainer.engine import (
     free_port,
     write_weights,
 )
-from lgt.trainer.models import ModelError
-from lgt.trainer.vllm_ext import iter_safetensors
+from lgt.trainer.serving.vllm_ext import iter_safetensors
 
 # A fixed prompt (token ids of the tiny model's 400-token vocabulary) whose logprobs are compared.
 PROMPT_IDS = [1, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150]
@@ -63,7 +63,7 @@ def test_command_per_build(tmp_path: Path) -> None:
     cpu = build_command(cfg, 8123, cpu=True, python="py")
     assert cpu[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
     assert cpu[cpu.index("--port") + 1] == "8123"
-    assert cpu[cpu.index("--worker-extension-cls") + 1] == "lgt.trainer.vllm_ext.WeightSyncExtension"
+    assert cpu[cpu.index("--worker-extension-cls") + 1] == "lgt.trainer.serving.vllm_ext.WeightSyncExtension"
     assert cpu[cpu.index("--dtype") + 1] == "float32" and "--enforce-eager" in cpu
     assert "--enable-sleep-mode" not in cpu and "--gpu-memory-utilization" not in cpu
     assert cpu[-2:] == ["--seed", "3"]
@@ -266,7 +266,7 @@ def test_plugin_shortens_the_busy_wait_in_every_engine_process(engine: Engine) -
 def test_plugin_leaves_vllm_alone_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
-    from lgt.trainer import vllm_plugin
+    from lgt.trainer.serving import vllm_plugin
 
     original = shm_broadcast.SpinCondition.wait
     monkeypatch.delenv(vllm_plugin.ENV, raising=False)
@@ -415,7 +415,7 @@ def test_ipc_payload_is_opened_on_the_workers_own_device() -> None:
     import base64
     import pickle
 
-    from lgt.trainer.vllm_ext import IPC_DEVICE_ARG, open_ipc_payload
+    from lgt.trainer.serving.vllm_ext import IPC_DEVICE_ARG, open_ipc_payload
 
     args = tuple(range(15))  # rebuild_cuda_tensor's 15 arguments; [6] is the sender's device index
     payload = base64.b64encode(pickle.dumps([("w", _rebuild_probe, args)])).decode()

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from lgt.trainer import config as cfgmod
-from lgt.trainer import evaluation
-from lgt.trainer.evaluation import EvalConfig, held_out, split_tasks
+from lgt.trainer.run import evaluation
+from lgt.trainer.run.evaluation import EvalConfig, held_out, split_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = [{"task_id": f"t{i}", "question": f"q{i}"} for i in range(200)]

@@ -17,7 +17,7 @@ import yaml
 from test_run import lgt_train, metrics  # tests/trainer is on sys.path
 
 from lgt.store.query import connect
-from lgt.trainer.engine import Engine, EngineConfig
+from lgt.trainer.serving.engine import Engine, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 # example -> (the API it calls, what its agent environment is)

@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 
 kubernetes = pytest.importorskip("kubernetes")
-from fake_kube import FakeKube  # noqa: E402
 from kubernetes import client, config, watch  # noqa: E402
 from kubernetes.client.exceptions import ApiException  # noqa: E402
+
+from lgt.testing.fake_kube import FakeKube  # noqa: E402
 
 NS = "default"
 Json = dict[str, Any]

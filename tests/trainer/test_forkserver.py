@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lgt.trainer.forkserver import ForkServer, ForkServerError, python_script_command
+from lgt.trainer.rollout.forkserver import ForkServer, ForkServerError, python_script_command
 
 AGENT = """
 import atexit, json, os, sys, time

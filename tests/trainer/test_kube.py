@@ -1,5 +1,5 @@
 """runner: kubernetes — rollouts as Jobs, with the official ``kubernetes`` client against the fake API
-server (tests/trainer/fake_kube.py), whose kubelet runs each Job's container as a local process."""
+server (testing/fake_kube.py), whose kubelet runs each Job's container as a local process."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 import yaml
-from fake_kube import FakeKube
 from test_rollouts import AGENTS, attempts, endpoint, pid_dir, rewards  # noqa: F401 (a fixture)
 
 from lgt.store.query import connect
-from lgt.trainer import kube
-from lgt.trainer.rollouts import AgentSpec, RolloutController, RolloutError
+from lgt.testing.fake_kube import FakeKube
+from lgt.trainer.rollout import kube
+from lgt.trainer.rollout.controller import AgentSpec, RolloutController, RolloutError
 
 pytest.importorskip("kubernetes")
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from lgt.trainer import plots
+from lgt.trainer.report import plots
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -1,4 +1,4 @@
-"""Prompt resources (trainer/resources.py): templates filled per task, delivered by the proxy (system
+"""Prompt resources (trainer/rollout/resources.py): templates filled per task, delivered by the proxy (system
 message), as a variable or as a file; every rollout records the version it ran with."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 from test_rollouts import AGENTS, endpoint, rows, run_all
 
 from lgt.trainer import config
-from lgt.trainer.resources import (
+from lgt.trainer.rollout.controller import AgentSpec, RolloutController
+from lgt.trainer.rollout.resources import (
     Resources,
     ResourceSpec,
     check_rewrite,
@@ -21,7 +22,6 @@ from lgt.trainer.resources import (
     placeholders,
     version,
 )
-from lgt.trainer.rollouts import AgentSpec, RolloutController
 
 
 def test_templates_fill_from_the_task_and_keep_other_braces() -> None:

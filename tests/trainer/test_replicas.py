@@ -14,9 +14,9 @@ import httpx
 import pytest
 from test_rollouts import AGENTS, rows, run_all
 
-from lgt.trainer.proxy_client import ProxyClient, ProxyError, ProxyGroup
 from lgt.trainer.recipe import undrained
-from lgt.trainer.rollouts import AgentSpec, ProxyEndpoint, RolloutController
+from lgt.trainer.rollout.controller import AgentSpec, ProxyEndpoint, RolloutController
+from lgt.trainer.serving.proxy import ProxyClient, ProxyError, ProxyGroup
 
 
 @pytest.fixture
@@ -137,7 +137,7 @@ def test_lgt_train_drives_two_replicas_as_one(tmp_path, arith_model_dir, request
     """``proxy: {url: [replica 1, replica 2]}``: a run on two running proxies over one store."""
     from test_run import lgt_train, metrics, write_config
 
-    from lgt.trainer.proxy_client import free_port
+    from lgt.trainer.serving.proxy import free_port
 
     proc = type(request.getfixturevalue("proxy"))
     engine_port = free_port()

@@ -1,4 +1,4 @@
-"""Unit tests of lgt.trainer.rl on tiny hand-computed tensors, plus Hypothesis properties."""
+"""Unit tests of lgt.trainer.rl.loss on tiny hand-computed tensors, plus Hypothesis properties."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lgt.trainer import rl
+from lgt.trainer.rl import loss as rl
 
 E = math.e
 LN2 = math.log(2.0)

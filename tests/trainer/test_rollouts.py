@@ -1,4 +1,4 @@
-"""The rollout controller (trainer/rollouts.py) running real agent processes through a real lgt-proxy.
+"""The rollout controller (trainer/rollout/controller.py): real agent processes through a real lgt-proxy.
 
 The agents (tests/trainer/agents/) are plain Python scripts using the OpenAI SDK against the fake vLLM
 upstream, through ``HTTPS_PROXY`` (https://api.openai.invalid/v1) or ``base_url``; each test checks the
@@ -20,7 +20,7 @@ import pytest
 
 from lgt.proxy.client import ControlError
 from lgt.store.query import connect
-from lgt.trainer.rollouts import (
+from lgt.trainer.rollout.controller import (
     AgentSpec,
     ProxyControlError,
     ProxyEndpoint,
@@ -444,7 +444,7 @@ def test_a_full_store_keeps_the_records_and_says_so(tmp_path, proxy):
     error is one sentence."""
     import subprocess
 
-    from lgt.trainer.rollouts import StoreWriteError
+    from lgt.trainer.rollout.controller import StoreWriteError
 
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from lgt.store.query import connect
-from lgt.trainer.evaluation import held_out
+from lgt.trainer.run.evaluation import held_out
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

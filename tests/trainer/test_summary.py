@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lgt.trainer import summary
+from lgt.trainer.report import summary
 
 
 def make_run(run_dir: Path, rewards: list[float | None], *, target: float | None = 0.9,

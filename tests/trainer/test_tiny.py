@@ -1,4 +1,4 @@
-"""Tests of the model-directory check (trainer/models.py) and the local model factory (trainer/tiny.py)."""
+"""The model-directory check (trainer/models.py) and the local model factory (trainer/demo/tiny.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lgt.trainer.models import ModelError, ModelInfo, check_model_dir
-from lgt.trainer.tiny import (
+from lgt.trainer.demo.tiny import (
     CALC_TOOL,
     DialogueEncoder,
     TinyModelError,
@@ -43,6 +42,7 @@ from lgt.trainer.tiny import (
     tool_call_text,
     warm_start,
 )
+from lgt.trainer.models import ModelError, ModelInfo, check_model_dir
 
 QWEN_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 300,
                "max_position_embeddings": 1024, "tie_word_embeddings": True, "eos_token_id": 2}
@@ -472,7 +472,7 @@ def test_vllm_parses_the_calc_models_tool_calls(calc_vllm: tuple[str, Path]) -> 
 def test_the_warm_start_never_shows_excluded_questions(tok) -> None:
     import random
 
-    from lgt.trainer.tiny import DialogueEncoder, _draw_example, _spec
+    from lgt.trainer.demo.tiny import DialogueEncoder, _draw_example, _spec
 
     held = {t["question"] for t in arith_tasks(200)[:40]}
     pool = [t for t in arith_tasks(200) if t["question"] not in held]
@@ -499,7 +499,7 @@ def test_the_warm_start_never_shows_excluded_questions(tok) -> None:
 
 
 def test_a_warm_start_of_fixed_steps_is_reused_by_runs_that_hold_out_less(tmp_path: Path) -> None:
-    from lgt.trainer.tiny import is_made
+    from lgt.trainer.demo.tiny import is_made
 
     out, held = tmp_path / "model", [t["question"] for t in arith_tasks(200)[:40]]
     make_model(out, preset="tiny", warm_start_task="arith", steps=3, seconds=0.001, exclude=held,

@@ -17,9 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lgt.store.samples import SAMPLES
-from lgt.trainer import rl
-from lgt.trainer.algorithm import training_schema
-from lgt.trainer.torch_backend import (
+from lgt.trainer.backends.torch_backend import (
     CheckpointError,
     SampleError,
     SampleTooLongError,
@@ -28,6 +26,8 @@ from lgt.trainer.torch_backend import (
     latest_checkpoint,
     pack_micro_batches,
 )
+from lgt.trainer.rl.algorithm import training_schema
+from lgt.trainer.rl import loss as rl
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "rollout")
 

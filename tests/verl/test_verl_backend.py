@@ -20,14 +20,14 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from lgt.store.samples import SAMPLES  # noqa: E402
-from lgt.trainer.algorithm import LossConfig, training_schema  # noqa: E402
-from lgt.trainer.verl_backend import (  # noqa: E402
+from lgt.trainer.backends.verl_backend import (  # noqa: E402
     SampleConversionError,
     VerlBackend,
     VerlConfig,
     VerlConfigError,
     samples_to_dataproto,
 )
+from lgt.trainer.rl.algorithm import LossConfig, training_schema  # noqa: E402
 
 PAD = 0
 
@@ -387,8 +387,8 @@ def test_the_verl_backend_checkpoints_as_an_hf_model_and_resumes_exactly(tiny_mo
         pytest.skip("CPU check")
     from transformers import AutoModelForCausalLM
 
-    from lgt.trainer.backend import entry
-    from lgt.trainer.checkpoints import latest_checkpoint
+    from lgt.trainer.backends.base import entry
+    from lgt.trainer.backends.checkpoints import latest_checkpoint
 
     trainer_cls = entry("verl").load_class()
     samples = on_policy_samples(tiny_model_dir)

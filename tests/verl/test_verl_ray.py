@@ -1,4 +1,4 @@
-"""verl's own Ray worker groups (``lgt.trainer.verl_ray``): two CPU ranks over gloo train exactly like the
+"""verl's own Ray worker groups (``backends.verl_ray``): two CPU ranks over gloo train exactly like the
 in-process world-size-1 ``VerlBackend``, checkpoints continue exactly, and ``close()`` leaves no Ray
 process behind.
 
@@ -28,8 +28,8 @@ import psutil  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
-from lgt.trainer.checkpoints import CheckpointError  # noqa: E402
-from lgt.trainer.verl_backend import (  # noqa: E402
+from lgt.trainer.backends.checkpoints import CheckpointError  # noqa: E402
+from lgt.trainer.backends.verl_backend import (  # noqa: E402
     VerlBackend,
     VerlConfig,
     VerlConfigError,
@@ -37,7 +37,7 @@ from lgt.trainer.verl_backend import (  # noqa: E402
     rank_major_order,
     samples_to_dataproto,
 )
-from lgt.trainer.verl_ray import LOCAL_RAY_ENV, VerlRayActor  # noqa: E402
+from lgt.trainer.backends.verl_ray import LOCAL_RAY_ENV, VerlRayActor  # noqa: E402
 
 LR = 2e-4
 PAD = 0
@@ -248,7 +248,7 @@ def test_in_process_state_round_trip_continues_exactly(reference):
     assert max_diff(reference["mini_w2"], reference["w2"]) == 0.0
     assert reference["mini_m2"]["loss/pg"] == reference["m2"]["loss/pg"]
     with pytest.raises(CheckpointError, match="no finished verl state"):
-        from lgt.trainer.verl_backend import _read_state
+        from lgt.trainer.backends.verl_backend import _read_state
 
         _read_state(reference["ckpt"].parent, 1)  # the directory above holds no lgt_verl.json
 

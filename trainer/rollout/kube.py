@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("lgt.trainer.kube")
+log = logging.getLogger("lgt.trainer.rollout.kube")
 
 MOUNT = "/var/run/lgt"  # where the attempt's Secret (CA certificate, task JSON) is mounted
 LABEL = "lgt"  # label prefix: lgt/run, lgt/group, lgt/rollout, lgt/attempt
@@ -402,7 +402,7 @@ class KubeRunner:
                       stderr: Path, command: list[str] | None = None,
                       role: str = "agent") -> tuple[int | None, bool, str | None]:
         """Run one attempt as a Job (or adopt the one that exists); (exit code, timed out, error)
-        as :meth:`lgt.trainer.rollouts.RolloutController._execute` returns them. ``role="evaluator"``:
+        as :meth:`~.controller.RolloutController._execute` returns them. ``role="evaluator"``:
         the attempt's evaluator Job, ``command`` replacing the template container's."""
         name = self.job_name(rollout_id, attempt) if role == "agent" else \
             dns_name("lgt", self.key, rollout_id, str(attempt), role)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .resources import Resources, check_rewrite, placeholders
+from lgt.trainer.rollout.resources import Resources, check_rewrite, placeholders
 
 OPTIMIZERS = ("beam", "gepa")
 TRACES_SHOWN = 2  # worst and best rollouts the critic reads, each
@@ -414,7 +414,7 @@ def _trace(task: Mapping[str, Any], request_json: str | None, response_json: str
 def plot(run_dir: Path) -> Path:
     """``<run>/apo/rounds.svg``: each candidate's validation reward by the round it was made in, and the
     best so far."""
-    from .plots import Series, _atomic_write, line_chart
+    from lgt.trainer.report.plots import Series, _atomic_write, line_chart
 
     cands = sorted(Ledger(run_dir).candidates().values(), key=lambda c: c["round"])
     scored = [(float(c["round"]), float(c["val_reward"])) for c in cands if c["val_reward"] is not None]

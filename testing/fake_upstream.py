@@ -53,7 +53,7 @@ values are not JSON compliant"; a stream sends that logprob as `null`, as pydant
 `__reject_token_ids__` answers 400 to a request with `return_token_ids` (an upstream that does not
 know the field).
 A script (`FakeUpstream(reply=...)`, `--script MODULE:NAME`) can answer chat requests instead of the
-built-in replies, with the same wire format (`lgt.proxy.harness_policy` plays a coding agent's model).
+built-in replies, with the same wire format (`lgt.testing.harness_policy` plays a coding agent's model).
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def scripted_reply(script: Script, body: Json, index: int,
 
 
 def load_script(spec: str) -> Script:
-    """``MODULE:NAME`` → the callable it names (``lgt.proxy.harness_policy:reply``)."""
+    """``MODULE:NAME`` → the callable it names (``lgt.testing.harness_policy:reply``)."""
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name or "reply")
 
@@ -770,7 +770,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m lgt.proxy.fake_upstream",
+    p = argparse.ArgumentParser(prog="python -m lgt.testing.fake_upstream",
                                 description="A deterministic fake vLLM OpenAI-compatible server.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -782,7 +782,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=1 << 20,
                    help="its context, in its one-byte tokens (vLLM refuses a prompt or a max_tokens past it)")
     p.add_argument("--script", default=None, metavar="MODULE:NAME",
-                   help="a callable that answers chat requests (e.g. lgt.proxy.harness_policy:reply)")
+                   help="a callable that answers chat requests (e.g. lgt.testing.harness_policy:reply)")
     asyncio.run(_serve(p.parse_args(argv)))
 
 

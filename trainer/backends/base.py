@@ -12,7 +12,7 @@ A backend trains the policy on batches of samples. Every backend has the same fi
 milliseconds without importing torch or verl) and to the class that trains, imported only when a run
 starts. ``backend.name`` in a run config picks one; the rest of the section is that backend's
 config. Loss settings are not part of it: they come from the run's ``algorithm`` section
-(:class:`lgt.trainer.algorithm.LossConfig`), the same for every backend.
+(:class:`lgt.trainer.rl.algorithm.LossConfig`), the same for every backend.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from .algorithm import AGG_MODES, LossConfig
+from lgt.trainer.rl.algorithm import AGG_MODES, LossConfig
 
 
 class BackendError(ValueError):
@@ -295,8 +295,8 @@ class BackendEntry:
 
 
 BACKENDS: dict[str, BackendEntry] = {
-    "torch": BackendEntry(TorchConfig, "lgt.trainer.torch_backend", "TorchBackend", "torch"),
-    "verl": BackendEntry(VerlConfig, "lgt.trainer.verl_backend", "VerlTrainer", "verl"),
+    "torch": BackendEntry(TorchConfig, "lgt.trainer.backends.torch_backend", "TorchBackend", "torch"),
+    "verl": BackendEntry(VerlConfig, "lgt.trainer.backends.verl_trainer", "VerlTrainer", "verl"),
 }
 
 

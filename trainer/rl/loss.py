@@ -27,7 +27,7 @@ Choices, and where they depart from the usual recipes:
 - **KL penalty** against a reference policy, added per token: ``k1 = logp - ref``,
   ``k2 = (logp - ref)^2 / 2``, ``k3 = exp(ref - logp) - (ref - logp) - 1`` (low variance, always
   >= 0; its log-ratio clamped to [-20, 20] and value to <= 10 so one odd token cannot dominate).
-- Advantages and the ``rollout`` loss weights are per-rollout numbers: :mod:`lgt.trainer.algorithm`
+- Advantages and the ``rollout`` loss weights are per-rollout numbers: :mod:`lgt.trainer.rl.algorithm`
   computes them (no torch), and holds :class:`LossConfig` (re-exported here) so that a run config is
   checked without importing torch; the mode names there are this module's registries' keys.
 - **Loss aggregation** (``AGG_MODES``): ``"token-mean"``, ``"seq-mean-token-mean"``,
@@ -58,8 +58,8 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import Tensor
 
-from . import algorithm
-from .algorithm import LossConfig
+from lgt.trainer.rl import algorithm
+from lgt.trainer.rl.algorithm import LossConfig
 
 __all__ = [
     "AGG_MODES",
@@ -417,7 +417,7 @@ AGG_MODES: dict[str, AggFn] = {
 
 
 assert tuple(AGG_MODES) == algorithm.AGG_MODES and tuple(IS_MODES) == algorithm.IS_MODES \
-    and tuple(KL_KINDS) == algorithm.KL_KINDS, "lgt.trainer.algorithm names the modes registered here"
+    and tuple(KL_KINDS) == algorithm.KL_KINDS, "lgt.trainer.rl.algorithm names the modes registered here"
 
 
 def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str, *, sample_weights: Tensor | None = None,

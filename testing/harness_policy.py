@@ -14,7 +14,7 @@ chat/completions request — messages and tools as ``lgt-proxy`` sends them to t
   ``response_format``, or a short text.
 
 ``ScriptedPolicy`` is the fake engine's reply hook (``FakeUpstream(reply=ScriptedPolicy())``, or
-``python -m lgt.proxy.fake_upstream --script lgt.proxy.harness_policy:reply``) and remembers what it
+``python -m lgt.testing.fake_upstream --script lgt.testing.harness_policy:reply``) and remembers what it
 answered. The tool-picking functions also read the providers' own request shapes (Anthropic Messages,
 Responses, Gemini), for ``scripts/harness_fixtures.py``, which answers the harnesses itself.
 """
@@ -348,4 +348,5 @@ class ScriptedPolicy:
         return Answer("tool-call", (call.name, args), body)
 
 
-reply = ScriptedPolicy()  # for `python -m lgt.proxy.fake_upstream --script lgt.proxy.harness_policy:reply`
+# for `python -m lgt.testing.fake_upstream --script lgt.testing.harness_policy:reply`
+reply = ScriptedPolicy()

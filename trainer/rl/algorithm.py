@@ -16,7 +16,7 @@ versions — and this module turns them into what the loss needs, in one place:
 
 :func:`assign` does both for a table of samples (the store's ``SAMPLES`` rows); the trainer calls it
 on each step's batch after leaving out stale groups, ``lgt-train samples`` on the whole store.
-``LossConfig`` holds the loss settings used by :mod:`lgt.trainer.rl` (torch) and the verl backend;
+``LossConfig`` holds the loss settings used by :mod:`lgt.trainer.rl.loss` (torch) and the verl backend;
 their mode names are checked here so that a run config is validated without importing torch.
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-# Names of the modes lgt.trainer.rl implements (rl.py checks its registries against these).
+# Names of the modes lgt.trainer.rl.loss implements (rl.py checks its registries against these).
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "rollout")
 IS_MODES = ("none", "truncate", "mask")
 KL_KINDS = ("k1", "k2", "k3")
@@ -49,7 +49,7 @@ def _number(name: str, value: object) -> float:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Policy-loss settings (see lgt.trainer.rl's docstring for what each means).
+    """Policy-loss settings (see lgt.trainer.rl.loss's docstring for what each means).
 
     ``clip_low`` / ``clip_high``: the PPO ratio's clip range ``[1 - low, 1 + high]``; ``dual_clip``: cap
     on the loss of negative advantages (None: off); ``is_mode`` / ``is_cap``: the importance weights

@@ -38,7 +38,7 @@ Checkpoints: ``save_state(dir)`` / ``load_state(dir)`` (and the module functions
 an in-process ``VerlBackend``) write and read verl's own FSDP checkpoint (model, optimizer, lr scheduler
 and RNG state; one shard file per rank, so resume with the same world size) plus ``lgt_verl.json`` (the
 step count that seeds verl's data loader, the world size), written last. They fill one directory, the
-``verl/`` part of a checkpoint that ``lgt.trainer.checkpoints.write_checkpoint`` writes (temporary
+``verl/`` part of a checkpoint that ``lgt.trainer.backends.checkpoints.write_checkpoint`` writes (temporary
 directory, rename, ``DONE``). On several nodes the directory must be on storage every node sees.
 """
 
@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from lgt.trainer.verl_backend import (
+from lgt.trainer.backends.verl_backend import (
     VerlActor,
     VerlConfig,
     VerlConfigError,

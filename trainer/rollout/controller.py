@@ -30,7 +30,7 @@ table per batch — the training loop does so at each update). Failed and timed-
 ``AgentSpec.retries`` times, each under its own identity, so the store keeps attempts apart.
 
 With ``AgentSpec.python_preload`` (a Python agent: ``python agent.py ...``) each attempt is forked from a warm
-interpreter that imported those modules once (:mod:`lgt.trainer.forkserver`); it is still its own
+interpreter that imported those modules once (:mod:`lgt.trainer.rollout.forkserver`); it is still its own
 process group with the same environment, files, timeout and exit status.
 """
 
@@ -60,12 +60,11 @@ from lgt.proxy.client import ControlClient, resolve_token
 from lgt.store.ingest import add_rows, attempt_reward_row, reward_value, rollout_row
 from lgt.store.schema import ROLLOUT_SPLITS
 from lgt.store.writer import os_reason
-
-from .forkserver import ForkedProcess, ForkServer, ForkServerError, python_script_command
+from lgt.trainer.rollout.forkserver import ForkedProcess, ForkServer, ForkServerError, python_script_command
 
 if TYPE_CHECKING:
-    from .kube import KubeRunner
-    from .resources import Resources
+    from lgt.trainer.rollout.kube import KubeRunner
+    from lgt.trainer.rollout.resources import Resources
 
 PROXY_MODES = ("https_proxy", "base_url")
 RUNNERS = ("local", "kubernetes")
@@ -127,7 +126,7 @@ class AgentSpec:
     # Python agents only (``python agent.py ...``): modules a fork server imports once, so each rollout
     # starts warm; ``auto`` learns them from the first rollouts' imports
     python_preload: tuple[str, ...] | None = None
-    # ``kubernetes``: each attempt is a Job from ``job_template`` (:mod:`lgt.trainer.kube`), its pod
+    # ``kubernetes``: each attempt is a Job from ``job_template`` (:mod:`lgt.trainer.rollout.kube`), its pod
     # reaching the proxy at ``proxy_host``
     runner: str = "local"
     job_template: Path | None = None
@@ -221,7 +220,7 @@ def check_agent(agent: AgentSpec, environ: Mapping[str, str] | None = None) -> N
     executable, an ``env`` value naming a variable no rollout has. Starts nothing."""
     environ = os.environ if environ is None else environ
     if agent.runner == "kubernetes":
-        from .kube import load_template
+        from lgt.trainer.rollout.kube import load_template
 
         try:
             load_template(agent.job_template)
@@ -322,7 +321,7 @@ class RolloutResult:
     stderr_path: Path
     error: str | None = None
     split: str = "train"  # eval: a held-out evaluation rollout (recorded, never trained)
-    resource_version: str | None = None  # the resources it ran with (lgt.trainer.resources)
+    resource_version: str | None = None  # the resources it ran with (lgt.trainer.rollout.resources)
 
     @property
     def ok(self) -> bool:
@@ -495,7 +494,7 @@ class RolloutController:
         self._closed = False
         self._forkserver: ForkServer | None = None
         self._forkserver_lock = asyncio.Lock()
-        self.resources = resources  # prompts delivered to every rollout (lgt.trainer.resources)
+        self.resources = resources  # prompts delivered to every rollout (lgt.trainer.rollout.resources)
         self._kube: KubeRunner | None = None  # runner: kubernetes (started on first use)
         self._kube_lock = asyncio.Lock()
 
@@ -659,8 +658,8 @@ class RolloutController:
         files: dict[str, bytes] = {}
         if res is None:
             return env, files
-        from .kube import MOUNT
-        from .resources import env_name
+        from lgt.trainer.rollout.kube import MOUNT
+        from lgt.trainer.rollout.resources import env_name
 
         for name, spec in res.specs.items():
             if spec.deliver == "env":
@@ -745,9 +744,9 @@ class RolloutController:
                            greedy: bool, extra_env: Mapping[str, str] = MappingProxyType({}),
                            files: Mapping[str, bytes] = MappingProxyType({}),
                            ) -> tuple[int | None, bool, str | None]:
-        """One attempt as a Kubernetes Job (:mod:`lgt.trainer.kube`): the same variables as a local
+        """One attempt as a Kubernetes Job (:mod:`lgt.trainer.rollout.kube`): the same variables as a local
         process, minus the machine's own; what carries the rollout's token goes in its Secret."""
-        from .kube import MOUNT
+        from lgt.trainer.rollout.kube import MOUNT
 
         error = await self._kube_runner()
         if error is not None:
@@ -769,7 +768,7 @@ class RolloutController:
 
     async def _kube_runner(self) -> str | None:
         """Start the Kubernetes runner on first use; the reason when it cannot start."""
-        from .kube import KubeError, KubeRunner
+        from lgt.trainer.rollout.kube import KubeError, KubeRunner
 
         async with self._kube_lock:
             if self._kube is None:
@@ -858,7 +857,7 @@ class RolloutController:
                             paths: _Paths) -> tuple[int | None, bool, str | None]:
         """runner: kubernetes — the evaluator as a Job from the agent's template (its image, the task
         and the agent's output mounted), given ``TASK_JSON AGENT_OUTPUT`` like a local evaluator."""
-        from .kube import MOUNT
+        from lgt.trainer.rollout.kube import MOUNT
 
         assert self._kube is not None and self.agent.evaluator is not None
         plain = {k: v for k, v in eval_env.items() if k.startswith(self.agent.task_env_prefix)

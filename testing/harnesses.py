@@ -392,9 +392,9 @@ def shell_script(h: Harness, place: Place) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .harness_policy import task_text
+    from lgt.testing.harness_policy import task_text
 
-    ap = argparse.ArgumentParser(prog="python -m lgt.proxy.harnesses",
+    ap = argparse.ArgumentParser(prog="python -m lgt.testing.harnesses",
                                  description="Print how a harness is run headless (its files, env, command).")
     ap.add_argument("harness", choices=sorted(HARNESSES))
     ap.add_argument("profile", nargs="?", default="default")

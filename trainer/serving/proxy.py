@@ -22,7 +22,7 @@ from typing import Any
 
 from lgt.proxy.client import ControlClient, resolve_token
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ProxyError(RuntimeError):

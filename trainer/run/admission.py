@@ -14,7 +14,7 @@ do next:
 * :func:`prepare` — a batch's samples as the loss wants them: groups whose oldest generated token is
   more than ``max_staleness`` versions behind the policy being trained are dropped whole (counted;
   admission control keeps that rare); optionally groups with equal rewards; then advantages and loss
-  weights over the rollouts that remain (:func:`lgt.trainer.algorithm.assign`: each rollout counts once
+  weights over the rollouts that remain (:func:`lgt.trainer.rl.algorithm.assign`: each rollout counts once
   in this step, however many samples it became).
 * :func:`shares` — the batch split into ``updates_per_step`` disjoint shares of whole groups, each
   re-weighted so its rollouts count once in its own optimizer step.
@@ -29,7 +29,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .algorithm import AlgorithmConfig, assign
+from lgt.trainer.rl.algorithm import AlgorithmConfig, assign
 
 
 @dataclass(frozen=True)

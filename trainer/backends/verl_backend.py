@@ -18,7 +18,7 @@ How a store sample maps onto verl's row (``samples_to_dataproto``):
   policy that generated the tokens; no separate old-policy forward pass and no extra IS weight).
   ``VerlConfig(old_logprobs="recompute")`` instead takes them from a forward pass of the policy being
   trained (before the update) and corrects for the behaviour/old mismatch with importance weights
-  (``lgt.trainer.rl.importance_weights``: truncated or masked IS) passed as verl's
+  (``lgt.trainer.rl.loss.importance_weights``: truncated or masked IS) passed as verl's
   ``rollout_is_weights``, which verl's PPO loss multiplies into the per-token loss.
 * ``advantages`` = the sample's (rollout's) advantage broadcast over ``response_mask``.
 * Loss weights: lgt's ``rollout`` aggregation (each rollout counts once: ``Σ_i w_i Σ_t l_it`` with
@@ -40,11 +40,9 @@ FSDP2 over a gloo process group of one rank. That is for tests and small checks,
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
-import shutil
 import tempfile
 import types
 from collections.abc import Iterator
@@ -157,14 +155,11 @@ from verl import DataProto  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
-from lgt.trainer.backend import VERL_STRATEGIES, BackendError, VerlConfig  # noqa: E402
-from lgt.trainer.checkpoints import (  # noqa: E402
+from lgt.trainer.backends.base import VERL_STRATEGIES, BackendError, VerlConfig  # noqa: E402
+from lgt.trainer.backends.checkpoints import (  # noqa: E402
     CheckpointError,
-    read_state,
-    tokenizer_files,
-    write_checkpoint,
 )
-from lgt.trainer.rl import fill_behaviour, importance_weights  # noqa: E402
+from lgt.trainer.rl.loss import fill_behaviour, importance_weights  # noqa: E402
 
 STATE_FILE = "lgt_verl.json"  # in a checkpoint's verl/ folder: the step count and world size, written last
 
@@ -346,7 +341,7 @@ def _mean(value: Any) -> float:
     return float(value)
 
 
-# -- pieces both actors use (in this process, and on Ray's ranks: lgt.trainer.verl_ray) ----------
+# -- pieces both actors use (in this process, and on Ray's ranks: lgt.trainer.backends.verl_ray) ----------
 
 
 def training_worker_config(config: VerlConfig):
@@ -440,7 +435,7 @@ def metrics_of(raw: dict[str, Any], samples: int, tokens: float) -> dict[str, fl
 
 # -- checkpoints ------------------------------------------------------------------------------------
 # verl's own sharded state (+ lgt_verl.json, written last) in one directory: a checkpoint's ``verl/``
-# part, written inside ``lgt.trainer.checkpoints.write_checkpoint`` (temporary directory, rename, DONE).
+# part, written inside ``checkpoints.write_checkpoint`` (temporary directory, rename, DONE).
 
 
 def _save_state(path: str | Path, save, steps: int, world_size: int) -> Path:
@@ -599,84 +594,3 @@ class VerlBackend(VerlActor):
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
-
-
-# -- the verl backend as lgt-train runs it -------------------------------------------------------------
-
-VERL_STATE_DIR = "verl"  # a checkpoint's folder for verl's own sharded state (resume)
-HF_WEIGHTS = "model.safetensors"
-MODEL_FILES = ("config.json", "generation_config.json")
-
-
-class VerlTrainer:
-    """The verl backend behind lgt's backend interface (:mod:`lgt.trainer.backend`): one verl actor —
-    :class:`VerlBackend` in this process for ``world_size: 1``, verl's own Ray worker groups
-    (:class:`lgt.trainer.verl_ray.VerlRayActor`) for more or with ``ray_address`` — plus checkpoints in
-    lgt's layout: a Hugging Face model directory (the weights gathered from the ranks, the starting
-    model's config and tokenizer files) that vLLM serves on ``--resume``, and verl's own state under
-    ``verl/`` (model, optimizer, scheduler, RNG; one shard per rank: resume with the same world size).
-    """
-
-    def __init__(self, actor: Any, config: VerlConfig, base_model: Path) -> None:
-        self.actor = actor
-        self.config = config
-        self.base_model = base_model  # config and tokenizer files come from here
-
-    @classmethod
-    def load(cls, model_dir: str | Path, config: VerlConfig) -> VerlTrainer:
-        config = dataclasses.replace(config, model_path=str(model_dir))
-        if config.world_size > 1 or config.ray_address:
-            from lgt.trainer.verl_ray import VerlRayActor
-
-            return cls(VerlRayActor(config), config, Path(model_dir))
-        return cls(VerlBackend(config), config, Path(model_dir))
-
-    @classmethod
-    def resume(cls, ckpt_dir: str | Path, config: VerlConfig) -> tuple[VerlTrainer, dict[str, Any]]:
-        """The actor rebuilt on the checkpoint's weights, verl's state loaded; and the run's ``extra``."""
-        ckpt = Path(ckpt_dir)
-        _, extra, base = read_state(ckpt)
-        if not (ckpt / VERL_STATE_DIR).is_dir():
-            raise CheckpointError(f"{ckpt} holds no verl state ({VERL_STATE_DIR}/): it was not written by "
-                                  "the verl backend")
-        trainer = cls.load(ckpt, config)
-        trainer.base_model = base
-        try:
-            trainer.actor.load_state(ckpt / VERL_STATE_DIR)
-        except BaseException:
-            trainer.close()
-            raise
-        return trainer, extra
-
-    @property
-    def step(self) -> int:
-        return self.actor.steps
-
-    def train_step(self, samples: pa.Table) -> dict[str, float]:
-        return self.actor.train_step(samples)
-
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.actor.named_weights()
-
-    def push_weights(self, engine: Any) -> Any:
-        """Hand the current weights to a running engine (``Engine.update_weights``)."""
-        return engine.update_weights(self.named_weights())
-
-    def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """``root/step-<step:08d>``: the HF weights + config + tokenizer, verl's state, the run's state."""
-        from safetensors.torch import save_file
-
-        from lgt.trainer.engine import collect_tensors
-
-        def write(tmp: Path) -> None:
-            # CPU copies, each with its own storage (tied weights: safetensors wants that)
-            save_file(collect_tensors(self.named_weights()), tmp / HF_WEIGHTS, metadata={"format": "pt"})
-            for src in [*(self.base_model / f for f in MODEL_FILES), *tokenizer_files(self.base_model)]:
-                if src.is_file():
-                    shutil.copy2(src, tmp / src.name)
-            self.actor.save_state(tmp / VERL_STATE_DIR)
-
-        return write_checkpoint(root, self.step, extra, self.base_model, write)
-
-    def close(self) -> None:
-        self.actor.close()

@@ -2,7 +2,7 @@
 
 ``TorchBackend`` trains any ``AutoModelForCausalLM`` on CPU or one GPU from rows of the store's samples
 (:data:`lgt.store.samples.SAMPLES`); the RL math (log-probs, PPO clip, importance weights, KL, loss
-aggregation) is :mod:`lgt.trainer.rl`. One ``train_step`` is one optimizer step over the whole batch:
+aggregation) is :mod:`lgt.trainer.rl.loss`. One ``train_step`` is one optimizer step over the whole batch:
 
 * the batch is split into micro-batches by a padded-token budget (:func:`pack_micro_batches`,
   first-fit decreasing: ``rows x longest <= micro_batch_tokens``); each is right-padded, run forward and
@@ -47,9 +47,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from lgt.trainer import rl
-from lgt.trainer.backend import TorchConfig
-from lgt.trainer.checkpoints import (
+from lgt.trainer.backends.base import TorchConfig
+from lgt.trainer.backends.checkpoints import (
     CheckpointError,
     latest_checkpoint,
     read_state,
@@ -57,6 +56,7 @@ from lgt.trainer.checkpoints import (
     write_checkpoint,
 )
 from lgt.trainer.models import ModelError, check_model_dir
+from lgt.trainer.rl import loss as rl
 
 __all__ = ["CheckpointError", "SampleError", "SampleTooLongError", "TorchBackend", "TorchConfig",
            "latest_checkpoint", "pack_micro_batches", "read_samples"]
@@ -502,7 +502,7 @@ class TorchBackend:
 
     def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Write ``root/step-<step:08d>`` (HF weights + config + tokenizer files, optimizer.pt,
-        trainer_state.json holding ``step`` and ``extra``; see :mod:`lgt.trainer.checkpoints`) and
+        trainer_state.json holding ``step`` and ``extra``; see :mod:`lgt.trainer.backends.checkpoints`) and
         return it. ``extra`` must be JSON-serialisable (TypeError otherwise, before anything is written).
         """
         def write(tmp: Path) -> None:

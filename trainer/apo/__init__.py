@@ -1,0 +1,1 @@
+"""Automatic prompt optimisation: prompt resources rewritten from traces and rewards."""

@@ -1,0 +1,1 @@
+"""Training backends behind one interface (torch embedded, verl on Ray) and the checkpoints they all write."""

@@ -1,0 +1,1 @@
+"""What a run shows a person: its summary figures and its charts."""

@@ -1,0 +1,1 @@
+"""The run's components the recipe drives: admission and staleness, held-out evaluation."""
