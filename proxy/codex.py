@@ -44,7 +44,7 @@ def models_answer(served: str | None) -> dict[str, Any]:
 
 class CodexModels:
     """mitmproxy addon: ``GET …/codex/models`` from an authenticated rollout, answered here (never
-    forwarded, not an LLM call); added before ``Record``. Observe-only proxies let it through."""
+    forwarded, not an LLM call); added before ``Translate``. Observe-only proxies let it through."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt

@@ -1,8 +1,8 @@
 """Sending a routed LLM call to the upstream again, from inside the proxy.
 
 Used when the upstream rejects a call that carries fields the proxy injected (token ids, logprobs):
-the proxy asks again without them and gives the agent that answer instead (``Record`` in
-``addons.py``). One aiohttp session for the proxy's lifetime, verifying the upstream like mitmproxy
+the proxy asks again without them and gives the agent that answer instead (``Capture`` in
+``addons/capture.py``). One aiohttp session for the proxy's lifetime, verifying the upstream like mitmproxy
 does (``--upstream-ca`` bundle, or ``--upstream-insecure``).
 """
 

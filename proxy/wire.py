@@ -1,6 +1,6 @@
 """OpenAI / vLLM wire format: recognising LLM calls, rewriting requests, stripping responses, and
 re-framing server-sent events. Pure functions and small state machines, no mitmproxy: the addons in
-``addons.py`` call these, and the Hypothesis tests drive them directly.
+``addons/`` call these, and the Hypothesis tests drive them directly.
 
 What the proxy injects into a request routed to a vLLM-compatible upstream, and so what it strips
 from every response (whole bodies and each SSE event) before the agent sees it:

@@ -116,7 +116,7 @@ def prewarm_events(body: dict[str, Any]) -> tuple[str, list[bytes]]:
 
 class ResponsesSocket:
     """mitmproxy addon: an authenticated rollout's WebSocket upgrade of ``…/responses`` goes to the
-    bridge (added after :class:`~lgt.proxy.addons.Record`, whose reverse-mode routing it overrides,
+    bridge (added after :class:`~lgt.proxy.addons.Route`, whose reverse-mode routing it overrides,
     and before ``Egress``, which leaves routed flows alone). Observe-only proxies leave upgrades be."""
 
     def __init__(self, rt: Runtime, bridge_port: int) -> None:
@@ -124,7 +124,7 @@ class ResponsesSocket:
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if is_responses_upgrade(flow.request.method, flow.request.path, flow.request.headers):
-            flow.metadata[HOST] = flow.request.pretty_host  # before Record's reverse-mode routing
+            flow.metadata[HOST] = flow.request.pretty_host  # before Route's reverse-mode routing
 
     def request(self, flow: http.HTTPFlow) -> None:
         identity: Identity | None = flow.metadata.get(IDENT)

@@ -74,7 +74,7 @@ CALLS = pa.schema(
         ("response_logprobs", pa.list_(pa.float32())),  # choice 0, one per response token
         # how complete the token capture is: full | no_logprobs | no_tokens (null: before schema 3)
         ("capture", pa.string()),
-        ("capture_reason", pa.string()),  # why an ok call's capture is not full (see proxy/addons.py)
+        ("capture_reason", pa.string()),  # why an ok call's capture is not full (see proxy/addons/capture.py)
         ("sampling", pa.string()),  # "greedy": the proxy decoded greedily (evaluation); null: as asked
         ("extra_choices", pa.list_(EXTRA_CHOICE)),  # choices 1.. when n > 1
         ("finish_reason", pa.string()),
