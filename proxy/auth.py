@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path
 
+from lgt.store.files import write_atomic
+
 SECRET_ENV = "LGT_PROXY_SECRET"
 CONTROL_TOKEN_ENV = "LGT_CONTROL_TOKEN"
 # the variables a rollout's environment points at the CA bundle with (one per client family)
@@ -176,9 +178,7 @@ def system_bundle_with(extra: str | os.PathLike, bundle: str | os.PathLike) -> P
     parts.append(Path(extra).read_bytes())
     data = b"".join(parts)
     if not bundle.exists() or bundle.read_bytes() != data:
-        tmp = bundle.with_name(f".{bundle.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, bundle)
+        write_atomic(bundle, data)
     return bundle
 
 

@@ -30,6 +30,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .files import atomic_path, write_atomic
 from .schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, TABLES, schema_file
 
 log = logging.getLogger("lgt.store")
@@ -80,9 +81,8 @@ def write_schema_files(root: Path) -> None:
     for table, schema in TABLES.items():
         path = root / schema_file(table)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        pq.write_table(pa.Table.from_pylist([], schema=schema), tmp)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            pq.write_table(pa.Table.from_pylist([], schema=schema), tmp)
 
 
 def _add_translation_and_schema_files(root: Path) -> None:
@@ -173,13 +173,8 @@ def _locked(root: Path) -> Iterator[None]:
 
 
 def _write_record(root: Path, record: dict) -> None:
-    path = root / META_DIR / RECORD
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(root / META_DIR / RECORD, orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n",
+                 fsync=True)
 
 
 def migrate(root: str | os.PathLike, *, readonly_ok: bool = False) -> int:

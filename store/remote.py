@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from .files import atomic_path
+
 log = logging.getLogger("lgt.store")
 
 SKIPPED_DIRS = ("_wal", "_proxy")
@@ -105,11 +107,10 @@ class RemoteStore:
             if not self._mirrored(rel) or dest.exists():
                 continue
             dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-            with self.fs.open_input_stream(f"{self.base}/{rel}") as src, open(tmp, "wb") as dst:
+            with atomic_path(dest) as tmp, self.fs.open_input_stream(f"{self.base}/{rel}") as src, \
+                    open(tmp, "wb") as dst:
                 while chunk := src.read(8 << 20):
                     dst.write(chunk)
-            os.replace(tmp, dest)
             n += 1
         return n
 

@@ -1,9 +1,10 @@
 """``lgt-train report``: one self-contained HTML page about a store, charts as inline SVG.
 
-No plotting library (the page is made where only the proxy's light dependencies are installed):
-reward per step, samples per rollout, merge breaks by reason, policy staleness of calls, the
-calls' status counts, how completely their tokens were captured, and what agents reached besides
-their LLM calls (egress, blocked or allowed). Every chart is built from one SQL query over the store's
+No plotting library (the page is made where only the proxy's light dependencies are installed; the
+charts are :mod:`lgt.store.charts`, which draws the trainer's run pictures too): reward per step,
+samples per rollout, merge breaks by reason, policy staleness of calls, the calls' status counts, how
+completely their tokens were captured, and what agents reached besides their LLM calls (egress,
+blocked or allowed). Every chart is built from one SQL query over the store's
 views or from the sample build, so what the page shows is what ``lgt-train sql`` shows.
 """
 
@@ -12,36 +13,19 @@ from __future__ import annotations
 import datetime as dt
 import html
 import os
-from pathlib import Path
 from typing import Any
 
 import duckdb
 
-W, H, PAD = 560, 220, 40
+from . import charts
+from .files import write_atomic
+
+W = 560  # the page's column (and chart) width
+SIZE = (W, 150)  # (width, plot-area height) of every chart
 
 
-def _svg_bars(labels: list[str], values: list[float], color: str = "#4c78a8") -> str:
-    if not values:
-        return '<p class="empty">nothing recorded yet</p>'
-    top = max(values) or 1.0
-    bw = min((W - 2 * PAD) / len(values), 60.0)
-    parts = [f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img">',
-             f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="#999"/>']
-    for i, (label, v) in enumerate(zip(labels, values)):
-        h = (H - 2 * PAD) * v / top
-        x = PAD + i * bw
-        parts.append(f'<rect x="{x + 1:.1f}" y="{H - PAD - h:.1f}" width="{max(bw - 2, 1):.1f}" '
-                     f'height="{h:.1f}" fill="{color}"><title>{html.escape(label)}: {v:g}</title>'
-                     "</rect>")
-        if len(values) <= 24:
-            parts.append(f'<text x="{x + bw / 2:.1f}" y="{H - PAD + 14}" font-size="10" '
-                         f'text-anchor="middle">{html.escape(label[:12])}</text>')
-            parts.append(f'<text x="{x + bw / 2:.1f}" y="{H - PAD - h - 3:.1f}" font-size="10" '
-                         f'text-anchor="middle">{v:g}</text>')
-    if len(values) > 24:  # bars too many to label one by one
-        parts.append(f'<text x="{PAD}" y="{PAD - 10}" font-size="10">max {top:g}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+def _bars(labels: list[str], values: list[float], color: str, *, x_label: str, y_label: str) -> str:
+    return charts.category_chart("", labels, values, x_label=x_label, y_label=y_label, color=color, size=SIZE)
 
 
 def _table(rows: list[tuple[str, int]]) -> str:
@@ -52,30 +36,11 @@ def _table(rows: list[tuple[str, int]]) -> str:
     return f"<table>{body}</table>"
 
 
-def _svg_line(xs: list[float], ys: list[float], color: str = "#e45756") -> str:
-    if not xs:
-        return '<p class="empty">no rewards with a step yet (steps come from the rollouts table)</p>'
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(min(ys), 0.0), max(max(ys), 1.0)
-
-    def px(x: float) -> float:
-        return PAD + (W - 2 * PAD) * ((x - x0) / (x1 - x0) if x1 > x0 else 0.5)
-
-    def py(y: float) -> float:
-        return H - PAD - (H - 2 * PAD) * (y - y0) / (y1 - y0)
-
-    pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys))
-    dots = "".join(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{color}">'
-                   f"<title>step {x:g}: {y:.3f}</title></circle>" for x, y in zip(xs, ys))
-    return (f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img">'
-            f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="#999"/>'
-            f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{H - PAD}" stroke="#999"/>'
-            f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>{dots}'
-            f'<text x="{PAD - 4}" y="{py(y1) + 4:.1f}" font-size="10" text-anchor="end">{y1:g}</text>'
-            f'<text x="{PAD - 4}" y="{py(y0) + 4:.1f}" font-size="10" text-anchor="end">{y0:g}</text>'
-            f'<text x="{PAD}" y="{H - PAD + 14}" font-size="10">step {x0:g}</text>'
-            f'<text x="{W - PAD}" y="{H - PAD + 14}" font-size="10" text-anchor="end">'
-            f"step {x1:g}</text></svg>")
+def _rewards(steps: list[tuple[float, float, int]]) -> str:
+    series = charts.Series("mean reward", [(x, y) for x, y, _ in steps], "#e45756", marker=2.5)
+    return charts.line_chart("", [series], x_label="step", y_label="mean reward", include_y=(0.0, 1.0),
+                             size=SIZE, empty="no rewards with a step yet (steps come from the rollouts "
+                             "table)")
 
 
 def report_data(con: duckdb.DuckDBPyConnection, build_report: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -142,19 +107,21 @@ def render_html(data: dict[str, Any], title: str) -> str:
     steps = data["reward_per_step"]
     sections = [
         ("Reward per step", "Mean rollout reward of the rollouts of each step (ok rollouts only).",
-         _svg_line([s for s, _, _ in steps], [v for _, v, _ in steps])),
+         _rewards(steps)),
         ("Samples per rollout", "How many training samples each rollout became (1 is ideal: every "
          "call extended the previous one).",
-         _svg_bars([str(k) for k, _ in data["samples_per_rollout"]],
-                   [float(n) for _, n in data["samples_per_rollout"]], "#54a24b")),
+         _bars([str(k) for k, _ in data["samples_per_rollout"]],
+               [float(n) for _, n in data["samples_per_rollout"]], "#54a24b", x_label="samples",
+               y_label="rollouts")),
         ("Merge breaks", "Why a rollout's calls did not merge into one sample.",
-         _svg_bars([r for r, _ in data["merge_breaks"]],
-                   [float(n) for _, n in data["merge_breaks"]], "#f58518")),
+         _bars([r for r, _ in data["merge_breaks"]], [float(n) for _, n in data["merge_breaks"]], "#f58518",
+               x_label="reason", y_label="rollouts")),
         ("Staleness", "Calls by how many policy versions they are behind the newest in the store.",
-         _svg_bars([str(b) for b, _ in data["staleness"]],
-                   [float(n) for _, n in data["staleness"]], "#b279a2")),
-        ("Calls by status", "", _svg_bars([s for s, _ in data["call_status"]],
-                                          [float(n) for _, n in data["call_status"]], "#9d755d")),
+         _bars([str(b) for b, _ in data["staleness"]], [float(n) for _, n in data["staleness"]], "#b279a2",
+               x_label="policy versions behind", y_label="calls")),
+        ("Calls by status", "",
+         _bars([s for s, _ in data["call_status"]], [float(n) for _, n in data["call_status"]], "#9d755d",
+               x_label="status", y_label="calls")),
         ("Refused calls", "Calls the proxy answered itself (status rejected), by HTTP status and reason "
          "(numbers shown as N): they never reached the policy.",
          _table(data["refused"])),
@@ -163,11 +130,12 @@ def render_html(data: dict[str, Any], title: str) -> str:
          _table(data["approximated"])),
         ("Token capture", "Successful calls by how completely their tokens were recorded (full: "
          "token ids and a logprob per token; no_logprobs: the trainer recomputes the logprobs).",
-         _svg_bars([c for c, _ in data["capture"]], [float(n) for _, n in data["capture"]], "#72b7b2")),
+         _bars([c for c, _ in data["capture"]], [float(n) for _, n in data["capture"]], "#72b7b2",
+               x_label="capture", y_label="calls")),
         ("Egress", "What agents reached besides their LLM calls: requests per host, most first "
          "(blocked: refused by the proxy's egress policy).",
-         _svg_bars([h + ("" if a else " (blocked)") for h, a, _ in data["egress"]],
-                   [float(n) for _, _, n in data["egress"]], "#e45756")),
+         _bars([h + ("" if a else " (blocked)") for h, a, _ in data["egress"]],
+               [float(n) for _, _, n in data["egress"]], "#e45756", x_label="host", y_label="requests")),
     ]
     body = "".join(f"<section><h2>{html.escape(h)}</h2><p>{html.escape(d)}</p>{svg}</section>"
                    for h, d, svg in sections)
@@ -189,8 +157,5 @@ def write_report(con: duckdb.DuckDBPyConnection, out: str | os.PathLike, *, titl
                  build_report: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the page whole (temp file + rename); returns the numbers it shows."""
     data = report_data(con, build_report)
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(render_html(data, title))
-    os.replace(tmp, out)
+    write_atomic(out, render_html(data, title))
     return data

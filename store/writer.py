@@ -33,6 +33,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .files import atomic_path
 from .schema import TABLES, TIMESTAMP_FIELDS
 
 log = logging.getLogger("lgt.store")
@@ -73,25 +74,10 @@ def rows_from_wal(path: Path) -> list[dict[str, Any]]:
 
 
 def write_parquet_atomic(table: pa.Table, dest: Path) -> None:
-    """Write ``table`` to ``dest`` whole: temp file, fsync, rename, fsync of the directory."""
-    tmp = dest.with_name(dest.name + ".tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    publish(tmp, dest)
-
-
-def publish(tmp: Path, dest: Path) -> None:
-    """Make the finished file ``tmp`` appear as ``dest`` whole: fsync, rename, fsync of the directory."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, dest)
-    dfd = os.open(dest.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    """Write ``table`` to ``dest`` whole: temp file, fsync, rename, fsync of the directory. The temp
+    file is ``NAME.parquet.tmp``: :func:`recover` finds a dead conversion's by that name."""
+    with atomic_path(dest, fsync=True, tmp=dest.with_name(dest.name + ".tmp")) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
 
 
 def to_arrow(rows: list[dict[str, Any]], table: str) -> pa.Table:

@@ -414,7 +414,8 @@ def _trace(task: Mapping[str, Any], request_json: str | None, response_json: str
 def plot(run_dir: Path) -> Path:
     """``<run>/apo/rounds.svg``: each candidate's validation reward by the round it was made in, and the
     best so far."""
-    from lgt.trainer.report.plots import Series, _atomic_write, line_chart
+    from lgt.store.files import write_atomic
+    from lgt.trainer.report.plots import Series, line_chart
 
     cands = sorted(Ledger(run_dir).candidates().values(), key=lambda c: c["round"])
     scored = [(float(c["round"]), float(c["val_reward"])) for c in cands if c["val_reward"] is not None]
@@ -428,7 +429,7 @@ def plot(run_dir: Path) -> Path:
                      y_label="validation reward", x_label="round", include_y=(0.0, 1.0),
                      empty="no candidate scored yet")
     path = Path(run_dir) / "apo" / "rounds.svg"
-    _atomic_write(path, svg)
+    write_atomic(path, svg)
     return path
 
 

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lgt.store.files import fsync_dir, write_atomic
+
 DONE = "DONE"
 STATE_FILE = "trainer_state.json"
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
@@ -63,7 +65,7 @@ def write_checkpoint(root: str | Path, step: int, extra: dict[str, Any] | None, 
         old = root / f".{final.name}.old-{os.getpid()}"
         os.rename(final, old)
     os.rename(tmp, final)
-    write_atomic(final / DONE, f"{step}\n")
+    write_atomic(final / DONE, f"{step}\n", fsync=True)
     fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -96,20 +98,3 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         if m and (p / DONE).is_file() and (best is None or int(m.group(1)) > best[0]):
             best = (int(m.group(1)), p)
     return best[1] if best else None
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lgt.store.files import replace_atomic
+
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
@@ -601,7 +603,7 @@ def _save_weights(model, model_dir: Path) -> None:
         files = sorted(p.name for p in Path(tmp).glob("*.safetensors"))
         if files != ["model.safetensors"]:
             raise AssertionError(f"expected one weights file, got {files}")
-        os.replace(Path(tmp) / "model.safetensors", model_dir / "model.safetensors")
+        replace_atomic(Path(tmp) / "model.safetensors", model_dir / "model.safetensors")
 
 
 def warm_start(model_dir: str | Path, *, task: str = "arith", seconds: float | None = 90.0,

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from lgt.store.files import write_atomic
 
 WINDOW = 10  # steps in the trailing mean that decides the target (the trainer's TARGET_WINDOW)
 
@@ -163,7 +164,5 @@ def write(run_dir: Path, stopped: str | None = None) -> dict[str, Any]:
     if stopped is None:
         stopped = read_json(path).get("stopped")
     summary = summarize(run_dir, stopped=stopped)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(summary, indent=2, allow_nan=False) + "\n")
     return summary

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from lgt.proxy import auth
 from lgt.proxy.client import ControlClient, resolve_token
+from lgt.store.files import write_atomic
 from lgt.store.ingest import add_rows, attempt_reward_row, reward_value, rollout_row
 from lgt.store.schema import ROLLOUT_SPLITS
 from lgt.store.writer import os_reason
@@ -433,12 +434,6 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 @dataclass(frozen=True)
 class _Paths:
     stdout: Path
@@ -606,7 +601,7 @@ class RolloutController:
         extra_env, files = self._resource_delivery(res, filled, rollout_id, attempt)
         env = self.environment(fields, rollout_id, attempt, task_id, paths, greedy=greedy)
         env.update(extra_env)
-        _write_atomic(paths.task_json, task_json)
+        write_atomic(paths.task_json, task_json)
         for stale in (paths.reward_file, paths.eval_out, paths.eval_err):
             stale.unlink(missing_ok=True)
         async with self._slots:
@@ -671,7 +666,7 @@ class RolloutController:
                     env[env_name(name) + "_FILE"] = f"{MOUNT}/{fname}"
                 else:
                     path = self.out_dir / f"{rollout_id}~{attempt}.{fname}"
-                    _write_atomic(path, filled[name].encode())
+                    write_atomic(path, filled[name].encode())
                     env[env_name(name) + "_FILE"] = str(path)
         return env, files
 

@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     import httpx
     import torch
 
+from lgt.store.files import atomic_path
 from lgt.trainer.models import check_model_dir
 from lgt.trainer.serving import vllm_plugin
 from lgt.trainer.serving.proxy import die_with_parent
@@ -387,15 +389,9 @@ def write_weights(tensors: Mapping[str, torch.Tensor], directory: Path) -> tuple
     (temp file + rename). Returns (path, bytes of tensor data)."""
     from safetensors.torch import save_file
 
-    fd, tmp = tempfile.mkstemp(prefix=".lgt-weights-", suffix=".tmp", dir=directory)
-    os.close(fd)
-    final = Path(tmp).with_name(Path(tmp).name.removeprefix(".").removesuffix(".tmp") + ".safetensors")
-    try:
-        save_file(dict(tensors), tmp, metadata={"format": "pt"})
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    final = Path(directory) / f"lgt-weights-{secrets.token_hex(8)}.safetensors"
+    with atomic_path(final) as tmp:
+        save_file(dict(tensors), str(tmp), metadata={"format": "pt"})
     return final, sum(t.numel() * t.element_size() for t in tensors.values())
 
 
