@@ -13,6 +13,7 @@ rollouts are left out, where a rollout's calls split into samples): generated to
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,9 +159,11 @@ CALL_EXCLUDED = {"no_token_ids": "no token ids recorded (observe-only upstream?)
                  "rejected": "the proxy answered it itself; it never reached the policy"}
 
 
-def render(traj: Trajectory, tokenizer: Any | None = None, *,
-           truncate: int | None = TRUNCATE) -> list[str]:
-    """The trajectory as lines of (styled) text."""
+def render(traj: Trajectory, tokenizer: Any | None = None, *, truncate: int | None = TRUNCATE,
+           as_chat: Callable[[str, Any, Any], tuple[Any, Any]] | None = None) -> list[str]:
+    """The trajectory as lines of (styled) text. ``as_chat(api, request, response)``, when given (the
+    proxy's dialects: ``lgt.proxy.dialects.as_chat``), shows a translated call as the chat call it
+    became; without it the agent's own request is shown."""
     r = traj.rollout
     per_call = {w["call_id"]: w for w in traj.rewards if w["call_id"] is not None}
     whole = next((w for w in traj.rewards if w["call_id"] is None), None)
@@ -193,9 +196,7 @@ def render(traj: Trajectory, tokenizer: Any | None = None, *,
         for note in c.get("translation") or ():
             lines.append(click.style(f"  approximated: {note}", fg="yellow"))
         req, resp = _json(c.get("request_json")), _json(c.get("response_json"))
-        if c.get("api") not in (None, c["endpoint"]):  # shown as the chat call it was translated into
-            from lgt.proxy.dialects import as_chat
-
+        if as_chat is not None and c.get("api") not in (None, c["endpoint"]):  # as the chat call it became
             req, resp = as_chat(c["api"], req, resp)
         msgs = req.get("messages") if isinstance(req, dict) else None
         prompt = c.get("prompt_token_ids") or []

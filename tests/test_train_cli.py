@@ -12,10 +12,11 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from test_store_ingest import byte_tokenizer, files, make_store
 
+from lgt.store.cli import shell_init_sql
 from lgt.store.query import connect
-from lgt.trainer.cli import main, shell_init_sql
+from lgt.testing.store import byte_tokenizer, files, make_store
+from lgt.trainer.cli import main
 
 
 @pytest.fixture(scope="module")
