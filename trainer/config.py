@@ -32,6 +32,7 @@ from lgt.trainer.rollout.controller import AgentSpec
 from lgt.trainer.rollout.resources import ResourceSpec
 from lgt.trainer.run.evaluation import EvalConfig
 from lgt.trainer.serving.engine import EngineConfig
+from lgt.trainer.serving.proxy import ProxySection
 
 MODES = ("sync", "async")
 BackendConfig = TorchConfig | VerlConfig
@@ -64,17 +65,6 @@ class MakeModel:
 class ModelSection:
     path: Path = Path("model")
     make: MakeModel | None = None
-
-
-@dataclass(frozen=True)
-class ProxySection:
-    url: tuple[str, ...] | None = None  # running lgt-proxy replicas' control URLs; null: start one
-    token: str | None = None  # its control token (or LGT_CONTROL_TOKEN)
-    port: int = 0
-    control_port: int = 0
-    command: tuple[str, ...] | None = None  # how to start lgt-proxy; default: found next to this install
-    upstream_timeout_s: float | None = None  # the started proxy's --upstream-timeout (none: no limit)
-    listen_host: str = "127.0.0.1"  # where the started proxy listens for agents (0.0.0.0: pods too)
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,2 @@
-"""The run's components the recipe drives: admission and staleness, held-out evaluation."""
+"""The run's components the recipe builds in setup and drives: admission (pure), the group scheduler,
+the supervisor of the engine and proxy, the run log, held-out evaluation, the run's progress."""

@@ -1,8 +1,8 @@
 """Which groups run, which are trained together, and how: the training step's pure logic. No I/O.
 
 A *group* is ``group_size`` rollouts of one task launched under one policy version; advantages are
-taken within it. The recipe (:mod:`lgt.trainer.recipe`) asks these functions, and only these, what to
-do next:
+taken within it. The recipe and its group scheduler (:mod:`lgt.trainer.run.scheduler`) ask these
+functions, and only these, what to do next:
 
 * :func:`may_launch` — admission control. ``sync`` launches one batch per step and trains it when every
   group finished; ``async`` keeps launching while the groups launched this run could all still be

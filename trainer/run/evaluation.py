@@ -11,7 +11,8 @@ their own (``e<step>-…``): inspectable with SQL, never turned into training sa
 
 The recipe evaluates before the first update, every ``every`` steps and once more when training ends;
 no update happens while an evaluation runs, so all its calls are at one policy version (training
-rollouts keep running beside it). ``lgt-train eval`` evaluates a checkpoint or the base model alone.
+rollouts keep running beside it): :class:`Evaluator`. ``lgt-train eval`` evaluates a checkpoint or the
+base model alone (:meth:`Evaluator.once`).
 """
 
 from __future__ import annotations
@@ -147,6 +148,82 @@ async def evaluate(cfg: EvalConfig, tasks: Sequence[dict[str, Any]], run_rollout
             continue
         (greedy if is_greedy else sampled).append(float(res.reward))
     return EvalResult(step, version, greedy, sampled, len(jobs), failed, time.monotonic() - t0)
+
+
+class Evaluator:
+    """The run's evaluations of ``tasks`` (the held-out ones): one at a time, beside the training
+    rollouts; ``eval.jsonl`` in ``run_dir`` gets a row each. Without an eval section (``cfg`` None)
+    it does nothing. ``run_rollout``: the rollout controller's ``run``; ``elapsed``: the run's clock
+    (``time_s``); ``on_done``: called when an evaluation ends (the recipe's wait for a batch wakes)."""
+
+    def __init__(self, cfg: EvalConfig | None, tasks: Sequence[dict[str, Any]],
+                 run_rollout: Callable[..., Any], run_dir: Path, *, log: Callable[[str], None],
+                 elapsed: Callable[[], float], on_done: Callable[[], None] = lambda: None) -> None:
+        self.cfg = cfg
+        self.tasks = list(tasks)
+        self.run_rollout = run_rollout
+        self.run_dir = Path(run_dir)
+        self.log = log
+        self.elapsed = elapsed
+        self.on_done = on_done
+        self.task: asyncio.Task | None = None  # the evaluation running now
+        self.last_step: int | None = None  # the step last evaluated (at most one evaluation per step)
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg is not None
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def resume(self, step: int) -> None:
+        """A resumed run at ``step``: evaluated already when eval.jsonl has that step."""
+        done = {r.get("step") for r in _read_jsonl(self.run_dir / EVAL_FILE)}
+        self.last_step = step if step in done else None
+
+    def due(self, step: int) -> bool:
+        return self.cfg is not None and self.cfg.due(step)
+
+    def start(self, step: int, version: int) -> None:
+        """Evaluate policy ``version`` (trained ``step`` steps) in the background, unless it was."""
+        if self.cfg is None or self.running or self.last_step == step:
+            return
+        self.last_step = step
+        self.task = asyncio.get_running_loop().create_task(self._run(step, version))
+
+    async def wait(self) -> None:
+        """Until the evaluation running now (if one is) has ended."""
+        if self.task is not None:
+            await self.task
+
+    async def final(self, step: int, version: int) -> None:
+        """Training is over: the final policy evaluated (unless it just was)."""
+        await self.wait()
+        self.start(step, version)
+        await self.wait()
+
+    async def once(self, step: int, version: int) -> EvalResult:
+        """One evaluation, waited for; errors raised (``lgt-train eval``)."""
+        assert self.cfg is not None
+        res = await evaluate(self.cfg, self.tasks, self.run_rollout, step=step, version=version)
+        append_row(self.run_dir, res.row(max(0.0, self.elapsed())))
+        return res
+
+    async def _run(self, step: int, version: int) -> None:
+        try:
+            res = await self.once(step, version)
+            self.log(res.line())
+        except Exception as e:  # noqa: BLE001 - an evaluation that cannot run must not end training
+            self.log(f"the evaluation at step {step} could not run: {e}")
+        finally:
+            self.on_done()
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    from lgt.trainer.report.summary import read_jsonl
+
+    return read_jsonl(path)
 
 
 def append_row(run_dir: Path, row: dict[str, Any]) -> None:

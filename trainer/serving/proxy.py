@@ -29,6 +29,19 @@ class ProxyError(RuntimeError):
     """The proxy could not be found or started, or its process exited (control calls: ControlError)."""
 
 
+@dataclass(frozen=True)
+class ProxySection:
+    """The run config's ``proxy`` section: a running lgt-proxy to use, or how to start one."""
+
+    url: tuple[str, ...] | None = None  # running lgt-proxy replicas' control URLs; null: start one
+    token: str | None = None  # its control token (or LGT_CONTROL_TOKEN)
+    port: int = 0
+    control_port: int = 0
+    command: tuple[str, ...] | None = None  # how to start lgt-proxy; default: found next to this install
+    upstream_timeout_s: float | None = None  # the started proxy's --upstream-timeout (none: no limit)
+    listen_host: str = "127.0.0.1"  # where the started proxy listens for agents (0.0.0.0: pods too)
+
+
 def find_proxy_command() -> list[str]:
     """How to start ``lgt-proxy``: ``$LGT_PROXY_COMMAND``; else this checkout's proxy environment
     (``.venv-proxy``); else ``lgt-proxy`` on PATH (when this environment has mitmproxy, or it is
