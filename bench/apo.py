@@ -23,9 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "trainer"))
-
 
 def spent(run_dir: Path, target: float) -> tuple[int, float | None]:
     """Rollouts run until the first validation score at or above ``target`` (all of them if none), and
@@ -46,6 +43,7 @@ def spent(run_dir: Path, target: float) -> tuple[int, float | None]:
 
 async def one(optimizer: str, args: argparse.Namespace, store: Path, proxy, critic_url: str,
               tmp: Path) -> dict:
+    from lgt.testing.rollouts import AGENTS
     from lgt.testing.scripted_critic import SEED
     from lgt.trainer.apo import optimize as apo
     from lgt.trainer.rollout.controller import AgentSpec, ProxyEndpoint, RolloutController
@@ -53,7 +51,7 @@ async def one(optimizer: str, args: argparse.Namespace, store: Path, proxy, crit
 
     (tmp / "prompt.txt").write_text(SEED)
     start = Resources({"system_prompt": ResourceSpec(tmp / "prompt.txt", "env")})
-    agent = AgentSpec(command=(sys.executable, str(ROOT / "tests/trainer/agents/prompt_agent.py")),
+    agent = AgentSpec(command=(sys.executable, str(AGENTS / "prompt_agent.py")),
                       timeout_s=60, retries=0)
     endpoint = ProxyEndpoint(store=store, port=proxy.port, control_token=proxy.token,
                              control_port=int(proxy.control_url.rsplit(":", 1)[1]))

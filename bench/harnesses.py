@@ -52,9 +52,10 @@ from typing import Any
 
 from aiohttp import web
 
-from lgt.proxy import dialects, harnesses, wire
+from lgt.proxy import dialects, wire
 from lgt.proxy.auth import rollout_env
 from lgt.proxy.client import ControlClient, resolve_token
+from lgt.testing import harnesses
 from lgt.testing.fake_upstream import FakeUpstream, detokenize, render_chat, tokenize
 from lgt.testing.harness_policy import ScriptedPolicy, task_text
 

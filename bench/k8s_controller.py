@@ -32,13 +32,9 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "trainer"))
-
 AGENT = "sleep {s}; date +%s.%N; echo 1.0"  # works, prints the time it ended, then its reward
 SERVE = """
 import sys, time, json
-sys.path.insert(0, {path!r})
 from lgt.testing.fake_kube import FakeKube
 with FakeKube.in_thread(history=100000) as kube:
     kube.write_kubeconfig({kubeconfig!r})
@@ -50,8 +46,7 @@ with FakeKube.in_thread(history=100000) as kube:
 
 def start_fake(tmp: Path) -> tuple[subprocess.Popen, Path]:
     kubeconfig = tmp / "kubeconfig"
-    proc = subprocess.Popen([sys.executable, "-c", SERVE.format(path=str(ROOT / "tests" / "trainer"),
-                                                               kubeconfig=str(kubeconfig))],
+    proc = subprocess.Popen([sys.executable, "-c", SERVE.format(kubeconfig=str(kubeconfig))],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             stderr=open(tmp / "fake-kube.log", "w"))
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"

@@ -37,18 +37,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import ctypes
-import datetime
-import ipaddress
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import ssl
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +51,10 @@ from pathlib import Path
 
 import aiohttp
 from yarl import URL
+
+from lgt.testing.processes import Procs, rss_mb
+from lgt.testing.proxy import free_port
+from lgt.testing.tls import make_certs
 
 PY = sys.executable
 GOAL_FLOOR_RATIO, GOAL_ADDED_P50_MS, GOAL_API_RATIO = 1.3, 3.0, 1.2
@@ -67,104 +65,12 @@ SSE_ADDON = ("class PassSSE:  # mitmproxy buffers bodies by default; lgt-proxy m
              "    def responseheaders(self, flow):\n"
              "        flow.response.stream = 'text/event-stream' in "
              "flow.response.headers.get('content-type', '')\n\n\naddons = [PassSSE()]\n")
-DROP_ENV = ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy", "ALL_PROXY", "all_proxy")
 TICK = os.sysconf("SC_CLK_TCK")
-LOOPBACK = ipaddress.ip_address("127.0.0.1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make_certs(d: Path) -> tuple[Path, Path, Path]:
-    """A throw-away CA and a leaf for 127.0.0.1 signed by it: (ca.pem, cert.pem, key.pem)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lgt bench CA")])
-    no = dict.fromkeys(("content_commitment", "key_encipherment", "data_encipherment",
-                        "key_agreement", "encipher_only", "decipher_only"), False)
-
-    def cert(subject: x509.Name, pub, ca: bool) -> x509.CertificateBuilder:
-        return (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name).public_key(pub)
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(hours=1))
-                .not_valid_after(now + datetime.timedelta(days=7))
-                .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-                .add_extension(x509.SubjectKeyIdentifier.from_public_key(pub), critical=False)
-                .add_extension(x509.KeyUsage(digital_signature=not ca, key_cert_sign=ca,
-                                             crl_sign=ca, **no), critical=True))
-
-    ca = cert(ca_name, ca_key.public_key(), True).sign(ca_key, hashes.SHA256())
-    leaf_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    leaf = (cert(leaf_name, key.public_key(), False)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(LOOPBACK)]), False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-                           False)
-            .sign(ca_key, hashes.SHA256()))
-    paths = d / "ca.pem", d / "cert.pem", d / "key.pem"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return paths
-
-
-def _die_with_parent() -> None:  # children get SIGTERM even if this script is SIGKILLed
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Procs:
-    """The benchmark's subprocesses; ``stop_all`` (SIGTERM, then SIGKILL) runs on any exit."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir, self.procs = logdir, []
-        self.env = {k: v for k, v in os.environ.items() if k not in DROP_ENV}
-
-    def start(self, name: str, argv: list[str], port: int) -> int:
-        """Start ``argv``, wait until it listens on ``port``, return its pid."""
-        with open(self.logdir / f"{name}.log", "wb") as log:
-            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                 preexec_fn=_die_with_parent)  # noqa: PLW1509 (no threads yet)
-        self.procs.append(p)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and p.poll() is None:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    return p.pid
-            time.sleep(0.05)
-        tail = (self.logdir / f"{name}.log").read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{name} did not start listening on port {port}:\n{tail}")
-
-    def stop_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime, all threads
-
-
-def rss_mb(pid: int) -> float:
-    return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())[1]) / 1024
 
 
 @dataclass

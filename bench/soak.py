@@ -44,8 +44,11 @@ from pathlib import Path
 import aiohttp
 from yarl import URL
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proxy_overhead import PY, Procs, free_port, make_certs, rss_mb  # noqa: E402
+from lgt.testing.processes import Procs, rss_mb
+from lgt.testing.proxy import free_port
+from lgt.testing.tls import make_certs
+
+PY = sys.executable
 
 HOSTED = "https://api.soak.invalid/v1/chat/completions"  # never resolves: the proxy routes it
 LENGTHS, LENGTH_WEIGHTS = (16, 64, 256), (6, 3, 1)

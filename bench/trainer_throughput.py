@@ -6,8 +6,8 @@
     .venv-verl/bin/python bench/trainer_throughput.py --verl          # + verl, 1 rank and 2 Ray ranks
     python bench/trainer_throughput.py --models 0.5b --device cuda --dtype bfloat16 --max-len 1024  # one GPU
 
-Models (random weights, nothing downloaded): ``tiny`` is the tests' tiny Qwen2 (tests/engine/
-make_tiny_model.py: vocab ~400, hidden 128, 2 layers); ``10m`` is a Qwen2 with vocab 32000, hidden 256,
+Models (random weights, nothing downloaded): ``tiny`` is the tests' tiny Qwen2 (lgt.testing.
+models: vocab ~400, hidden 128, 2 layers); ``10m`` is a Qwen2 with vocab 32000, hidden 256,
 4 layers, 4 heads of 64, intermediate 768, tied embeddings (~11.3M parameters, 8.2M of them the
 embedding), which makes the (B, T, V) logits as heavy as they are in real models.
 
@@ -69,12 +69,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_tiny(out: Path) -> Path:
-    """The tests' tiny model (tests/engine/make_tiny_model.py) in ``out``."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "tests/engine/make_tiny_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.main(str(out))
-    return out
+    """The tests' tiny model (lgt.testing.models) in ``out``."""
+    from lgt.testing.models import make_test_model
+
+    return make_test_model(out)
 
 
 def make_10m(out: Path, tokenizer_from: Path) -> Path:

@@ -4,7 +4,7 @@
     .venv-verl/bin/python bench/verl_gpu_check.py --cpu      # same check on the CPU (FSDP2 over gloo)
     .venv-verl/bin/python bench/verl_gpu_check.py --model-dir DIR --param-dtype bf16
 
-Builds a tiny random Qwen2 model (tests/engine/make_tiny_model.py; nothing downloaded) unless
+Builds a tiny random Qwen2 model (lgt.testing.models; nothing downloaded) unless
 ``--model-dir`` names one, and a synthetic samples table in the store's SAMPLES schema: single- and
 multi-turn samples (tool tokens masked out), GRPO-style advantages of +1 / -1, loss weights
 1/(R * tokens of the rollout), and behaviour logprobs recorded by a plain transformers forward pass, as
@@ -21,7 +21,6 @@ Checks (exit status 1 when one fails, each printed with its numbers):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import sys
@@ -32,16 +31,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def build_tiny_model(out: Path) -> Path:
-    maker = ROOT / "tests" / "engine" / "make_tiny_model.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_model", maker)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.main(str(out))
-    return out
+    from lgt.testing.models import make_test_model
+
+    return make_test_model(out)
 
 
 def synthetic_samples(model_dir: Path, device: str, *, rollouts: int, seed: int) -> pa.Table:

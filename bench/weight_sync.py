@@ -18,7 +18,6 @@ ready). Prints seconds per sync (total and parts) per transport, the restart's, 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shutil
 import statistics
 import tempfile
@@ -30,20 +29,16 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from lgt.testing.models import make_test_model
 from lgt.trainer.serving import engine as engine_mod
 from lgt.trainer.serving.engine import Engine, EngineConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT_IDS = [1, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150]
 
 
 def make_tiny(out: Path) -> Path:
-    """The tests' tiny Qwen2 (tests/engine/make_tiny_model.py) in ``out``."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "tests/engine/make_tiny_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.main(str(out))
-    return out
+    """The tests' tiny Qwen2 (lgt.testing.models) in ``out``."""
+    return make_test_model(out)
 
 
 def make_qwen2_10m(out: Path) -> Path:

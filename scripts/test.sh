@@ -3,6 +3,7 @@
 # Three environments, three runs: tests/ in the proxy's (.venv-proxy), tests/trainer/ in the trainer's
 # (.venv: torch, transformers, vLLM), tests/verl/ in the verl backend's (.venv-verl). Test paths given
 # as arguments go to the run they belong to; other arguments (-k, -x, ...) to each.
+# Each run ends with its ten slowest tests (--durations=10).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -21,12 +22,12 @@ if [ ${#proxy_paths[@]} = 0 ] && [ ${#trainer_paths[@]} = 0 ] && [ ${#verl_paths
 fi
 rc=0
 if [ ${#proxy_paths[@]} -gt 0 ]; then
-  .venv-proxy/bin/python -m pytest -q "${flags[@]}" "${proxy_paths[@]}" || rc=$?
+  .venv-proxy/bin/python -m pytest -q --durations=10 "${flags[@]}" "${proxy_paths[@]}" || rc=$?
 fi
 if [ ${#trainer_paths[@]} -gt 0 ]; then
-  .venv/bin/python -m pytest -q "${flags[@]}" "${trainer_paths[@]}" || rc=$?
+  .venv/bin/python -m pytest -q --durations=10 "${flags[@]}" "${trainer_paths[@]}" || rc=$?
 fi
 if [ ${#verl_paths[@]} -gt 0 ]; then
-  .venv-verl/bin/python -m pytest -q "${flags[@]}" "${verl_paths[@]}" || rc=$?
+  .venv-verl/bin/python -m pytest -q --durations=10 "${flags[@]}" "${verl_paths[@]}" || rc=$?
 fi
 exit $rc

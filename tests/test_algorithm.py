@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_samples import Agent, Turn, make_tokenizer, reward, rollout, sentence, store_of
 from tokenizers import Tokenizer
 
 from lgt.store.samples import build_samples
+from lgt.testing.samples import Agent, Turn, make_tokenizer, reward, rollout, sentence, store_of
 from lgt.trainer.rl import algorithm
 from lgt.trainer.rl.algorithm import AlgorithmConfig, assign
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from conftest import ProxyProc, sse_objects, stable
 from lgt.testing.fake_upstream import FakeUpstream
+from lgt.testing.proxy import ProxyProc, sse_objects, stable
 from lgt.trainer.cli import main as lgt_train
 
 HOSTED = "https://api.openai.invalid/v1"

@@ -36,15 +36,14 @@ from typing import Any
 
 import pytest
 
-from conftest import ProxyProc, free_port  # tests/ is on sys.path (pytest rootdir conftest)
 from lgt.proxy import auth
+from lgt.testing.clients import CHAT, SERVED, post_direct, ref_tokens
 from lgt.testing.fake_upstream import FakeUpstream
+from lgt.testing.proxy import ProxyProc, free_port
 
-CHAT = "chat/completions"
 COMPLETIONS = "completions"
 INVALID_BASE = "https://api.openai.invalid/v1"
 INVALID_HOST = "api.openai.invalid"
-SERVED = "policy"
 MODEL = "gpt-4o"
 CLIENTS_DIR = Path(__file__).parent / "clients"
 NODE_DIR = CLIENTS_DIR / "node"
@@ -169,17 +168,6 @@ def set_env(mp: pytest.MonkeyPatch, env: dict[str, str]) -> dict[str, str]:
 
 
 # --- the reference: what the upstream answers directly --------------------------------------------
-
-def post_direct(url: str, body: dict[str, Any],
-                context: ssl.SSLContext | None = None) -> dict[str, Any]:
-    handlers: list[Any] = [urllib.request.ProxyHandler({})]
-    if context is not None:
-        handlers.append(urllib.request.HTTPSHandler(context=context))
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.build_opener(*handlers).open(req, timeout=20) as r:
-        return json.loads(r.read())
-
 
 def reference(up: FakeUpstream, endpoint: str, body: dict[str, Any],
               context: ssl.SSLContext | None = None) -> dict[str, Any]:
@@ -311,14 +299,6 @@ class Expect:
     streamed: bool = False
     host: str = INVALID_HOST
     model: str = MODEL
-
-
-def ref_tokens(endpoint: str, ref: dict[str, Any]) -> tuple[list[int], list[int], list[float]]:
-    ch = ref["choices"][0]
-    if endpoint == CHAT:
-        logprobs = [e["logprob"] for e in ch["logprobs"]["content"]]
-        return ref["prompt_token_ids"], ch["token_ids"], logprobs
-    return ch["prompt_token_ids"], ch["token_ids"], ch["logprobs"]["token_logprobs"]
 
 
 def check_records(p: ProxyProc, rollout: str, expects: list[Expect],

@@ -13,12 +13,12 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from conftest import ProxyProc
 from lgt.proxy import auth
 from lgt.proxy.cli import main as lgt_proxy
 from lgt.proxy.client import ControlClient, ControlError, resolve_token
 from lgt.store.query import connect
 from lgt.testing.fake_upstream import FakeUpstream
+from lgt.testing.proxy import ProxyProc
 from lgt.trainer.serving.proxy import ProxyClient
 
 CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "What is 6*7?"}]}

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
-from conftest import ProxyProc
+from lgt.testing.proxy import ProxyProc
 
 schemathesis = pytest.importorskip("schemathesis")
 

@@ -21,13 +21,13 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_clients import CHAT, SERVED, post_direct, ref_tokens  # tests/ is on sys.path
 
-from conftest import ProxyProc
 from lgt.proxy import dialects
 from lgt.proxy.dialects import gemini
 from lgt.proxy.wire import BadRequest, Capture
+from lgt.testing.clients import CHAT, SERVED, post_direct, ref_tokens
 from lgt.testing.fake_upstream import FakeUpstream
+from lgt.testing.proxy import ProxyProc
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harnesses"
 HOST = "https://generativelanguage.googleapis.com"

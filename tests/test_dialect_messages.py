@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_dialects import anthropic_client, event_types, sse_events  # tests/ is on sys.path
 
 from lgt.proxy import dialects
 from lgt.proxy.dialects.messages import CLIENT_TOOLS
 from lgt.proxy.wire import CHAT, BadRequest, Capture
+from lgt.testing.clients import anthropic_client, event_types, sse_events
 from lgt.testing.fake_upstream import render_chat, tokenize
 
 anthropic = pytest.importorskip("anthropic")

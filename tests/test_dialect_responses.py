@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 from lgt.proxy import codex, dialects, wsbridge
 from lgt.proxy.dialects.responses import CUSTOM_ARG, custom_input, tool_routes
 from lgt.proxy.wire import CHAT, BadRequest, Capture
+from lgt.testing.clients import sdk_events
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harnesses"
 RECORDED = sorted(p for p in FIXTURES.glob("*/*-openai-responses.json")
@@ -37,13 +37,6 @@ def body_of(path: Path) -> dict[str, Any]:
 
 def events_of(data: bytes) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in data.decode().split("\n") if line.startswith("data: ")]
-
-
-def sdk_events() -> dict[str, type]:
-    from openai.types.responses import ResponseStreamEvent
-
-    union = typing.get_args(ResponseStreamEvent)[0]
-    return {typing.get_args(c.model_fields["type"].annotation)[0]: c for c in typing.get_args(union)}
 
 
 def answer(msg: dict[str, Any], finish: str = "stop") -> dict[str, Any]:

@@ -15,10 +15,18 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_clients import CHAT, SERVED, post_direct, ref_tokens  # tests/ is on sys.path
 
 from lgt.proxy import dialects
 from lgt.proxy.wire import BadRequest, Capture
+from lgt.testing.clients import (
+    CHAT,
+    SERVED,
+    anthropic_client,
+    event_types,
+    post_direct,
+    ref_tokens,
+    sse_events,
+)
 from lgt.testing.fake_upstream import FakeUpstream
 
 openai = pytest.importorskip("openai")
@@ -27,7 +35,6 @@ anthropic = pytest.importorskip("anthropic")
 MODEL = "gpt-5-mini"
 CLAUDE = "claude-sonnet-4-5"
 OPENAI_BASE = "https://api.openai.invalid/v1"
-ANTHROPIC_BASE = "https://api.anthropic.invalid"
 FN_TOOL = {"type": "function", "name": "calculator", "description": "Evaluate an expression.",
            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                           "required": ["expression"]}}
@@ -58,10 +65,6 @@ def check_tokens(row: dict[str, Any], ref: dict[str, Any], api: str) -> None:
 
 def openai_client():
     return openai.OpenAI(base_url=OPENAI_BASE, api_key="sk-test", max_retries=0, timeout=20)
-
-
-def anthropic_client():
-    return anthropic.Anthropic(base_url=ANTHROPIC_BASE, api_key="sk-ant-test", max_retries=0, timeout=20)
 
 
 # --- the translations alone ------------------------------------------------------------------------
@@ -197,31 +200,6 @@ def streamed(draw) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
     chunks.append({"choices": [], "usage": ans["usage"]})
     return ans, chunks
-
-
-def sse_events(data: bytes) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for block in data.decode().split("\n\n"):
-        if not block.strip():
-            continue
-        kind, payload = block.split("\n", 1)
-        assert kind.startswith("event: ") and payload.startswith("data: "), block
-        obj = json.loads(payload[6:])
-        assert obj["type"] == kind[7:]
-        out.append((kind[7:], obj))
-    return out
-
-
-def event_types(union: Any) -> dict[str, type]:
-    """The SDK's event classes by their ``type`` literal (a stream event union's members)."""
-    import typing
-
-    out = {}
-    for cls in typing.get_args(typing.get_args(union)[0] if typing.get_origin(union) is typing.Annotated
-                               else union):
-        (literal,) = typing.get_args(cls.model_fields["type"].annotation)
-        out[literal] = cls
-    return out
 
 
 def without_ids(obj: Any) -> Any:

@@ -11,9 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_proxy import CHAT, HOSTED, client
 
-from conftest import ProxyProc
+from lgt.testing.proxy import CHAT, HOSTED, ProxyProc, client
 
 
 @pytest.fixture

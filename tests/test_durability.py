@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from conftest import ProxyProc
 from lgt.testing.fake_upstream import FakeUpstream
+from lgt.testing.proxy import ProxyProc
 
 HOSTED = "https://api.openai.invalid/v1"
 

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_clients import post_direct  # tests/ is on sys.path
 
-from conftest import ProxyProc
-from lgt.proxy import harnesses
+from lgt.testing import harnesses
+from lgt.testing.clients import post_direct
 from lgt.testing.fake_upstream import (
     FakeUpstream,
     generate,
@@ -48,6 +47,7 @@ from lgt.testing.harness_policy import (
     offered_tools,
     task_text,
 )
+from lgt.testing.proxy import ProxyProc
 
 TIMEOUT_S = 180
 CASES = [(name, profile) for name in harnesses.HARNESSES for profile in ("default", "minimal")]

@@ -15,17 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import ProxyProc, sse_objects, stable
 from lgt.proxy.client import ControlClient, ControlError
 from lgt.testing.fake_upstream import FakeUpstream, render_chat, token_logprob, tokenize
-
-HOSTED = "https://api.openai.invalid/v1"
-
-
-def client(proxy: ProxyProc, rollout: str, **kw: Any) -> httpx.Client:
-    ctx = ssl.create_default_context(cafile=proxy.ca_bundle)
-    return httpx.Client(proxy=proxy.proxy_url(rollout), verify=ctx, trust_env=False,
-                        timeout=kw.pop("timeout", 30), **kw)
+from lgt.testing.proxy import CHAT, HOSTED, ProxyProc, client, sse_objects, stable
 
 
 def direct(upstream: FakeUpstream) -> httpx.Client:
@@ -39,8 +31,6 @@ def no_token_ids(obj: Any) -> bool:
     return all(no_token_ids(v) for v in obj) if isinstance(obj, list) else True
 
 
-CHAT = {"model": "gpt-4o", "messages": [{"role": "system", "content": "Be brief."},
-                                        {"role": "user", "content": "What is 6*7?"}]}
 TOOLS_CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "17*23"}], "tools": [
     {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]}
 COMPLETION = {"model": "gpt-4o", "prompt": "The answer to 6*7 is", "max_tokens": 8}

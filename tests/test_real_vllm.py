@@ -15,7 +15,6 @@ import os
 import shutil
 import ssl
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import ENV_VARS, ProxyProc, free_port, sse_objects, stable
+from lgt.testing.proxy import ProxyProc, sse_objects, stable
+from lgt.testing.vllm_server import vllm_server
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PY = os.environ.get("LGT_ENGINE_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
@@ -45,44 +45,16 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def serve_tiny_model(work: Path, *model_args: str) -> Iterator[str]:
-    """vLLM's CPU build serving a tiny model made by tests/engine/make_tiny_model.py; its /v1 URL."""
+    """vLLM's CPU build serving the tests' tiny model (lgt.testing.models); its /v1 URL."""
     if not _engine_ok():
         pytest.skip(f"no vLLM engine environment at {ENGINE_PY} (run scripts/setup.sh)")
     model = work / "tiny"
-    subprocess.run([ENGINE_PY, str(ROOT / "tests/engine/make_tiny_model.py"), str(model), *model_args],
+    subprocess.run([ENGINE_PY, "-m", "lgt.testing.models", str(model), *model_args],
                    check=True, capture_output=True)
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
-    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    log = open(work / "vllm.log", "wb")
-    proc = subprocess.Popen(
-        [ENGINE_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--served-model-name", "policy", "--enforce-eager", "--dtype", "float32",
-         "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/v1"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited with {proc.returncode}: "
-                            f"{(work / 'vllm.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/models", trust_env=False, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("vLLM did not start in 300 s")
-            time.sleep(1)
-        yield url
+        with vllm_server(model, work / "vllm.log", python=ENGINE_PY) as engine:
+            yield engine.url
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-        log.close()
         shutil.rmtree(model, ignore_errors=True)
 
 

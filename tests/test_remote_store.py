@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from conftest import ProxyProc
+from lgt.testing.proxy import ProxyProc
 
 moto_server = pytest.importorskip("moto.server")
 pafs = pytest.importorskip("pyarrow.fs")

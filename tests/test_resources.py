@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_proxy import CHAT, HOSTED, client
 
 from lgt.proxy import resources
 from lgt.proxy.client import ControlError
 from lgt.testing.fake_upstream import render_chat, tokenize
+from lgt.testing.proxy import CHAT, HOSTED, client
 
 PROMPT = "You are a careful calculator. Answer as 'The answer is N.'"
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_dialect_responses import sdk_events  # tests/ is on sys.path
+
+from lgt.testing.clients import sdk_events
 
 websockets = pytest.importorskip("websockets.sync.client")
 

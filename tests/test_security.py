@@ -10,10 +10,9 @@ import threading
 from pathlib import Path
 
 import httpx
-from test_proxy import CHAT
 
-from conftest import ProxyProc
 from lgt.proxy import auth
+from lgt.testing.proxy import CHAT, ProxyProc
 
 
 def mode(path: Path) -> int:

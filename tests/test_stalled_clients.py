@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from conftest import ProxyProc
 from lgt.testing.fake_upstream import FakeUpstream
+from lgt.testing.proxy import ProxyProc
 
 IDLE = 2
 HOST = "api.openai.invalid"

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from conftest import ProxyProc
 from lgt.testing.fake_upstream import FakeUpstream
+from lgt.testing.proxy import ProxyProc
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")

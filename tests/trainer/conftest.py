@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-import importlib.util
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+from lgt.testing.rollouts import gone
+
+if TYPE_CHECKING:
+    from lgt.trainer.serving.engine import Engine
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen2 model + local byte-level BPE tokenizer with a ChatML template (HF format)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model",
-                                                  HERE.parent / "engine" / "make_tiny_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path_factory.mktemp("tiny-model")
-    mod.main(str(out))
-    return out
+    from lgt.testing.models import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +30,52 @@ def arith_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return tiny.make_model(tmp_path_factory.mktemp("arith-model") / "m", preset="tiny",
                            warm_start_task="arith", seconds=3, progress=False)
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[Path], Engine]]:
+    """``engines(model_dir)``: a vLLM engine serving ``model_dir``, started on first use and shared by
+    every test of the session that only needs *an* engine running (a run given ``engine.url`` loads its
+    own weights into it first, which also resets its prefix cache, and leaves it running). Served as
+    ``policy`` with a context of 8192 and the hermes tool parser (what the framework examples need).
+    Tests of the engine's own start, stop, restart or crash handling start their own."""
+    from lgt.trainer.serving.engine import Engine, EngineConfig
+
+    started: dict[Path, Engine] = {}
+
+    def get(model_dir: Path) -> Engine:
+        eng = started.get(model_dir)
+        if eng is None or eng.died:  # first use, or a test killed it: a fresh one
+            if eng is not None:
+                eng.stop()
+            log = tmp_path_factory.mktemp(f"engine-{model_dir.name}") / "engine.log"
+            eng = started[model_dir] = Engine.start(EngineConfig(
+                model=model_dir, max_model_len=8192, log_path=log,
+                extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")))
+        if eng.is_paused():  # a run killed between its pause and resume
+            eng.resume()
+        return eng
+
+    yield get
+    for eng in started.values():
+        eng.stop()
+
+
+@pytest.fixture
+def arith_engine(arith_model_dir: Path, engines: Callable[[Path], Engine]) -> Engine:
+    """The session's engine on the arith model (see ``engines``), running and not paused."""
+    return engines(arith_model_dir)
+
+
+@pytest.fixture
+def pid_dir(tmp_path: Path):
+    """Where sleeper agents write their children's pids; children still alive afterwards (a failed
+    test) are killed, so nothing outlives the test."""
+    yield tmp_path
+    for f in tmp_path.glob("*.child"):
+        pid = int(f.read_text())
+        try:
+            if not gone(pid) and b"time.sleep(300)" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, 9)
+        except (FileNotFoundError, ProcessLookupError):
+            pass

@@ -10,8 +10,8 @@ import json
 import sys
 
 import pytest
-from test_rollouts import AGENTS, endpoint
 
+from lgt.testing.rollouts import AGENTS, endpoint
 from lgt.testing.scripted_critic import SEED, ScriptedCritic
 from lgt.trainer.apo import optimize as apo
 from lgt.trainer.rollout.controller import AgentSpec, RolloutController
@@ -116,12 +116,13 @@ def test_gepa_finds_it_too_through_the_gepa_library(tmp_path, proxy, critic):
 
 
 @pytest.mark.slow
-def test_lgt_train_apo_end_to_end(tmp_path, arith_model_dir, critic):
-    """``lgt-train apo``: vLLM serving the model, the real proxy, the agent's prompt a resource, the
-    scripted critic — the table, the best prompt and the plot; a second call with --resume scores
-    nothing again."""
+def test_lgt_train_apo_end_to_end(tmp_path, arith_model_dir, arith_engine, critic):
+    """``lgt-train apo``: vLLM serving the model (the session's engine, ``engine.url``), the real proxy,
+    the agent's prompt a resource, the scripted critic — the table, the best prompt and the plot; a second
+    call with --resume scores nothing again."""
     import yaml
-    from test_run import lgt_train_cmd
+
+    from lgt.testing.runs import lgt_train_cmd
 
     (tmp_path / "prompt.txt").write_text(SEED)
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks(12, "t")))
@@ -131,7 +132,7 @@ def test_lgt_train_apo_end_to_end(tmp_path, arith_model_dir, critic):
            "resources": {"system_prompt": {"template": str(tmp_path / "prompt.txt"), "deliver": "env"}},
            "apo": {"rounds": 2, "beam_width": 2, "branch_factor": 2, "batch_size": 4, "val_size": 4,
                    "critic": {"base_url": critic.base_url, "timeout_s": 0.5}},
-           "engine": {"max_model_len": 256}}
+           "engine": {"max_model_len": 256, "url": arith_engine.url}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     out = lgt_train_cmd("apo", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run"), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -4,8 +4,9 @@ Each has its agent's own environment (``DIR/.venv`` from its requirements.txt, o
 from its package-lock.json), built by ``scripts/setup_agent.sh``, which ``scripts/setup.sh`` runs.
 One training step on the tiny model: every token the engine generated is in the store (the recorded
 ids count what the engine reported), the calls came in through the API the framework speaks, samples
-were built and trained, and every rollout has its reward. The runs share one engine (``engine.url``):
-each loads its own weights into it first, and leaves it running.
+were built and trained, and every rollout has its reward. The runs share the session's engine on the
+arith model (``engine.url``, conftest.py's ``arith_engine``): each loads its own weights into it first,
+and leaves it running.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_run import lgt_train, metrics  # tests/trainer is on sys.path
 
 from lgt.store.query import connect
-from lgt.trainer.serving.engine import Engine, EngineConfig
+from lgt.testing.runs import lgt_train, metrics
+from lgt.trainer.serving.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
 # example -> (the API it calls, what its agent environment is)
@@ -33,17 +34,9 @@ EXAMPLES = {"agents_sdk": ("responses", ".venv/bin/python"),
 HARNESSES = {"claude_code", "codex", "gemini_cli"}
 
 
-@pytest.fixture(scope="module")
-def engine(arith_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    with Engine.start(EngineConfig(model=arith_model_dir, max_model_len=8192,
-                                   extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
-                                   log_path=tmp_path_factory.mktemp("engine") / "engine.log")) as e:
-        yield e
-
-
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
 def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path, example: str,
-                                           engine: Engine) -> None:
+                                           arith_engine: Engine) -> None:
     here, (api, env) = ROOT / "examples" / example, EXAMPLES[example]
     if not (here / env).exists():
         pytest.skip(f"no agent environment in {here} (bash scripts/setup_agent.sh examples/{example})")
@@ -51,7 +44,7 @@ def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path
     cfg = yaml.safe_load((here / "run.yaml").read_text())
     cfg.update(model={"path": str(arith_model_dir)}, tasks=str((here / cfg["tasks"]).resolve()),
                group_size=2, batch_groups=2, max_inflight=8, steps=steps, eval=None,
-               engine={"url": engine.url})
+               engine={"url": arith_engine.url})
     cfg["agent"] = {**cfg["agent"], "cwd": str(here), "timeout_s": 90}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -77,4 +70,4 @@ def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path
         bad = {n: o[-600:] for n, o in outs.items()
                if not o.strip() or '"reward": ' not in o.splitlines()[-1]}
         assert len(outs) >= 4 * steps and not bad, bad
-    engine.check_alive()  # used, not stopped: the next example's run loads its weights into it
+    arith_engine.check_alive()  # used, not stopped: the next example's run loads its weights into it

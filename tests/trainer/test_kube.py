@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import yaml
-from test_rollouts import AGENTS, attempts, endpoint, pid_dir, rewards  # noqa: F401 (a fixture)
 
 from lgt.store.query import connect
 from lgt.testing.fake_kube import FakeKube
+from lgt.testing.rollouts import AGENTS, attempts, endpoint, rewards
 from lgt.trainer.rollout import kube
 from lgt.trainer.rollout.controller import AgentSpec, RolloutController, RolloutError
 
@@ -234,7 +234,7 @@ def test_an_evicted_pod_fails_its_attempt_and_the_retry_runs(tmp_path, proxy, cl
         json.loads(first["metadata_json"])["error"]
 
 
-def test_the_deadline_is_the_rollout_timeout(tmp_path, proxy, cluster, pid_dir):  # noqa: F811
+def test_the_deadline_is_the_rollout_timeout(tmp_path, proxy, cluster, pid_dir):
     agent = spec(tmp_path, cluster, job_template=template(tmp_path, "sleeper_agent.py"), timeout_s=1,
                  env={"TASK_PID_DIR": str(pid_dir)})
     ctl = kube_controller(proxy, tmp_path, agent)
@@ -299,7 +299,7 @@ def test_a_restarted_controller_adopts_the_runs_jobs_and_never_creates_one_twice
 def test_lgt_train_runs_arith_as_jobs_and_a_killed_trainer_resumes_them(tmp_path, arith_model_dir, cluster):
     """``examples/arith`` trained with Jobs for 2 steps, the trainer killed with -9 in step 2 and resumed:
     Jobs that outlived it are adopted (none made twice), no rollout is lost, the run finishes."""
-    from test_run import lgt_train, metrics, trained_ids, write_config
+    from lgt.testing.runs import lgt_train, metrics, trained_ids, write_config
 
     job = template(tmp_path)
     doc = yaml.safe_load(job.read_text())
@@ -312,7 +312,11 @@ def test_lgt_train_runs_arith_as_jobs_and_a_killed_trainer_resumes_them(tmp_path
                                    "OPENAI_API_KEY": "sk-x"}}
     cfg = write_config(tmp_path, arith_model_dir, agent=agent, steps=2, eval=None)
     run_dir = tmp_path / "run"
-    out = lgt_train(str(cfg), "--run-dir", str(run_dir), env={"LGT_FAULT_CRASH_AT_STEP": "2"})
+    # the trainer kills itself (SIGKILL) in step 2's backend update: faults/sitecustomize.py
+    faults = str(Path(__file__).parent / "faults")
+    path = os.pathsep.join(filter(None, [faults, os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "LGT_TEST_KILL_AT_TRAIN_STEP": "2"}
+    out = lgt_train(str(cfg), "--run-dir", str(run_dir), env=env)
     assert out.returncode == -9, out.stderr[-3000:]
     assert [r["step"] for r in metrics(run_dir)] == [1]
     left = cluster.objects("jobs", "rl")

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_rollouts import AGENTS, endpoint, rows, run_all
 
+from lgt.testing.rollouts import AGENTS, endpoint, rows, run_all
 from lgt.trainer import config
 from lgt.trainer.rollout.controller import AgentSpec, RolloutController
 from lgt.trainer.rollout.resources import (

@@ -51,12 +51,12 @@ def s3(tmp_path):
     proc.wait(10)
 
 
-def test_a_run_on_an_s3_store(tmp_path, arith_model_dir, s3):
-    from test_run import lgt_train, lgt_train_cmd, metrics, write_config
+def test_a_run_on_an_s3_store(tmp_path, arith_model_dir, arith_engine, s3):
+    from lgt.testing.runs import lgt_train, lgt_train_cmd, metrics, write_config
 
     fs, env = s3
     store = f"s3://{BUCKET}/arith/one"
-    cfg = write_config(tmp_path, arith_model_dir, steps=2, store=store)
+    cfg = write_config(tmp_path, arith_model_dir, engine_url=arith_engine.url, steps=2, store=store)
     out = lgt_train(str(cfg), "--run-dir", str(tmp_path / "run"), env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2]

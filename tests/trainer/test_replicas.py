@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from test_rollouts import AGENTS, rows, run_all
 
+from lgt.testing.rollouts import AGENTS, rows, run_all
 from lgt.trainer.recipe import undrained
 from lgt.trainer.rollout.controller import AgentSpec, ProxyEndpoint, RolloutController
 from lgt.trainer.serving.proxy import ProxyClient, ProxyError, ProxyGroup
@@ -133,19 +133,16 @@ def test_a_replica_restarted_on_the_store_recovers_what_it_recorded(tmp_path, re
 
 
 @pytest.mark.slow
-def test_lgt_train_drives_two_replicas_as_one(tmp_path, arith_model_dir, request):
-    """``proxy: {url: [replica 1, replica 2]}``: a run on two running proxies over one store."""
-    from test_run import lgt_train, metrics, write_config
-
-    from lgt.trainer.serving.proxy import free_port
+def test_lgt_train_drives_two_replicas_as_one(tmp_path, arith_model_dir, arith_engine, request):
+    """``proxy: {url: [replica 1, replica 2]}``: a run on two running proxies over one store (and the
+    session's running engine, ``engine.url``, which both replicas forward to)."""
+    from lgt.testing.runs import lgt_train, metrics, write_config
 
     proc = type(request.getfixturevalue("proxy"))
-    engine_port = free_port()
     store = tmp_path / "store"
-    started = [proc(store, f"http://127.0.0.1:{engine_port}/v1").start() for _ in range(2)]
+    started = [proc(store, arith_engine.url).start() for _ in range(2)]
     try:
-        cfg = write_config(tmp_path, arith_model_dir, steps=2, store=str(store),
-                           engine={"max_model_len": 256, "port": engine_port},
+        cfg = write_config(tmp_path, arith_model_dir, engine_url=arith_engine.url, steps=2, store=str(store),
                            proxy={"url": [p.control_url for p in started]})
         out = lgt_train(str(cfg), "--run-dir", str(tmp_path / "run"))
         assert out.returncode == 0, out.stderr[-3000:]

@@ -20,6 +20,7 @@ import pytest
 
 from lgt.proxy.client import ControlError
 from lgt.store.query import connect
+from lgt.testing.rollouts import AGENTS, attempts, endpoint, gone, rewards, run_all
 from lgt.trainer.rollout.controller import (
     AgentSpec,
     ProxyControlError,
@@ -33,8 +34,6 @@ from lgt.trainer.rollout.controller import (
     task_id_of,
 )
 
-AGENTS = Path(__file__).resolve().parent / "agents"
-
 
 def agent(script: str = "chat_agent.py", **kw: Any) -> AgentSpec:
     kw.setdefault("timeout_s", 60)
@@ -42,68 +41,13 @@ def agent(script: str = "chat_agent.py", **kw: Any) -> AgentSpec:
     return AgentSpec(command=(sys.executable, str(AGENTS / script)), **kw)
 
 
-def endpoint(proxy: Any) -> ProxyEndpoint:
-    return ProxyEndpoint(store=proxy.store, port=proxy.port, control_port=proxy.control_port,
-                         control_token=proxy.client.token)
-
-
 def controller(proxy: Any, run_dir: Path, spec: AgentSpec, concurrency: int = 4,
                **kw: Any) -> RolloutController:
     return RolloutController(spec, endpoint(proxy), proxy.store, run_dir, concurrency, **kw)
 
 
-async def run_all(ctl: RolloutController, jobs: list[tuple[dict, str]], group: str = "g", step: int = 0):
-    try:
-        return await asyncio.gather(*(ctl.run(task, rid, group, step) for task, rid in jobs))
-    finally:
-        await ctl.aclose()
-
-
-def rows(proxy: Any, sql: str, params: list | None = None) -> list[dict[str, Any]]:
-    proxy.flush()
-    con = connect(proxy.store)
-    try:
-        cur = con.execute(sql, params or [])
-        cols = [d[0] for d in cur.description]
-        return [dict(zip(cols, r)) for r in cur.fetchall()]
-    finally:
-        con.close()
-
-
-def attempts(proxy: Any, rid: str) -> list[dict[str, Any]]:
-    return rows(proxy, "SELECT * FROM rollouts_log WHERE rollout_id = ? ORDER BY attempt", [rid])
-
-
-def rewards(proxy: Any, rid: str) -> list[tuple[int, str, float]]:
-    return [(r["attempt"], r["source"], r["value"]) for r in
-            rows(proxy, "SELECT * FROM rewards_log WHERE rollout_id = ? ORDER BY attempt", [rid])]
-
-
 def call_attempts(proxy: Any, rid: str) -> list[int]:
     return [c["attempt"] for c in proxy.calls("rollout_id = ?", [rid])]
-
-
-def gone(pid: int) -> bool:
-    """The process no longer runs (absent, or a zombie nobody reaped yet)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
-
-
-@pytest.fixture
-def pid_dir(tmp_path: Path):
-    """Where sleeper agents write their children's pids; children still alive afterwards (a failed
-    test) are killed, so nothing outlives the test."""
-    yield tmp_path
-    for f in tmp_path.glob("*.child"):
-        pid = int(f.read_text())
-        try:
-            if not gone(pid) and b"time.sleep(300)" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(pid, 9)
-        except (FileNotFoundError, ProcessLookupError):
-            pass
 
 
 async def wait_gone(pid: int) -> bool:

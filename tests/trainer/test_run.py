@@ -1,7 +1,8 @@
 """``lgt-train run`` end to end: real lgt-proxy, real vLLM (CPU build), the unmodified example agent.
 
-Slow (each run starts an engine, ~30–60 s here); three runs: async, async killed mid-step then
-resumed, and sync.
+Slow. The runs that only need an engine running use the session's engine on the arith model
+(``engine.url``, conftest.py's ``arith_engine``; each run loads its own weights into it first); the runs
+that test the engine's start, restart and a killed run's resume start their own (~30–60 s each here).
 """
 
 from __future__ import annotations
@@ -13,54 +14,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import pytest
-import yaml
 
 from lgt.store.query import connect
+from lgt.testing.runs import lgt_train, lgt_train_cmd, metrics, trained_ids, write_config
 from lgt.trainer.run.evaluation import held_out
+
+if TYPE_CHECKING:
+    from lgt.trainer.serving.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def write_config(tmp_path: Path, model: Path, **over) -> Path:
-    cfg = {
-        "name": "t", "model": {"path": str(model)}, "tasks": str(ROOT / "examples/arith/tasks.jsonl"),
-        "agent": {"command": [sys.executable, str(ROOT / "examples/arith/agent.py")],
-                  "env": {"OPENAI_BASE_URL": "https://api.openai.invalid/v1", "OPENAI_API_KEY": "sk-x"},
-                  "python_preload": ["openai"], "timeout_s": 90},
-        "group_size": 4, "batch_groups": 2, "max_inflight": 16, "steps": 3, "max_staleness": 1,
-        "engine": {"max_model_len": 256}, "backend": {"lr": 1e-3}, "algorithm": {"sample_mode": "exact"},
-    }
-    cfg.update(over)
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def lgt_train(*args: str, env: dict | None = None, timeout: float = 420) -> subprocess.CompletedProcess:
-    return lgt_train_cmd("run", *args, env=env, timeout=timeout)
-
-
-def lgt_train_cmd(*args: str, env: dict | None = None, timeout: float = 420) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "lgt.trainer.cli", *args], capture_output=True,
-                          text=True, env=full_env, timeout=timeout)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-
-
-def trained_ids(rows: list[dict]) -> list[str]:
-    return [sid for r in rows for sid in r["sample_ids"]]
-
-
-def test_async_run_trains_syncs_and_records_everything(tmp_path: Path, arith_model_dir: Path) -> None:
+def test_async_run_trains_syncs_and_records_everything(tmp_path: Path, arith_model_dir: Path,
+                                                        arith_engine: Engine) -> None:
     run_dir = tmp_path / "run"
-    cfg = write_config(tmp_path, arith_model_dir, eval={"split": 0.05, "every": 2, "samples": 1})
+    cfg = write_config(tmp_path, arith_model_dir, engine_url=arith_engine.url,
+                       eval={"split": 0.05, "every": 2, "samples": 1})
     out = lgt_train(str(cfg), "--run-dir", str(run_dir))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(run_dir)
@@ -134,7 +108,11 @@ def test_killed_mid_step_resumes_without_training_a_sample_twice(tmp_path: Path,
                                                                  arith_model_dir: Path) -> None:
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path, arith_model_dir, steps=4)
-    out = lgt_train(str(cfg), "--run-dir", str(run_dir), env={"LGT_FAULT_CRASH_AT_STEP": "3"})
+    # the trainer kills itself (SIGKILL) in step 3's backend update: faults/sitecustomize.py
+    faults = str(Path(__file__).parent / "faults")
+    path = os.pathsep.join(filter(None, [faults, os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "LGT_TEST_KILL_AT_TRAIN_STEP": "3"}
+    out = lgt_train(str(cfg), "--run-dir", str(run_dir), env=env)
     assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
     before = metrics(run_dir)
     assert [r["step"] for r in before] == [1, 2]
@@ -214,14 +192,16 @@ def test_engine_and_proxy_killed_mid_run_are_started_again(tmp_path: Path, arith
     assert max(v for _, v, _, _ in calls) >= 3  # the restarted engine and proxy served the later policies
 
 
-def test_restarts_are_bounded_then_the_run_stops_with_one_sentence(tmp_path: Path,
-                                                                   arith_model_dir: Path) -> None:
+def test_restarts_are_bounded_then_the_run_stops_with_one_sentence(tmp_path: Path, arith_model_dir: Path,
+                                                                   arith_engine: Engine) -> None:
+    # the bound is the same for the engine and the proxy (Supervisor._restart): the proxy the run started
+    # is killed here, on the session's engine (an engine killed and started again: the test above)
     run_dir, log = tmp_path / "run", tmp_path / "lgt-train.log"
-    cfg = write_config(tmp_path, arith_model_dir, steps=20, restarts=0)
+    cfg = write_config(tmp_path, arith_model_dir, engine_url=arith_engine.url, steps=20, restarts=0)
     proc = start_run(cfg, run_dir, log)
     try:
         _wait_for_step(run_dir, 1, proc, log)
-        _child(proc, "vllm.entrypoints.openai.api_server").kill()
+        _child(proc, "--flush-seconds").kill()  # lgt-proxy as the run starts it
         assert proc.wait(timeout=120) == 1
     finally:
         if proc.poll() is None:
@@ -231,10 +211,11 @@ def test_restarts_are_bounded_then_the_run_stops_with_one_sentence(tmp_path: Pat
            "(restarts: 0); resume it with --resume once the cause is fixed" in text, text[-3000:]
 
 
-def test_sync_mode_trains_each_batch_of_the_current_policy(tmp_path: Path, arith_model_dir: Path) -> None:
+def test_sync_mode_trains_each_batch_of_the_current_policy(tmp_path: Path, arith_model_dir: Path,
+                                                           arith_engine: Engine) -> None:
     run_dir = tmp_path / "run"
-    out = lgt_train(str(write_config(tmp_path, arith_model_dir, mode="sync", steps=2)), "--run-dir",
-                    str(run_dir))
+    cfg = write_config(tmp_path, arith_model_dir, engine_url=arith_engine.url, mode="sync", steps=2)
+    out = lgt_train(str(cfg), "--run-dir", str(run_dir))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
@@ -242,11 +223,13 @@ def test_sync_mode_trains_each_batch_of_the_current_policy(tmp_path: Path, arith
     assert all(r["groups"] == 2 for r in rows)
 
 
-def test_an_agent_that_never_runs_ends_the_run_with_its_error(tmp_path: Path, arith_model_dir: Path) -> None:
+def test_an_agent_that_never_runs_ends_the_run_with_its_error(tmp_path: Path, arith_model_dir: Path,
+                                                              arith_engine: Engine) -> None:
     agent = {"command": [sys.executable, "-c", "import sys; sys.exit('cannot reach my sandbox')"],
              "timeout_s": 30, "retries": 1}
     run_dir = tmp_path / "run"
-    out = lgt_train(str(write_config(tmp_path, arith_model_dir, agent=agent)), "--run-dir", str(run_dir))
+    cfg = write_config(tmp_path, arith_model_dir, engine_url=arith_engine.url, agent=agent)
+    out = lgt_train(str(cfg), "--run-dir", str(run_dir))
     assert out.returncode == 1
     err = " ".join(out.stderr.split())
     assert "the agent failed in every rollout of the first 2 groups" in err, out.stderr[-2000:]
@@ -259,11 +242,13 @@ VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"
 
 @pytest.mark.skipif(not VERL_PYTHON.exists() or os.environ.get("LGT_SKIP_VERL") == "1",
                     reason="no verl environment (.venv-verl; scripts/setup.sh builds it)")
-def test_verl_on_two_ray_ranks_trains_checkpoints_and_resumes(tmp_path: Path, arith_model_dir: Path) -> None:
+def test_verl_on_two_ray_ranks_trains_checkpoints_and_resumes(tmp_path: Path, arith_model_dir: Path,
+                                                              arith_engine: Engine) -> None:
     # lgt-train runs in this (vLLM's) environment; the verl backend moves the trainer into .venv-verl,
-    # where verl's own Ray worker groups train on 2 CPU ranks; the engine stays on this vLLM
+    # where verl's own Ray worker groups train on 2 CPU ranks; the engine stays on this vLLM (the
+    # session's, into which the verl ranks' weights are pushed)
     run_dir = tmp_path / "run"
-    cfg = write_config(tmp_path, arith_model_dir, steps=2)
+    cfg = write_config(tmp_path, arith_model_dir, engine_url=arith_engine.url, steps=2)
     sets = ["--set", "backend.name=verl", "--set", "backend.world_size=2", "--set", "backend.lr=1e-3"]
     out = lgt_train(str(cfg), "--run-dir", str(run_dir), *sets)
     assert out.returncode == 0, out.stderr[-3000:]

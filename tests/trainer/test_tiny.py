@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -390,47 +384,24 @@ def test_make_model_refuses_foreign_directories(tmp_path: Path) -> None:
 # --- a real vLLM engine reads the template and the tool calls as the warm start taught them ---------------
 
 @pytest.fixture(scope="module")
-def calc_vllm(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[tuple[str, Path]]:
-    """vLLM (CPU build) with the hermes tool parser serving a tiny model warm-started on calc dialogues."""
+def calc_vllm(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, arith_model_dir: Path,
+              engines: Callable) -> Iterator[tuple[str, Path]]:
+    """vLLM (CPU build) with the hermes tool parser serving a tiny model warm-started on calc dialogues:
+    the session's engine on the arith model (conftest.py's ``engines``), given the calc model's weights.
+    Both models have the same tokenizer, chat template and shapes (checked), so vLLM renders the calc
+    model's conversations with the template it was trained on."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed in this environment")
     model = tmp_path_factory.mktemp("calc") / "model"
     shutil.copytree(tiny_dir, model)
     warm_start(model, task="calc", steps=120, lr=3e-3, eval_n=8, progress=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}  # loopback only
-    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    log_path = model.parent / "vllm.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--served-model-name", "policy", "--enforce-eager", "--dtype", "float32",
-             "--max-model-len", "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-             "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/models", trust_env=False, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("vLLM did not start in 300 s")
-            time.sleep(1)
-        yield url, model
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    from lgt.trainer.serving.engine import checkpoint_tensors
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (model / name).read_bytes() == (arith_model_dir / name).read_bytes(), name
+    engine = engines(arith_model_dir)
+    engine.update_weights(checkpoint_tensors(model))  # names and shapes checked against the served model
+    yield engine.url, model
 
 
 @pytest.mark.slow

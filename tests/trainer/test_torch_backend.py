@@ -26,8 +26,8 @@ from lgt.trainer.backends.torch_backend import (
     latest_checkpoint,
     pack_micro_batches,
 )
-from lgt.trainer.rl.algorithm import training_schema
 from lgt.trainer.rl import loss as rl
+from lgt.trainer.rl.algorithm import training_schema
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "rollout")
 

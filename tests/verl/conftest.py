@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -29,10 +28,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen2 model + local byte-level BPE tokenizer (HF format; nothing downloaded)."""
-    maker = HERE.parent / "engine" / "make_tiny_model.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_model", maker)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path_factory.mktemp("tiny-model")
-    mod.main(str(out))
-    return out
+    from lgt.testing.models import make_test_model
+
+    return make_test_model(tmp_path_factory.mktemp("tiny-model"))

@@ -1,24 +1,33 @@
-"""Build a tiny random Qwen2 model with a locally trained byte-level BPE tokenizer (ChatML template).
+"""The tests' tiny model: a random Qwen2 (hidden 128, 2 layers, head_dim 64) with a byte-level BPE
+tokenizer of ~400 tokens trained here and a plain ChatML template; nothing is downloaded.
 
-For tests that need a real vLLM engine: nothing is downloaded. Run with an environment that has
-transformers and tokenizers (the engine's): python make_tiny_model.py OUT_DIR [--nan-logits]
+For tests and benchmarks that need a real model (the torch and verl backends, a real vLLM engine):
+``make_test_model(OUT_DIR)``, or ``python -m lgt.testing.models OUT_DIR [--nan-logits]`` from an
+environment that has torch, transformers and tokenizers (the proxy's environment runs it that way).
 
-``--nan-logits`` sets the final norm's weight to infinity, so every logit is NaN: vLLM then cannot
-write a logprob as JSON and answers 400 to any request for logprobs (what it does past a model's
-positions on CPU, where the failure depends on memory layout; this one is deterministic).
+It is not ``lgt.trainer.demo.tiny``'s ``tiny`` preset (the same shape) because the tests lean on two
+things that factory does not offer: weights drawn with ``initializer_range`` 0.5, whose peaked logits
+keep greedy decoding off near-ties (two identical requests must decode alike whatever the batch), and
+``nan_logits``: the final norm's weight set to infinity, so every logit is NaN and vLLM cannot write a
+logprob as JSON: it answers 400 to any request for logprobs (what it does past a model's positions on
+CPU, where the failure depends on memory layout; this one is deterministic).
 """
 
-import sys
+from __future__ import annotations
 
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+import sys
+from pathlib import Path
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def main(out: str, nan_logits: bool = False) -> None:
+def make_test_model(out: str | Path, nan_logits: bool = False) -> Path:
+    """Save the tiny model and its tokenizer (Hugging Face format) into ``out``; returns it."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -30,7 +39,7 @@ def main(out: str, nan_logits: bool = False) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>")
     fast.chat_template = CHATML
-    fast.save_pretrained(out)
+    fast.save_pretrained(str(out))
     # head_dim 64: vLLM's CPU attention rejects small head sizes (16 fails at the first request)
     cfg = Qwen2Config(vocab_size=len(fast), hidden_size=128, intermediate_size=256,
                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -45,8 +54,9 @@ def main(out: str, nan_logits: bool = False) -> None:
     if nan_logits:
         with torch.no_grad():
             model.model.norm.weight.fill_(float("inf"))
-    model.save_pretrained(out)
+    model.save_pretrained(str(out))
+    return Path(out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--nan-logits" in sys.argv[2:])
+    make_test_model(sys.argv[1], "--nan-logits" in sys.argv[2:])
