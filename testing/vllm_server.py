@@ -1,6 +1,6 @@
 """A plain vLLM OpenAI server for tests (``vllm_server``): started as a test wants it (no lgt worker
 extension, dev endpoints or plugin settings: what an agent's own vLLM would be) and waited for exactly as
-``lgt-train`` waits for its engine — ``Engine._wait_ready`` (``/health`` and ``/v1/models`` answer 200;
+``lgt-train`` waits for its engine — ``Engine.wait_ready`` (``/health`` and ``/v1/models`` answer 200;
 an engine that exits or is not ready in time raises ``EngineError`` with its log's last lines) — then
 stopped as lgt stops one (``Engine.stop``: the whole process group, SIGTERM, then SIGKILL).
 
@@ -37,7 +37,7 @@ def vllm_server(model: Path, log_path: Path, *extra_args: str, python: str | Non
     engine = Engine(EngineConfig(model=model, port=port, max_model_len=max_model_len, log_path=log_path),
                     proc, port, log_path, cpu=True, weight_shapes={}, tied=False)
     try:
-        engine._wait_ready(timeout)  # the product's own wait for its engine
+        engine.wait_ready(timeout)  # the product's own wait for its engine
         yield engine
     finally:
         engine.stop()

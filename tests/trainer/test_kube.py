@@ -296,7 +296,8 @@ def test_a_restarted_controller_adopts_the_runs_jobs_and_never_creates_one_twice
 # -- lgt-train run with Jobs ------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_lgt_train_runs_arith_as_jobs_and_a_killed_trainer_resumes_them(tmp_path, arith_model_dir, cluster):
+def test_lgt_train_runs_arith_as_jobs_and_a_killed_trainer_resumes_them(tmp_path, arith_model_dir, cluster,
+                                                                        arith_engine):
     """``examples/arith`` trained with Jobs for 2 steps, the trainer killed with -9 in step 2 and resumed:
     Jobs that outlived it are adopted (none made twice), no rollout is lost, the run finishes."""
     from lgt.testing.runs import lgt_train, metrics, trained_ids, write_config
@@ -310,7 +311,8 @@ def test_lgt_train_runs_arith_as_jobs_and_a_killed_trainer_resumes_them(tmp_path
              "kubeconfig": str(cluster.write_kubeconfig(tmp_path / "kubeconfig")), "timeout_s": 90,
              "retries": 1, "env": {"OPENAI_BASE_URL": "https://api.openai.invalid/v1",
                                    "OPENAI_API_KEY": "sk-x"}}
-    cfg = write_config(tmp_path, arith_model_dir, agent=agent, steps=2, eval=None)
+    cfg = write_config(tmp_path, arith_model_dir, engine_url=arith_engine.url, agent=agent, steps=2,
+                       eval=None)
     run_dir = tmp_path / "run"
     # the trainer kills itself (SIGKILL) in step 2's backend update: faults/sitecustomize.py
     faults = str(Path(__file__).parent / "faults")

@@ -104,10 +104,10 @@ def test_async_run_trains_syncs_and_records_everything(tmp_path: Path, arith_mod
     assert connect(eval_dir / "store").execute(answers).fetchall() == con.execute(answers).fetchall()
 
 
-def test_killed_mid_step_resumes_without_training_a_sample_twice(tmp_path: Path,
-                                                                 arith_model_dir: Path) -> None:
+def test_killed_mid_step_resumes_without_training_a_sample_twice(tmp_path: Path, arith_model_dir: Path,
+                                                                 arith_engine) -> None:
     run_dir = tmp_path / "run"
-    cfg = write_config(tmp_path, arith_model_dir, steps=4)
+    cfg = write_config(tmp_path, arith_model_dir, engine_url=arith_engine.url, steps=4)
     # the trainer kills itself (SIGKILL) in step 3's backend update: faults/sitecustomize.py
     faults = str(Path(__file__).parent / "faults")
     path = os.pathsep.join(filter(None, [faults, os.environ.get("PYTHONPATH")]))

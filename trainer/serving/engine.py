@@ -456,7 +456,7 @@ class Engine:
         engine = cls(cfg, proc, port, log_path, cpu=cpu, weight_shapes=shapes, tied=info.tie_word_embeddings)
         engine.scratch = scratch
         try:
-            engine._wait_ready(cfg.ready_timeout)
+            engine.wait_ready(cfg.ready_timeout)
         except BaseException:
             engine.stop()
             raise
@@ -496,7 +496,9 @@ class Engine:
         """Running before this run and left running after it (``engine.url``)."""
         return self.proc is None
 
-    def _wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float) -> None:
+        """Return once the engine answers ``/health`` and ``/v1/models`` (200); ``EngineError`` with its
+        log's last lines when its process exits first or ``timeout`` passes."""
         deadline = time.monotonic() + timeout
         while True:
             code = self.proc.poll()
