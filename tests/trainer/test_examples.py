@@ -66,7 +66,8 @@ def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path
     if example in HARNESSES:  # the reward is the task's own check, printed by task.sh after the harness
         done = con.execute("SELECT rollout_id || '~' || attempt FROM rollouts_log WHERE status = 'ok'"
                            ).fetchall()
-        outs = {n: (run_dir / "rollouts" / f"{n}.out").read_text() for (n,) in done}
+        outs = {n: (run_dir / "rollouts" / f"{n}.out").read_text(errors="replace")  # an agent's bytes: any
+                for (n,) in done}
         bad = {n: o[-600:] for n, o in outs.items()
                if not o.strip() or '"reward": ' not in o.splitlines()[-1]}
         assert len(outs) >= 4 * steps and not bad, bad
