@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import re
@@ -172,15 +173,48 @@ class LLMCalls:
     """The addons of the LLM API the proxy serves, as one entry of mitmproxy's addon chain: what it
     answers itself, then a call read, held, substituted, routed, timed, captured and recorded.
 
-    They are mitmproxy sub-addons: each loads and configures its options and has its hooks run in this
-    order, as if it stood in the chain itself. mitmproxy visits every entry of its chain on every event
-    of every flow, a sub-addon costs it one lookup, so grouping them keeps the proxy's overhead per call
-    where it was with one addon doing all of it.
+    Each part loads and configures its own options and has its hooks run in this order, as if it stood
+    in the chain itself; but they are not mitmproxy sub-addons. mitmproxy looks up every event of every
+    connection and flow on every addon and sub-addon it holds (some twenty events a call), which
+    measured ~0.15 ms of the proxy's CPU per call for these eight; here each hook calls the parts that
+    have it from a list made once.
     """
 
+    HOOKS = ("load", "configure", "requestheaders", "request", "responseheaders", "response", "error")
+
     def __init__(self, rt: Runtime) -> None:
-        self.addons = [Answers(rt), Translate(rt), Hold(rt), Substitute(rt), Route(rt), Deadlines(),
-                       Capture(rt), Record(rt)]
+        self.parts = [Answers(rt), Translate(rt), Hold(rt), Substitute(rt), Route(rt), Deadlines(),
+                      Capture(rt), Record(rt)]
+        self._hooks = {name: [fn for part in self.parts if (fn := getattr(part, name, None)) is not None]
+                       for name in self.HOOKS}
+
+    def load(self, loader: Any) -> None:
+        for fn in self._hooks["load"]:
+            fn(loader)
+
+    def configure(self, updated: set[str]) -> None:
+        for fn in self._hooks["configure"]:
+            fn(updated)
+
+    async def _run(self, name: str, flow: Any) -> None:
+        for fn in self._hooks[name]:
+            if (res := fn(flow)) is not None and inspect.isawaitable(res):
+                await res
+
+    async def requestheaders(self, flow: Any) -> None:
+        await self._run("requestheaders", flow)
+
+    async def request(self, flow: Any) -> None:
+        await self._run("request", flow)
+
+    async def responseheaders(self, flow: Any) -> None:
+        await self._run("responseheaders", flow)
+
+    async def response(self, flow: Any) -> None:
+        await self._run("response", flow)
+
+    async def error(self, flow: Any) -> None:
+        await self._run("error", flow)
 
 
 def addons(rt: Runtime, bridge_port: int) -> list[Any]:

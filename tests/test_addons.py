@@ -479,14 +479,17 @@ def test_record_ends_a_call_whose_flow_failed(rt: Runtime, rows: list[dict[str, 
 def test_the_server_chain_loads_and_configures_together(rt: Runtime) -> None:
     chain = addons(rt, 0)
     assert [type(a).__name__ for a in traverse(chain)] == [
-        "Identify", "Rewards", "CodexModels", "LLMCalls", "Answers", "Translate", "Hold", "Substitute",
-        "Route", "Deadlines", "Capture", "Record", "ResponsesSocket", "Egress"]
+        "Identify", "Rewards", "CodexModels", "LLMCalls", "ResponsesSocket", "Egress"]
+    assert [type(a).__name__ for a in chain[3].parts] == [
+        "Answers", "Translate", "Hold", "Substitute", "Route", "Deadlines", "Capture", "Record"]
     with taddons.context(*chain) as tctx:
         with pytest.raises(exceptions.OptionsError):
             tctx.configure(chain[-1], lgt_egress="allowlist")  # an allowlist needs hosts
-        tctx.configure(chain[-1], lgt_egress="allowlist", lgt_allow_hosts=["x.org"], lgt_retry_after=9)
-        hold = tctx.master.addons.get("hold")  # sub-addons load and configure as if in the chain
+        tctx.configure(chain[-1], lgt_egress="allowlist", lgt_allow_hosts=["x.org"], lgt_retry_after=9,
+                       lgt_upstream_timeout=7.0)
+        hold, deadlines = chain[3].parts[2], chain[3].parts[5]  # parts load and configure as if in the chain
         assert chain[-1].allow_hosts == ("x.org",) and isinstance(hold, Hold) and hold.retry_after == 9
+        assert deadlines.seconds == 7.0
 
 
 # -- Egress --------------------------------------------------------------------------------------
