@@ -224,12 +224,15 @@ def python_loop(root: Path, rollouts: int | None) -> list[dict]:
 
 
 def sql_side(root: Path) -> pa.Table:
+    """The store's samples (facts), then the trainer's advantages and loss weights on them (GRPO), as
+    the loop computes them."""
     from lgt.store.query import connect
     from lgt.store.samples import build_samples
+    from lgt.trainer.rl.algorithm import AlgorithmConfig, assign
 
     con = connect(root)
     con.execute("SET enable_progress_bar = false")
-    return build_samples(con).samples
+    return assign(build_samples(con).samples, AlgorithmConfig())
 
 
 def step_groups(root: Path, n: int) -> None:
@@ -238,6 +241,7 @@ def step_groups(root: Path, n: int) -> None:
 
     from lgt.store.query import connect
     from lgt.store.samples import build_group_samples, build_samples
+    from lgt.trainer.rl.algorithm import AlgorithmConfig, assign
 
     con = connect(root)
     groups = [g for (g,) in con.execute(
@@ -251,10 +255,10 @@ def step_groups(root: Path, n: int) -> None:
             t = build_samples(c).samples
         finally:
             c.close()
-        return t.filter(pc.is_in(t["group_id"], value_set=pa.array(groups)))
+        return assign(t.filter(pc.is_in(t["group_id"], value_set=pa.array(groups))), AlgorithmConfig())
 
     def scoped() -> pa.Table:
-        return build_group_samples(root, groups).samples
+        return assign(build_group_samples(root, groups).samples, AlgorithmConfig())
 
     times: dict[str, list[float]] = {"whole": [], "scoped": []}
     out = {}
