@@ -7,18 +7,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 from lgt.store import charts
-
-SVG = "{http://www.w3.org/2000/svg}"
-
-
-def parse(svg: str) -> ET.Element:
-    root = ET.fromstring(svg)
-    assert root.tag == f"{SVG}svg"
-    return root
-
-
-def texts(root: ET.Element) -> list[str]:
-    return ["".join(t.itertext()) for t in root.iter(f"{SVG}text")]
+from lgt.testing.svg import SVG, parse, texts
 
 
 def tips(root: ET.Element, tag: str) -> list[str]:

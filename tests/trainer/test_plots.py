@@ -11,19 +11,8 @@ from typing import Any
 
 import pytest
 
+from lgt.testing.svg import SVG, parse, texts
 from lgt.trainer.report import plots
-
-SVG = "{http://www.w3.org/2000/svg}"
-
-
-def parse(svg: str) -> ET.Element:
-    root = ET.fromstring(svg)
-    assert root.tag == f"{SVG}svg"
-    return root
-
-
-def texts(root: ET.Element) -> list[str]:
-    return ["".join(t.itertext()) for t in root.iter(f"{SVG}text")]
 
 
 def tooltips(root: ET.Element, prefix: str) -> list[str]:
