@@ -253,6 +253,32 @@ def test_jobs_that_outlived_the_trainer_are_adopted_and_nothing_is_run_twice(sto
     assert s.next_group == 9
 
 
+def test_a_group_recovery_counts_finished_is_adopted_while_its_retry_job_still_runs(store: Path) -> None:
+    """Every rollout of g000010 has a recorded attempt (rollout 0's attempt 0 failed, rollout 1 ok), but
+    the Job of rollout 0's retry (attempt 1) outlived the trainer: the group waits for that Job instead
+    of being trained without it."""
+    record(store, "g000010", 0, "t1", step=3, status="failed")
+    record(store, "g000010", 1, "t1", step=3)
+    jobs = [{"group": "g000010", "rollout": "g000010-0", "attempt": "1", "task": "t1", "step": "3"}]
+
+    async def go() -> tuple[GroupScheduler, Controller, list[str], list[str]]:
+        ctl = Controller(jobs=jobs)
+        lines: list[str] = []
+        s = make_scheduler(store, ctl, progress=Progress(), lines=lines)
+        s.recover(resume=True)
+        recovered = [g.group_id for g in s.ready]
+        await s.adopt_jobs()
+        while s.running:
+            await s.wait(0.05)
+        return s, ctl, lines, recovered
+
+    s, ctl, lines, recovered = asyncio.run(go())
+    assert recovered == ["g000010"]  # what the store alone says
+    assert ctl.calls == [("t1", "g000010-0", 3, 1)]  # the retry's Job, adopted
+    assert [(g.group_id, g.recovered_ok) for g in s.ready] == [("g000010", 1)]
+    assert lines[-1] == "resumed 1 group(s) whose Jobs outlived the last run: 1 Job(s) adopted"
+
+
 def test_the_sql_queries_live_in_files_next_to_the_scheduler() -> None:
     for name in ("next_group", "recorded_groups", "recorded_attempts"):
         assert "SELECT" in scheduler.query(name)

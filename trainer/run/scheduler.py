@@ -154,7 +154,9 @@ class GroupScheduler:
     async def adopt_jobs(self) -> None:
         """runner: kubernetes, on --resume: the groups whose Jobs outlived the old controller are
         finished — each rollout from the attempt its Job runs (adopted: waited for, or collected if it
-        ended meanwhile, never made twice), or the next attempt, or not at all when it had ended."""
+        ended meanwhile, never made twice), or the next attempt, or not at all when it had ended. A group
+        that :meth:`recover` found finished in the store while a newer attempt's Job still runs (a
+        retry) is taken back and finished the same way, not trained without that attempt."""
         jobs = await self.controller.existing_jobs()
         by_group: dict[str, list[dict[str, str]]] = {}
         for j in jobs:
@@ -169,6 +171,12 @@ class GroupScheduler:
         adopted = 0
         for gid, group_jobs in sorted(by_group.items()):
             task = by_id.get(group_jobs[0].get("task", ""))
+            recovered = self.groups.get(gid)
+            if recovered is not None and recovered in self.ready and any(
+                    int(j["attempt"]) > max(recorded.get(j.get("rollout", ""), {}), default=-1)
+                    for j in group_jobs):  # recovery counted it finished, but a newer attempt's Job runs
+                self.ready.remove(recovered)
+                del self.groups[gid]
             if gid in self.progress.trained_groups or gid in self.groups or task is None:
                 continue
             g = Group(index=int(gid[1:]), task=task, version=int(group_jobs[0].get("step") or 0))
