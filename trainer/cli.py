@@ -56,7 +56,7 @@ def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator
     """Build the training samples the trainer would train on, and say how they came out."""
     import pyarrow.parquet as pq
 
-    from lgt.store.files import replace_atomic
+    from lgt.store.files import atomic_path
     from lgt.store.samples import SAMPLES, trained_rollouts
     from lgt.trainer.rl import algorithm
 
@@ -64,33 +64,31 @@ def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator
     check_out(out, mode, tokenizer)
     with user_errors():
         r = trained_rollouts(store)  # every chunk's loss weights count each rollout once among all R
-    tmp = out.with_name(out.name + ".tmp")
     writer: pq.ParquetWriter | None = None
     written = 0
-
-    def write(chunk: Any) -> None:  # one chunk of whole groups at a time: memory holds one chunk
-        nonlocal writer, written
-        table = algorithm.assign(chunk, cfg, rollouts=r)
-        if writer is None:
-            writer = pq.ParquetWriter(tmp, table.schema, compression="zstd")
-        writer.write_table(table)
-        written += table.num_rows
-
     try:
-        _, report = build_streamed(store, mode, tokenizer, write)
-        if writer is None:  # a store without rollouts: the file is written all the same, empty
-            write(SAMPLES.empty_table())
-        assert writer is not None
-        writer.close()
-        trained = report.get("rollouts", {}).get("trained", 0)  # the chunks' trained rollouts, summed
-        if trained != r:
-            raise click.ClickException(f"the store changed during the build ({r} rollouts to train when it "
-                                       f"began, {trained} built); run it again")
-        replace_atomic(tmp, out, fsync=True)
+        with atomic_path(out, fsync=True) as tmp:  # renamed over --out only when the build succeeds
+
+            def write(chunk: Any) -> None:  # one chunk of whole groups at a time: memory holds one chunk
+                nonlocal writer, written
+                table = algorithm.assign(chunk, cfg, rollouts=r)
+                if writer is None:
+                    writer = pq.ParquetWriter(tmp, table.schema, compression="zstd")
+                writer.write_table(table)
+                written += table.num_rows
+
+            _, report = build_streamed(store, mode, tokenizer, write)
+            if writer is None:  # a store without rollouts: the file is written all the same, empty
+                write(SAMPLES.empty_table())
+            assert writer is not None
+            writer.close()
+            trained = report.get("rollouts", {}).get("trained", 0)  # the chunks' trained rollouts, summed
+            if trained != r:
+                raise click.ClickException(f"the store changed during the build ({r} rollouts to train when "
+                                           f"it began, {trained} built); run it again")
     finally:
         if writer is not None and writer.is_open:  # the build failed: nothing half-written is left
             writer.close()
-        tmp.unlink(missing_ok=True)
     for line in show_mod.render_build(report):
         click.echo(line)
     click.echo(f"wrote {show_mod.plural(written, 'sample')} to {out}")
