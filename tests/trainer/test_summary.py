@@ -49,6 +49,7 @@ def test_figures_of_a_run_that_reaches_its_target(tmp_path: Path) -> None:
         "eval_before": {"step": 0, "greedy": 0.2, "sampled": 0.1},
         "eval_after": {"step": 20, "greedy": 0.95, "sampled": 0.8},
         "stale_dropped": 4, "failed": 3, "retried": 1, "groups_failed": 0,
+        "isolation": {"sandbox": "bwrap", "egress": "deny"},  # the defaults: the config names neither
     }
     text = summary.render(s)
     assert text.splitlines()[0] == \

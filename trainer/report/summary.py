@@ -104,7 +104,19 @@ def summarize(run_dir: Path, *, stopped: str | None = None) -> dict[str, Any]:
         "failed": total("rollout/failed", "rollout/timeout"),
         "retried": total("rollout/retried"),
         "groups_failed": total("rollout/groups_failed"),  # none of its rollouts ok: never trained
+        "isolation": _isolation(cfg),
     }
+
+
+def _isolation(cfg: dict[str, Any]) -> dict[str, Any]:
+    """How the run's agents were held: their sandbox (local runner) and the proxy's egress policy."""
+    agent, proxy = cfg.get("agent") or {}, cfg.get("proxy") or {}
+    runner = agent.get("runner", "local")
+    sandbox = (agent.get("sandbox") or {}).get("kind", "bwrap") if runner == "local" else "kubernetes pods"
+    egress = None if proxy.get("url") else proxy.get("egress", "allowlist")
+    if egress == "allowlist" and not proxy.get("allow_hosts"):
+        egress = "deny"
+    return {"sandbox": sandbox, "egress": egress}
 
 
 def _f(v: float | None, digits: int = 2) -> str:
@@ -138,6 +150,15 @@ def _eval_line(before: dict[str, Any] | None, after: dict[str, Any] | None) -> s
     return f"  held-out eval    {'   '.join(parts) or 'no rewards'}   ({steps})"
 
 
+def _isolation_line(iso: dict[str, Any] | None) -> str | None:
+    if not iso:
+        return None
+    sandbox = {"bwrap": "sandboxed (bwrap)", "none": "NOT sandboxed (agent.sandbox: none)"}.get(
+        iso.get("sandbox"), str(iso.get("sandbox")))
+    egress = iso.get("egress")
+    return f"  agents           {sandbox}" + ("" if egress is None else f" · egress {egress}")
+
+
 def render(summary: dict[str, Any]) -> str:
     """A few plain-text lines to read at a glance at the end of a run."""
     s = summary
@@ -151,6 +172,7 @@ def render(summary: dict[str, Any]) -> str:
         f"  dropped stale {s.get('stale_dropped', 0)} · failed {s.get('failed', 0)} · "
         f"retried {s.get('retried', 0)}"
         + (f" · groups that failed whole (not trained) {n}" if (n := s.get("groups_failed")) else ""),
+        _isolation_line(s.get("isolation")),
         f"  run directory    {s.get('run_dir')}  (report.html, plots/, metrics.csv, checkpoints/)",
     ]
     return "\n".join(line for line in lines if line is not None)

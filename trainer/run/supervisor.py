@@ -75,7 +75,7 @@ class Supervisor:
                 self.store_url, self.engine.url, log_path=self.logs_dir / "proxy.log",
                 policy_version=version, port=p.port, control_port=p.control_port,
                 command=list(p.command) if p.command else None,
-                upstream_timeout=p.upstream_timeout_s, listen_host=p.listen_host)
+                upstream_timeout=p.upstream_timeout_s, listen_host=p.listen_host, egress=p.egress_args())
             self.proxy = ProxyGroup([started])
         self.warm_up()
 

@@ -40,6 +40,23 @@ class ProxySection:
     command: tuple[str, ...] | None = None  # how to start lgt-proxy; default: found next to this install
     upstream_timeout_s: float | None = None  # the started proxy's --upstream-timeout (none: no limit)
     listen_host: str = "127.0.0.1"  # where the started proxy listens for agents (0.0.0.0: pods too)
+    # what agents reach besides the policy (whose calls, to any host, always go to the engine): allowlist
+    # of allow_hosts (none listed: nothing else), deny, or allow (anything, the internet included)
+    egress: str = "allowlist"
+    allow_hosts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.egress not in EGRESS_MODES:
+            raise ValueError(f"proxy.egress must be one of {', '.join(EGRESS_MODES)}, not {self.egress!r}")
+
+    def egress_args(self) -> list[str]:
+        """The started proxy's egress options: ``allowlist`` with no hosts is ``deny``."""
+        if self.egress == "allowlist" and not self.allow_hosts:
+            return ["--egress", "deny"]
+        return ["--egress", self.egress, *(a for h in self.allow_hosts for a in ("--allow-host", h))]
+
+
+EGRESS_MODES = ("allow", "allowlist", "deny")  # lgt-proxy --egress (the proxy's own list; not imported)
 
 
 def find_proxy_command() -> list[str]:
@@ -100,7 +117,7 @@ class ProxyClient:
     def start(cls, store: Path | str, upstream: str, *, log_path: Path, policy_version: int = 0,
               port: int = 0, control_port: int = 0, command: list[str] | None = None,
               upstream_timeout: float | None = None, listen_host: str = "127.0.0.1",
-              timeout: float = 60) -> ProxyClient:
+              egress: list[str] | None = None, timeout: float = 60) -> ProxyClient:
         """Start lgt-proxy on ``store`` (a folder, or ``s3://…``: the proxy uploads there and both
         work in its local mirror)."""
         from lgt.store.remote import resolve
@@ -115,6 +132,7 @@ class ProxyClient:
             cmd += ["--listen-host", listen_host]
         if upstream_timeout is not None:
             cmd += ["--upstream-timeout", str(upstream_timeout)]
+        cmd += egress or []
         client = cls(store=store, port=port, api=ControlClient(f"http://127.0.0.1:{control_port}", ""),
                      log_path=log_path, argv=cmd)
         client._launch(timeout)
