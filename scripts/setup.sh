@@ -13,8 +13,22 @@
 #   tests/harnesses/node_modules      pinned coding-agent harnesses for tests/test_harnesses.py: qwen-code,
 #                opencode, pi (Claude Code, Codex CLI and Gemini CLI are their examples' own, above)
 #                (when npm is present; LGT_SKIP_AGENTS=1 or LGT_SKIP_HARNESSES=1 skips)
+#   bubblewrap   the agents' sandbox (agent.sandbox: bwrap, the default): installed with apt-get when this
+#                user is root, else a warning saying how
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing bubblewrap (the agents' sandbox)" >&2
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } ||
+      echo "setup: warning: apt-get could not install bubblewrap; runs need agent.sandbox: none" >&2
+  else
+    echo "setup: warning: bwrap is not installed (sudo apt-get install bubblewrap, or dnf install" \
+         "bubblewrap); until then runs need agent.sandbox: none" >&2
+  fi
+fi
 
 source scripts/find_python.sh
 

@@ -222,12 +222,15 @@ def from_dict(raw: dict[str, Any], base: Path) -> RunConfig:
 def _derive(cfg: RunConfig, base: Path) -> RunConfig:
     """Fill in what one section takes from another: the backend's loss from ``algorithm``, the torch
     backend's longest sample from the engine's context; the agent runs in the config's folder unless
-    ``agent.cwd`` says otherwise."""
+    ``agent.cwd`` says otherwise (its sandbox's relative mounts are relative to that folder)."""
     loss = LossConfig(**{f.name: getattr(cfg.algorithm, f.name) for f in dataclasses.fields(LossConfig)})
     changes: dict[str, Any] = {"loss": loss}
     if isinstance(cfg.backend, TorchConfig) and cfg.backend.max_seq_len is None:
         changes["max_seq_len"] = cfg.engine.max_model_len
     agent = cfg.agent if cfg.agent.cwd is not None else dataclasses.replace(cfg.agent, cwd=base)
+    mounts = tuple(m if m.is_absolute() else Path(agent.cwd or base) / m for m in agent.sandbox.mounts)
+    if mounts != agent.sandbox.mounts:
+        agent = dataclasses.replace(agent, sandbox=dataclasses.replace(agent.sandbox, mounts=mounts))
     try:
         return dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, **changes), agent=agent)
     except ValueError as e:
@@ -292,6 +295,8 @@ def convert(tp: Any, value: Any, key: str, base: Path) -> Any:
     if value is None:
         raise ConfigError(f"{key} must not be null")
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, str) and "kind" in {f.name for f in dataclasses.fields(tp)}:
+            value = {"kind": value}  # e.g. agent.sandbox: none
         return build(tp, value, key + ".", base)
     if tp is Path:
         if not isinstance(value, str) or not value:

@@ -122,6 +122,17 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     return tasks, held
 
 
+def hidden_from_agents(cfg: RunConfig) -> list[Path]:
+    """What a sandboxed agent must not see even when its folder holds it: the tasks (answers and the
+    held-out ones), the config, the model (the store and the run directory are hidden anyway)."""
+    paths = [cfg.tasks, cfg.model.path]
+    if cfg.eval is not None and cfg.eval.tasks:
+        paths.append(cfg.eval.tasks)
+    if cfg.source is not None:
+        paths.append(cfg.source)
+    return paths
+
+
 def backend_python(cfg: RunConfig) -> str:
     """The interpreter that can run ``cfg``'s backend: this one, or (verl) the one named by
     ``backend.python``, ``$LGT_VERL_PYTHON`` or this checkout's ``.venv-verl``. BackendError (one
@@ -230,7 +241,8 @@ class Recipe:
             resources = Resources(cfg.resources)
             resources.save(self.run_dir)
         self.controller = RolloutController(cfg.agent, self.supervisor.endpoints(), self.store, self.run_dir,
-                                            cfg.max_inflight, batch_records=True, resources=resources)
+                                            cfg.max_inflight, batch_records=True, resources=resources,
+                                            hide=hidden_from_agents(cfg))
 
     def setup_eval(self, checkpoint: Path | None) -> None:
         """``lgt-train eval`` and ``apo``: the engine serves ``checkpoint`` (or the config's model), no

@@ -15,6 +15,13 @@ if TYPE_CHECKING:
     from lgt.trainer.serving.engine import Engine
 
 
+@pytest.fixture(autouse=True)
+def _agents_can_read_tmp_path(tmp_path: Path) -> None:
+    """Running as root, lgt runs sandboxed agents as ``nobody``: a test's folder (pytest makes it 0700)
+    must be readable by others, as an agent's folder on a machine would be."""
+    os.chmod(tmp_path, 0o755)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen2 model + local byte-level BPE tokenizer with a ChatML template (HF format)."""

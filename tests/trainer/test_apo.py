@@ -29,7 +29,10 @@ def search(tmp_path, proxy) -> tuple[Resources, RolloutController, apo.Runner]:
     the optimiser's rollout runner."""
     (tmp_path / "prompt.txt").write_text(SEED)
     start = Resources({"system_prompt": ResourceSpec(tmp_path / "prompt.txt", "env")})
-    agent = AgentSpec(command=(sys.executable, str(AGENTS / "prompt_agent.py")), timeout_s=60, retries=0)
+    # sandbox none: these tests drive one controller from several asyncio.run calls (a stand-in for a
+    # restart), and a sandbox's zygote lives on the event loop that started it
+    agent = AgentSpec(command=(sys.executable, str(AGENTS / "prompt_agent.py")), timeout_s=60, retries=0,
+                      sandbox="none")
     ctl = RolloutController(agent, endpoint(proxy), proxy.store, tmp_path / "run", 8, batch_records=True)
     return start, ctl, apo.make_runner(ctl, proxy.store)
 

@@ -59,7 +59,8 @@ def test_rollouts_get_their_resources_and_record_the_version(tmp_path, proxy, up
     res = Resources({"system_prompt": ResourceSpec(tmp_path / "prompt.txt"),
                      "notes": ResourceSpec(tmp_path / "notes.txt", "env"),
                      "guide": ResourceSpec(tmp_path / "guide.txt", "file")})
-    agent = AgentSpec(command=(sys.executable, str(AGENTS / "chat_agent.py")), timeout_s=60, retries=0)
+    agent = AgentSpec(command=(sys.executable, str(AGENTS / "chat_agent.py")), timeout_s=60, retries=0,
+                      sandbox="none")  # the agent reports to the test's folder
     ctl = RolloutController(agent, endpoint(proxy), proxy.store, tmp_path / "run", 4, resources=res)
     tasks = [({"task_id": f"p{i}", "question": f"{i}+1", "report_dir": str(tmp_path),
                "rewards": {"stdout": i / 2}}, f"res-{i}") for i in range(2)]

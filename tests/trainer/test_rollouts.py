@@ -38,6 +38,7 @@ from lgt.trainer.rollout.controller import (
 def agent(script: str = "chat_agent.py", **kw: Any) -> AgentSpec:
     kw.setdefault("timeout_s", 60)
     kw.setdefault("retries", 0)
+    kw.setdefault("sandbox", "none")  # the controller's rules, with host paths (sandboxed: test_sandbox.py)
     return AgentSpec(command=(sys.executable, str(AGENTS / script)), **kw)
 
 
@@ -370,7 +371,7 @@ def test_python_preload_forks_warm_agents(tmp_path, proxy, pid_dir):
     # the warm interpreter is that one, found from the agent's working directory
     (tmp_path / "own").symlink_to(sys.prefix)  # this environment, under another name
     spec = AgentSpec(command=("own/bin/python", str(AGENTS / "chat_agent.py")), cwd=tmp_path,
-                     timeout_s=60, python_preload=("openai",))
+                     timeout_s=60, python_preload=("openai",), sandbox="none")
     own = controller(proxy, tmp_path / "run3", spec)
     [r] = asyncio.run(run_all(own, [({"id": "own", "report_dir": str(tmp_path), "rewards": {"stdout": 1}},
                                      "warm-own")]))

@@ -154,9 +154,16 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, log: Path, 
         time.sleep(0.2)
 
 
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.NoSuchProcess:  # a rollout's process that ended meanwhile
+        return []
+
+
 def _child(proc: subprocess.Popen, marker: str) -> psutil.Process:
     found = [p for p in psutil.Process(proc.pid).children(recursive=True)
-             if any(marker in part for part in p.cmdline())]
+             if any(marker in part for part in _cmdline(p))]
     assert found, f"no process of lgt-train has {marker!r} in its command line"
     return min(found, key=lambda p: p.pid)  # the first started: the engine's API server, not its core
 

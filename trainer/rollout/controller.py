@@ -46,6 +46,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import threading
 import time
 import zlib
@@ -61,7 +62,9 @@ from lgt.store.files import write_atomic
 from lgt.store.ingest import add_rows, attempt_reward_row, reward_value, rollout_row
 from lgt.store.schema import ROLLOUT_SPLITS
 from lgt.store.writer import os_reason
+from lgt.trainer.rollout import sandbox as sandboxing
 from lgt.trainer.rollout.forkserver import ForkedProcess, ForkServer, ForkServerError, python_script_command
+from lgt.trainer.rollout.sandbox import SandboxError, SandboxSpec
 
 if TYPE_CHECKING:
     from lgt.trainer.rollout.kube import KubeRunner
@@ -136,6 +139,11 @@ class AgentSpec:
     proxy_host: str | None = None
     jobs_per_s: float = 50.0
     job_ttl_s: int = 3600
+    # local runner: each attempt in namespaces of its own (lgt.trainer.rollout.sandbox); none: no isolation
+    sandbox: SandboxSpec = SandboxSpec()
+    # task fields the agent never sees (answers, hidden tests): not in its variables nor its $TASK_JSON;
+    # the evaluator gets them
+    private: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -155,6 +163,12 @@ class AgentSpec:
         elif not command or not all(isinstance(a, str) for a in command) or not command[0]:
             raise RolloutError(f"the agent command must be a non-empty list of strings, not {self.command!r}")
         object.__setattr__(self, "command", command)
+        if isinstance(self.sandbox, str):
+            object.__setattr__(self, "sandbox", SandboxSpec(kind=self.sandbox))
+        private = (self.private,) if isinstance(self.private, str) else tuple(self.private)
+        if not all(isinstance(x, str) and x for x in private):
+            raise RolloutError(f"agent private must list task field names, not {list(private)!r}")
+        object.__setattr__(self, "private", private)
         if self.evaluator is not None:
             evaluator = (self.evaluator,) if isinstance(self.evaluator, str) else tuple(self.evaluator)
             if not evaluator or not all(isinstance(a, str) for a in evaluator) or not evaluator[0]:
@@ -230,6 +244,14 @@ def check_agent(agent: AgentSpec, environ: Mapping[str, str] | None = None) -> N
         environ = {}  # a pod has only the rollout's variables
     elif agent.cwd is not None and not agent.cwd.is_dir():
         raise RolloutError(f"the agent's working directory {str(agent.cwd)!r} does not exist")
+    if agent.runner == "local" and agent.sandbox.on:
+        for path in agent.sandbox.mounts:
+            if not path.exists():
+                raise RolloutError(f"agent sandbox mount {str(path)!r} does not exist")
+        try:
+            sandboxing.check(agent.sandbox)
+        except SandboxError as e:
+            raise RolloutError(str(e)) from None
     if agent.runner == "local":
         resolve_executable(agent.command[0], agent.cwd, environ.get("PATH"), "agent command")
     if agent.evaluator is not None and agent.runner == "local":  # a pod runs its own
@@ -344,12 +366,15 @@ def env_value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def task_env(task: Mapping[str, Any], prefix: str = "TASK_") -> dict[str, str]:
-    """One variable per task field; RolloutError when two fields map to one name, a field would
-    replace ``TASK_JSON`` / ``REWARD_FILE``, or a value cannot be put in an environment."""
+def task_env(task: Mapping[str, Any], prefix: str = "TASK_", private: Sequence[str] = ()) -> dict[str, str]:
+    """One variable per task field (but the ``private`` ones); RolloutError when two fields map to one
+    name, a field would replace ``TASK_JSON`` / ``REWARD_FILE``, or a value cannot be put in an
+    environment."""
     out: dict[str, str] = {}
     origin: dict[str, str] = {}
     for key, value in task.items():
+        if key in private:
+            continue
         name = env_name(key, prefix)
         if name in ("TASK_JSON", "REWARD_FILE"):
             raise RolloutError(f"task field {key!r} would be ${name}, which the controller sets; rename it")
@@ -456,7 +481,7 @@ class RolloutController:
     def __init__(self, agent: AgentSpec, proxy: ProxyEndpoint | Sequence[ProxyEndpoint],
                  store: str | os.PathLike, run_dir: str | os.PathLike, concurrency: int = 4, *,
                  kill_grace_s: float = 5.0, batch_records: bool = False,
-                 resources: Resources | None = None) -> None:
+                 resources: Resources | None = None, hide: Sequence[str | os.PathLike] = ()) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise RolloutError(f"rollout concurrency must be a whole number ≥ 1, not {concurrency!r}")
         check_agent(agent)
@@ -492,6 +517,11 @@ class RolloutController:
         self.resources = resources  # prompts delivered to every rollout (lgt.trainer.rollout.resources)
         self._kube: KubeRunner | None = None  # runner: kubernetes (started on first use)
         self._kube_lock = asyncio.Lock()
+        # the sandbox (runner: local): what no attempt may see, besides the store and the run directory
+        self.sandboxed = agent.runner == "local" and agent.sandbox.on
+        self.hidden = [Path(p).resolve() for p in (*hide, self.store, self.run_dir)]
+        self.work_root = self.out_dir / "work"
+        self._layout_keep: list[str] = []
 
     # -- public ---------------------------------------------------------------------------------------
     async def run(self, task: Mapping[str, Any], rollout_id: str, group_id: str | None = None,
@@ -524,7 +554,7 @@ class RolloutController:
         result = None
         for attempt in range(first_attempt, max(first_attempt, self.agent.retries) + 1):
             result = await self._attempt(task_json, fields, rollout_id, attempt, task_id, group_id, step,
-                                         split=split, greedy=greedy, task=task)
+                                         split=split, greedy=greedy, task=dict(task))
             if result.ok or self._closed:
                 break
             if attempt < self.agent.retries:
@@ -582,12 +612,25 @@ class RolloutController:
 
     def environment(self, fields: Mapping[str, str], rollout_id: str, attempt: int, task_id: str,
                     paths: _Paths, *, greedy: bool = False) -> dict[str, str]:
-        """The attempt's whole environment (see the module docstring for the layers)."""
+        """The attempt's whole environment (see the module docstring for the layers). Sandboxed, its
+        paths are the sandbox's: ``/lgt/work`` (also ``HOME``), ``/lgt/work/.lgt/task.json``, the CA copied
+        there, the proxy at ``127.0.0.1`` (the relayed port)."""
         env = {k: v for k, v in os.environ.items() if k not in STRIPPED_VARS}
-        env.update(self.proxy_for(rollout_id).rollout_env(rollout_id, attempt, self.agent.proxy_mode,
-                                                          greedy=greedy))
-        env.update(fields)
-        env.update(TASK_JSON=str(paths.task_json), TASK_ID=task_id, REWARD_FILE=str(paths.reward_file))
+        if self.sandboxed:
+            lgt = f"{sandboxing.WORK}/.lgt"
+            env.pop("TMPDIR", None)
+            env.update(HOME=sandboxing.WORK, LGT_WORK_DIR=sandboxing.WORK)
+            proxy_env = self.proxy_for(rollout_id).rollout_env(rollout_id, attempt, self.agent.proxy_mode,
+                                                               greedy=greedy, host="127.0.0.1")
+            env.update({k: f"{lgt}/ca.pem" if k in auth.CA_VARS else v for k, v in proxy_env.items()})
+            env.update(fields)
+            env.update(TASK_JSON=f"{lgt}/task.json", TASK_ID=task_id, REWARD_FILE=f"{lgt}/reward")
+        else:
+            env.update(self.proxy_for(rollout_id).rollout_env(rollout_id, attempt, self.agent.proxy_mode,
+                                                              greedy=greedy))
+            env.update(fields)
+            task_json = paths.task_json.with_suffix(".agent.json") if self.agent.private else paths.task_json
+            env.update(TASK_JSON=str(task_json), TASK_ID=task_id, REWARD_FILE=str(paths.reward_file))
         expanded = {k: expand(v, env, k) for k, v in self.agent.env.items()}
         env.update(expanded)
         return env
@@ -598,12 +641,28 @@ class RolloutController:
         paths = self.paths(rollout_id, attempt)
         res = self.resources  # this attempt's version, whatever a prompt optimiser sets meanwhile
         filled = res.for_task(task or {}) if res is not None else {}
-        extra_env, files = self._resource_delivery(res, filled, rollout_id, attempt)
-        env = self.environment(fields, rollout_id, attempt, task_id, paths, greedy=greedy)
+        # what the agent sees of its task: all but the private fields (the evaluator gets them all)
+        view = {k: v for k, v in (task or {}).items() if k not in self.agent.private}
+        agent_fields = {k: v for k, v in fields.items()
+                        if k in task_env(view, self.agent.task_env_prefix)} if self.agent.private else fields
+        agent_json = json.dumps(view, ensure_ascii=False).encode() if self.agent.private else task_json
+        # the attempt's own folder ($LGT_WORK_DIR; /lgt/work, its HOME, sandboxed): the evaluator reads it
+        work = self.work_root / f"{rollout_id}~{attempt}" if self.agent.runner == "local" else None
+        extra_env, files = self._resource_delivery(res, filled, rollout_id, attempt,
+                                                   work if self.sandboxed else None)
+        env = self.environment(agent_fields, rollout_id, attempt, task_id, paths, greedy=greedy)
         env.update(extra_env)
         write_atomic(paths.task_json, task_json)
+        if self.agent.private and not self.sandboxed and self.agent.runner == "local":
+            write_atomic(paths.task_json.with_suffix(".agent.json"), agent_json)
         for stale in (paths.reward_file, paths.eval_out, paths.eval_err):
             stale.unlink(missing_ok=True)
+        if self.sandboxed:
+            self._make_work(work, agent_json, rollout_id, files)
+        elif work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            env["LGT_WORK_DIR"] = str(work)
         async with self._slots:
             started, t0 = _now(), time.monotonic()
             if self._closed:
@@ -616,8 +675,10 @@ class RolloutController:
                     code, timed_out = None, False
                 elif self.agent.runner == "kubernetes":
                     code, timed_out, error = await self._execute_job(
-                        fields, rollout_id, attempt, task_id, group_id, step, task_json, paths, greedy=greedy,
-                        extra_env=extra_env, files=files)
+                        agent_fields, rollout_id, attempt, task_id, group_id, step, agent_json, paths,
+                        greedy=greedy, extra_env=extra_env, files=files)
+                elif self.sandboxed:
+                    code, timed_out, error = await self._execute_sandboxed(env, paths, work, rollout_id)
                 else:
                     code, timed_out, error = await self._execute(
                         self.agent.command, env, paths.stdout, paths.stderr, forked=self._preload is not None)
@@ -634,10 +695,15 @@ class RolloutController:
                 elif code != 0:
                     status, error = "failed", f"the agent {describe_exit(code)}" + _stderr_hint(paths.stderr)
                 else:
-                    reward, source, error = await self._reward(rollout_id, attempt, env, paths)
+                    if self.sandboxed:
+                        _take_reward_file(work, paths.reward_file)
+                    eval_env = self._evaluator_env(fields, rollout_id, attempt, task_id, paths, work)
+                    reward, source, error = await self._reward(rollout_id, attempt, eval_env, paths)
                     status = "ok" if reward is not None else "failed"
             finally:
                 self.running -= 1
+                if work is not None:
+                    await asyncio.to_thread(shutil.rmtree, work, True)
         result = self._result(rollout_id, attempt, task_id, group_id, step, status, code, reward, source,
                               started, seconds, paths, error, ended, split)
         if res is not None:
@@ -646,7 +712,7 @@ class RolloutController:
         return result
 
     def _resource_delivery(self, res: Resources | None, filled: Mapping[str, str], rollout_id: str,
-                           attempt: int) -> tuple[dict[str, str], dict[str, bytes]]:
+                           attempt: int, work: Path | None = None) -> tuple[dict[str, str], dict[str, bytes]]:
         """The variables (``deliver: env``, and the paths of ``deliver: file``) and, for a pod, the files
         of this attempt's resources; local files are written here."""
         env: dict[str, str] = {}
@@ -664,6 +730,9 @@ class RolloutController:
                 if self.agent.runner == "kubernetes":
                     files[fname] = filled[name].encode()
                     env[env_name(name) + "_FILE"] = f"{MOUNT}/{fname}"
+                elif work is not None:  # sandboxed: in the attempt's own folder (made before it starts)
+                    files[fname] = filled[name].encode()
+                    env[env_name(name) + "_FILE"] = f"{sandboxing.WORK}/.lgt/{fname}"
                 else:
                     path = self.out_dir / f"{rollout_id}~{attempt}.{fname}"
                     write_atomic(path, filled[name].encode())
@@ -715,6 +784,12 @@ class RolloutController:
                         cwd=self.agent.cwd, start_new_session=True)
                 except OSError as e:
                     return None, False, f"could not start {argv[0]!r}: {e.strerror or e}"
+        return await self._wait(proc)
+
+    async def _wait(self, proc: asyncio.subprocess.Process | ForkedProcess,
+                    ) -> tuple[int | None, bool, str | None]:
+        """Until ``proc`` exits or ``timeout_s`` passes (then SIGTERM, SIGKILL after the grace period);
+        whatever its group still holds is killed."""
         self._procs.add(proc)
         if self._closed:  # aclose() ran while this one was starting
             _signal_group(proc.pid, signal.SIGTERM)
@@ -733,6 +808,77 @@ class RolloutController:
         finally:
             self._procs.discard(proc)
         return code, timed_out, None
+
+    def _evaluator_env(self, fields: Mapping[str, str], rollout_id: str, attempt: int, task_id: str,
+                       paths: _Paths, work: Path | None) -> dict[str, str]:
+        """What the evaluator is given: every task field (the private ones too), the whole task's file,
+        the attempt's identity and, sandboxed, ``LGT_WORK_DIR``: the agent's work folder, as it left it
+        (the agent wrote it: read it as untrusted input)."""
+        env = dict(fields)
+        env.update(TASK_JSON=str(paths.task_json), TASK_ID=task_id, REWARD_FILE=str(paths.reward_file),
+                   LGT_ROLLOUT_ID=rollout_id, LGT_ATTEMPT=str(attempt))
+        if work is not None:
+            env["LGT_WORK_DIR"] = str(work)
+        return env
+
+    def _make_work(self, work: Path, agent_json: bytes, rollout_id: str, files: Mapping[str, bytes]) -> None:
+        """The attempt's own folder (``/lgt/work`` in its sandbox): its task, the proxy's CA, its resource
+        files, owned by the sandbox's user."""
+        self.work_root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.work_root, 0o711)
+        shutil.rmtree(work, ignore_errors=True)
+        (work / ".lgt").mkdir(parents=True, mode=0o700)
+        ca = self.proxy_for(rollout_id).rollout_env(rollout_id, 0)["SSL_CERT_FILE"]
+        (work / ".lgt" / "task.json").write_bytes(agent_json)
+        (work / ".lgt" / "ca.pem").write_bytes(Path(ca).read_bytes())
+        for name, data in files.items():
+            (work / ".lgt" / name).write_bytes(data)
+        uid = sandboxing.sandbox_uid()
+        if uid is not None:
+            for path in (work, work / ".lgt", *(work / ".lgt").iterdir()):
+                os.chown(path, uid, uid)
+        os.chmod(work, 0o700)
+
+    async def _execute_sandboxed(self, env: Mapping[str, str], paths: _Paths, work: Path,
+                                 rollout_id: str) -> tuple[int | None, bool, str | None]:
+        """One attempt forked into its own namespaces (:mod:`lgt.trainer.rollout.sandbox`), its loopback
+        port relayed to its proxy, its work folder's size watched; the rest as :meth:`_execute`."""
+        spec = self.agent.sandbox
+        proxy = self.proxy_for(rollout_id)
+        try:
+            server = await self._fork_server()
+            req = {"work": work.name, "port": proxy.port, "keep": self._layout_keep,
+                   "map_to": sandboxing.sandbox_uid(), **spec.limits()}
+            execute = self._preload is None
+            argv = self.agent.command if execute else self.agent.command[1:]
+            proc = await server.spawn(argv, env, self.agent.cwd, paths.stdout, paths.stderr, execute=execute,
+                                      sandbox=req)
+        except ForkServerError as e:
+            return None, False, f"could not start {self.agent.command[0]!r} in its sandbox: {e}"
+        relay = sandboxing.Relay(proxy.host, proxy.port)
+        assert proc.listener is not None
+        await relay.start(proc.listener)
+        limit = spec.disk_mb << 20
+        over = asyncio.Event()
+
+        async def watch_disk() -> None:
+            while True:
+                await asyncio.sleep(0.5)
+                if await asyncio.to_thread(sandboxing.disk_usage, work, limit) > limit:
+                    over.set()
+                    _signal_group(proc.pid, signal.SIGKILL)
+                    return
+
+        watcher = asyncio.get_running_loop().create_task(watch_disk())
+        try:
+            code, timed_out, error = await self._wait(proc)
+        finally:
+            watcher.cancel()
+            relay.close()
+        if over.is_set():
+            return None, False, (f"the agent's work folder grew past its {spec.disk_mb} MB limit "
+                                 "(agent.sandbox.disk_mb) and the attempt was killed")
+        return code, timed_out, error
 
     async def _execute_job(self, fields: Mapping[str, str], rollout_id: str, attempt: int, task_id: str,
                            group_id: str | None, step: int | None, task_json: bytes, paths: _Paths, *,
@@ -779,14 +925,39 @@ class RolloutController:
         return None
 
     async def _fork_server(self) -> ForkServer:
-        """The warm interpreter (started on first use, and again if it died)."""
-        assert self._preload is not None
+        """The warm interpreter (started on first use, and again if it died); sandboxed, in its sandbox
+        (with no modules to preload: any Python, only to fork and exec each attempt)."""
+        assert self._preload is not None or self.sandboxed
+        if self._forkserver is not None and self._forkserver.loop is not asyncio.get_running_loop():
+            self._forkserver.abandon()  # started under an event loop that has ended
+            self._forkserver = None
+            self._forkserver_lock = asyncio.Lock()
         async with self._forkserver_lock:
             if self._forkserver is None or self._forkserver.proc.returncode is not None:
-                python, modules = self._preload
+                python, modules = self._preload or (sandboxing.plain_python(), ())
                 env = {k: v for k, v in os.environ.items() if k not in STRIPPED_VARS}
-                self._forkserver = await ForkServer.start(python, modules, env=env)
+                layout = self._layout(python) if self.sandboxed else None
+                self._forkserver = await ForkServer.start(python, modules, env=env, sandbox=layout)
             return self._forkserver
+
+    def _layout(self, python: str) -> sandboxing.Layout:
+        """What the sandbox shows: the interpreters, the agent's folder and the files its command names,
+        ``agent.sandbox.mounts``; hidden: the store, the run directory and what the owner hides."""
+        readonly = [*sandboxing.interpreter_dirs(python), *self.agent.sandbox.mounts]
+        cmd = resolve_executable(self.agent.command[0], self.agent.cwd, os.environ.get("PATH"),
+                                 "agent command")
+        readonly += sandboxing.interpreter_dirs(cmd) if Path(cmd).parent.name == "bin" else [Path(cmd)]
+        if self.agent.cwd is not None:
+            readonly.append(self.agent.cwd.resolve())
+        readonly += sandboxing.command_paths(self.agent.command[1:], self.agent.cwd)
+        readonly = [Path(os.path.normpath(p.absolute())) for p in readonly]
+        readonly += [p.resolve() for p in readonly if p.resolve() != p]  # what a link in them points to
+        layout = sandboxing.Layout(readonly=readonly, hidden=list(self.hidden),
+                                   attempts=self.work_root, cwd=self.agent.cwd)
+        self.work_root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.work_root, 0o711)
+        self._layout_keep = layout.keep()
+        return layout
 
     async def _reap(self, proc: asyncio.subprocess.Process | ForkedProcess) -> int:
         """Wait ``kill_grace_s`` for a signalled group's leader, then SIGKILL the group; exit code."""
@@ -828,7 +999,7 @@ class RolloutController:
         eval_env = {k: v for k, v in os.environ.items() if k not in (auth.SECRET_ENV, auth.CONTROL_TOKEN_ENV)}
         eval_env.update({k: v for k, v in env.items()
                          if k.startswith(self.agent.task_env_prefix) or k in RESERVED_VARS
-                         or k in ("LGT_ROLLOUT_ID", "LGT_ATTEMPT")})
+                         or k in ("LGT_ROLLOUT_ID", "LGT_ATTEMPT", "LGT_WORK_DIR")})
         if self.agent.runner == "kubernetes":  # an evaluator Job: the same image, the agent's output
             code, timed_out, error = await self._evaluate_job(eval_env, paths)
         else:
@@ -907,6 +1078,28 @@ def _carries_token(value: str, proxy_env: Mapping[str, str]) -> bool:
     url = proxy_env.get("LGT_PROXY_BASE_URL", "")
     token = url.split("/r/", 1)[-1].split("/")[1] if "/r/" in url else ""
     return bool(token) and token in value
+
+
+def _take_reward_file(work: Path, dest: Path, limit: int = 65536) -> None:
+    """The reward file a sandboxed agent wrote (``/lgt/work/.lgt/reward``) to its place among the attempt's
+    files, never following a link the agent made."""
+    dest.unlink(missing_ok=True)
+    try:
+        top = os.open(work, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            lgt = os.open(".lgt", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+            try:
+                fd = os.open("reward", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=lgt)
+            finally:
+                os.close(lgt)
+        finally:
+            os.close(top)
+    except OSError:
+        return
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return
+        write_atomic(dest, f.read(limit))
 
 
 def _stderr_hint(path: Path) -> str:

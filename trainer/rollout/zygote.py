@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import runpy
+import socket
 import sys
 import threading
 import time
@@ -34,6 +35,8 @@ _lock = threading.Lock()
 _ids: dict[int, int] = {}
 LEARN_CHILDREN = 3
 learn_dir = ""
+sandbox_init = None  # --sandbox: the module that makes each attempt's namespaces
+control: "socket.socket | None" = None  # --sandbox: requests come here, each attempt in its own namespaces
 _first_learned = threading.Event()  # set when the first learning child has exited
 _roots = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
 
@@ -44,15 +47,19 @@ def send(obj: dict) -> None:
         out.flush()
 
 
-def child(req: dict) -> None:
+def child(req: dict, fds: list[int]) -> None:
     code = 0
     try:
+        if control is not None:  # the attempt's own namespaces (sandbox_init.py); its files came as fds
+            sandbox_init.enter(req, control)
         os.setsid()
         fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(fd, 0)
         for target, path in ((1, req["stdout"]), (2, req["stderr"])):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = fds[target - 1] if fds else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(fd, target)
+        if control is not None:  # nothing of the zygote's stays open in the agent (its protocol included)
+            os.closerange(3, 65536)
         sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
@@ -61,6 +68,13 @@ def child(req: dict) -> None:
         os.environ.clear()
         os.environ.update(req["env"])
         sys.argv = list(req["argv"])
+        if req.get("exec"):  # any program, not a Python script
+            try:
+                os.execvpe(sys.argv[0], sys.argv, req["env"])
+            except OSError as e:
+                print(f"lgt: could not run {sys.argv[0]!r}: {e.strerror or e}", file=sys.stderr)
+                code = 127
+                return
         script = os.path.abspath(sys.argv[0])
         sys.path[0] = os.path.dirname(script)
         runpy.run_path(script, run_name="__main__")
@@ -197,7 +211,12 @@ def reaper() -> None:
 
 def main() -> None:
     global learn_dir
+    global control, sandbox_init
     modules = sys.argv[1:]
+    if modules[:1] == ["--sandbox"]:
+        import sandbox_init  # next to this file, in the sandbox too
+        control = socket.socket(fileno=int(modules[1]))
+        modules = modules[2:]
     if modules[:1] == ["--learn"]:
         learn_dir, modules = modules[1], modules[2:]
     learning = LEARN_CHILDREN if learn_dir else 0
@@ -210,10 +229,7 @@ def main() -> None:
     _warm_caches()
     send({"ready": True})
     threading.Thread(target=reaper, daemon=True).start()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        req = json.loads(line)
+    for req, fds in requests():
         if learn_dir:
             if learning < LEARN_CHILDREN:  # a first child is learning: wait for it (bounded) so the
                 _first_learned.wait(60)    # rest do not all start cold at once
@@ -227,9 +243,26 @@ def main() -> None:
             pid = os.fork()
             if pid == 0:
                 _lock.release()
-                child(req)
+                child(req, fds)
             _ids[pid] = req["id"]
+        for fd in fds:
+            os.close(fd)
         send({"id": req["id"], "pid": pid})
+
+
+def requests() -> typing.Iterator[tuple[dict, list[int]]]:
+    """The requests: lines on stdin, or (``--sandbox FD``) messages on the control socket, each with
+    the attempt's stdout and stderr as file descriptors (its paths are not visible in the sandbox)."""
+    if control is None:
+        for line in sys.stdin:
+            if line.strip():
+                yield json.loads(line), []
+        return
+    while True:
+        msg, fds, _, _ = socket.recv_fds(control, 1 << 20, 2)
+        if not msg:
+            return
+        yield json.loads(msg), list(fds)
 
 
 if __name__ == "__main__":

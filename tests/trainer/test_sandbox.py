@@ -1,0 +1,171 @@
+"""The local runner's sandbox (agent.sandbox: bwrap, the default), attacked by agents run through the
+real rollout controller and a real lgt-proxy: each attack is refused or contained, the attempt is
+recorded with its reason, and the controller goes on to run an honest agent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from lgt.testing.rollouts import AGENTS, endpoint, gone, run_all
+from lgt.trainer.rollout import sandbox as sandboxing
+from lgt.trainer.rollout.controller import AgentSpec, RolloutController, RolloutError, check_agent
+from lgt.trainer.rollout.sandbox import SandboxSpec
+
+
+def spec(script: str = "attacker.py", **kw: Any) -> AgentSpec:
+    kw.setdefault("timeout_s", 60)
+    kw.setdefault("retries", 0)
+    return AgentSpec(command=(sys.executable, str(AGENTS / script)), **kw)
+
+
+def run(proxy: Any, tmp_path: Path, agent: AgentSpec, jobs: list[tuple[dict, str]], **kw: Any) -> list[Any]:
+    ctl = RolloutController(agent, endpoint(proxy), proxy.store, tmp_path / "run", 4, **kw)
+    return asyncio.run(run_all(ctl, jobs))
+
+
+def outcomes(result: Any) -> dict[str, Any]:
+    lines = result.stdout_path.read_text().splitlines()
+    report = next(json.loads(line) for line in reversed(lines) if line.startswith("{"))
+    return report["outcomes"]
+
+
+def listening_ports() -> set[int]:
+    """Every TCP port listening on this machine (the engine's, the proxy's, its control API, the
+    test's own servers)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_the_store_the_tasks_and_other_rollouts_are_out_of_sight(tmp_path, proxy):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"task_id": "a", "answer": 42}\n')
+    private = proxy.store / "_proxy"
+    secrets = [str(p) for p in sorted(private.iterdir()) if p.is_file()]
+    assert any(p.endswith("secret") for p in secrets) and any("key" in p or "ca" in p for p in secrets)
+    targets = [*secrets, str(private) + "/", str(proxy.store) + "/", str(tasks), str(tmp_path / "run") + "/",
+               sandboxing.ATTEMPTS + "/"]
+    jobs = [({"attack": "read", "targets": json.dumps(targets)}, "read-0"),
+            ({"attack": "write", "targets": json.dumps(["mine"])}, "read-1")]
+    agent = spec(cwd=tmp_path)
+    r, _ = run(proxy, tmp_path, agent, jobs, hide=[tasks])
+    assert r.status == "ok", r.error
+    seen = outcomes(r)
+    # refused, or an empty stand-in (a hidden file reads as empty, a hidden folder lists nothing)
+    assert not [t for t, what in seen.items() if what.startswith(("READ", "LISTED"))
+                and what not in ("READ ", "LISTED ")], seen
+    # the agent's folder is visible (read-only); the tasks file in it is not
+    assert tasks.read_text().startswith('{"task_id"')
+
+
+def test_private_fields_reach_only_the_evaluator(tmp_path, proxy):
+    (tmp_path / "grade.py").write_text(
+        "import json, os, sys\n"
+        "task = json.load(open(sys.argv[1]))\n"
+        "answer = open(os.path.join(os.environ['LGT_WORK_DIR'], 'answer.txt')).read()\n"
+        "print(1.0 if answer == str(task['answer']) else 0.0)\n")
+    agent = spec(cwd=tmp_path, private=("answer",), reward_sources=("evaluator",),
+                 evaluator=(sys.executable, str(tmp_path / "grade.py")))
+    jobs = [({"attack": "env", "answer": 42, "question": "6*7?"}, "priv-env"),
+            ({"attack": "write", "targets": json.dumps(["42"]), "answer": 42}, "priv-right"),
+            ({"attack": "write", "targets": json.dumps(["41"]), "answer": 42}, "priv-wrong")]
+    env, right, wrong = run(proxy, tmp_path, agent, jobs)
+    seen = outcomes(env)
+    assert "TASK_ANSWER" not in seen["environ"] and "answer" not in seen["task_json"]
+    assert seen["environ"]["TASK_QUESTION"] == "6*7?" and seen["task_json"]["question"] == "6*7?"
+    assert not [k for k in seen["environ"] if "SECRET" in k]
+    assert seen["id"] == sandboxing.AGENT_UID and seen["pid"] == 1 and seen["procs"] == [1]
+    assert (right.status, right.reward, right.reward_source) == ("ok", 1.0, "evaluator")
+    assert (wrong.status, wrong.reward) == ("ok", 0.0)
+    assert not (tmp_path / "run" / "rollouts" / "work" / "priv-right~0").exists()  # cleaned up after
+
+
+def test_no_way_out_but_the_proxy(tmp_path, proxy, upstream):
+    ports = listening_ports() - {proxy.port}
+    assert proxy.control_port in ports and urlsplit(upstream.url).port in ports
+    jobs = [({"attack": "ports", "targets": json.dumps(sorted(ports))}, "net-ports"),
+            ({"attack": "route"}, "net-route"),
+            ({"question": "What is 2+3?", "rewards": {"stdout": 1}}, "net-honest")]
+    agent = spec()
+    r_ports, r_route = run(proxy, tmp_path, agent, jobs[:2])
+    assert [what for what in outcomes(r_ports).values() if what == "CONNECTED"] == []
+    assert len(outcomes(r_ports)) == len(ports)
+    route = outcomes(r_route)
+    assert route["interfaces"] == ["lo"] and route["routes"] == [] and route["routes6"] == []
+    # through the proxy, the one way out, the model answers as usual
+    [honest] = run(proxy, tmp_path, spec("chat_agent.py"), jobs[2:])
+    assert honest.status == "ok" and "model said: The answer is" in honest.stdout_path.read_text()
+
+
+def test_daemons_forks_disk_and_memory_are_contained(tmp_path, proxy):
+    marker = f"lgt-daemon-{os.getpid()}-{tmp_path.name}"
+    limits = SandboxSpec(processes=64, disk_mb=8, tmp_mb=4, memory_mb=256)
+    jobs = [({"attack": "daemon", "targets": json.dumps([marker])}, "c-daemon"),
+            ({"attack": "forkbomb"}, "c-fork"),
+            ({"attack": "memory", "targets": json.dumps([1 << 30])}, "c-mem"),
+            ({"attack": "file", "targets": json.dumps([64])}, "c-file"),
+            ({"attack": "tmp", "targets": json.dumps([64])}, "c-tmp"),
+            ({"attack": "files", "targets": json.dumps([40])}, "c-files")]
+    daemon, fork, mem, big, tmp, files = run(proxy, tmp_path, spec(sandbox=limits), jobs)
+    assert daemon.status == "ok" and outcomes(daemon)["started"]
+    left = [p for p in os.listdir("/proc") if p.isdigit() and not gone(int(p))
+            and marker.encode() in _cmdline(p)]
+    assert left == []  # the daemon ended with its attempt
+    assert fork.status == "ok" and outcomes(fork)["error"] == "BlockingIOError" \
+        and outcomes(fork)["forked"] < 64
+    assert outcomes(mem)["allocated"] == "MemoryError"
+    assert outcomes(big)["error"] == "OSError" and outcomes(big)["written_mb"] <= 8  # a file's size
+    assert outcomes(tmp)["error"] == "OSError" and outcomes(tmp)["written_mb"] <= 4  # /tmp's size
+    assert files.status == "failed" and "grew past its 8 MB limit" in files.error
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_a_sandbox_that_cannot_start_is_refused_with_one_sentence(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap here
+    with pytest.raises(RolloutError, match="bwrap is not on PATH: install bubblewrap .* agent.sandbox: none"):
+        check_agent(AgentSpec(command=("/bin/true",)))
+    check_agent(AgentSpec(command=("/bin/true",), sandbox="none"))  # off: nothing to check
+    with pytest.raises(ValueError, match="agent sandbox must be one of bwrap, none, not 'docker'"):
+        SandboxSpec(kind="docker")
+
+
+def test_the_run_config_default_is_sandbox_and_egress_allowlist(tmp_path):
+    from lgt.trainer import config
+    from lgt.trainer.report import summary
+
+    (tmp_path / "tasks.jsonl").write_text('{"task_id": "a"}\n')
+    (tmp_path / "run.yaml").write_text("agent: {command: [python, agent.py]}\ntasks: tasks.jsonl\n"
+                                       "model: {path: m}\n")
+    cfg = config.load(tmp_path / "run.yaml")
+    assert cfg.agent.sandbox.kind == "bwrap" and cfg.proxy.egress_args() == ["--egress", "deny"]
+    (tmp_path / "run.yaml").write_text("agent: {command: [python, agent.py], sandbox: none}\n"
+                                       "tasks: tasks.jsonl\nmodel: {path: m}\n"
+                                       "proxy: {allow_hosts: [pypi.org]}\n")
+    cfg = config.load(tmp_path / "run.yaml")
+    assert cfg.agent.sandbox.kind == "none"
+    assert cfg.proxy.egress_args() == ["--egress", "allowlist", "--allow-host", "pypi.org"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_json()))
+    line = summary.render(summary.summarize(tmp_path))
+    assert "agents           NOT sandboxed (agent.sandbox: none) · egress allowlist" in line
+    with pytest.raises(config.ConfigError, match="proxy.egress must be one of allow, allowlist, deny"):
+        (tmp_path / "run.yaml").write_text("agent: {command: [python, agent.py]}\ntasks: tasks.jsonl\n"
+                                           "model: {path: m}\nproxy: {egress: open}\n")
+        config.load(tmp_path / "run.yaml")

@@ -1,0 +1,210 @@
+"""Inside the sandbox: give one rollout attempt namespaces of its own (imported by ``zygote.py``).
+
+Run by the agent's interpreter inside the zygote's bubblewrap sandbox, where the zygote is uid 0 of a
+user namespace of its own, with capabilities over that sandbox's mounts and nothing else (bwrap
+``--cap-add ALL``). Imports nothing of lgt. :func:`enter` is called in a freshly forked child for one
+attempt and returns only in the attempt's own process, which is then:
+
+* pid 1 of a new pid namespace (the whole tree ends with it: a daemon it leaves is killed with it),
+  its ``/proc`` showing only that tree;
+* in a new mount namespace: ``/lgt/work`` its own writable work directory (bound from the zygote's
+  ``/lgt/attempts/<name>``, which is then covered so no other attempt's directory is visible), a private
+  ``/tmp`` and ``/dev/shm`` of bounded size, everything else as the zygote's sandbox has it (read-only);
+* in a new network namespace holding only its loopback, where ``127.0.0.1:<port>`` listens: the
+  listening socket is handed to the controller (outside), which relays each connection to lgt-proxy —
+  the only way out;
+* in new IPC and UTS namespaces;
+* uid 1000 of a nested user namespace, with no capabilities, ``no_new_privs`` and the attempt's limits
+  (processes, a process's data memory, a file's size) — the nested namespace counts its processes
+  apart from every other attempt's.
+
+Its parent (the forked child, outside the new pid namespace) waits for it and exits as it did.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import socket
+import struct
+import sys
+from array import array
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+AGENT_UID = 1000
+ATTEMPTS = "/lgt/attempts"
+WORK = "/lgt/work"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class SandboxSetupError(OSError):
+    pass
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise SandboxSetupError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    def enc(s: str | None) -> bytes | None:
+        return s.encode() if s is not None else None
+
+    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+           f"mount {target}")
+
+
+def _loopback_up() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        import fcntl
+        flags = struct.unpack("16sH22x", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH22x", b"lo", 0)))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
+
+
+def _drop_capabilities() -> None:
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    header, data = Header(0x20080522, 0), (Data * 2)()
+    _check(_libc.capset(ctypes.byref(header), ctypes.byref(data)), "capset")
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def enter(req: dict, control: socket.socket) -> None:
+    """Make this forked child's attempt namespaces (see the module docstring); returns in the attempt's
+    process only. A setup failure is sent to the controller as ``{"id", "error"}`` and ends the child."""
+    sb = req["sandbox"]
+    try:
+        _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS),
+               "unshare")
+    except OSError as e:
+        _fail(req, control, e)
+    mapper = sb.get("map_to")  # lgt as root: the zygote is root, and maps the attempt to this uid
+    if mapper is not None:
+        go_r, go_w = os.pipe()
+        back_r, back_w = os.pipe()
+    pid = os.fork()
+    if pid:  # the parent: outside the new pid namespace, waits for its pid 1 and exits as it did
+        if mapper is not None:
+            _map_child(pid, int(mapper), go_w, back_r)
+        for fd in range(3, 1024):
+            if fd != control.fileno():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except ChildProcessError:
+                os._exit(1)
+            except InterruptedError:
+                continue
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code & 0xFF)
+    try:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if mapper is not None and os.read(go_r, 1) != b"g":  # the parent holds our /proc entry now
+            raise SandboxSetupError(1, "the parent did not answer")
+        _mount(None, "/", None, MS_REC | MS_PRIVATE)
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        _mount(f"{ATTEMPTS}/{sb['work']}", WORK, None, MS_BIND | MS_REC)
+        _mount("tmpfs", ATTEMPTS, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0")
+        # what the zygote's sandbox mounted under /tmp (an agent's folder, say) stays, over the new /tmp
+        keep = [(path, os.open(path, os.O_PATH)) for path in sb.get("keep", ())]
+        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(sb['tmp_bytes'])},mode=1777")
+        for path, fd in keep:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                open(path, "a").close()
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+            os.close(fd)
+        if os.path.isdir("/dev/shm"):
+            _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                   f"size={int(sb['tmp_bytes'])},mode=1777")
+        socket.sethostname("lgt-sandbox")
+        _loopback_up()
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", int(sb["port"])))
+        listener.listen(512)
+        limits = [(resource.RLIMIT_CORE, 0)]
+        for name, key in (("RLIMIT_NPROC", "processes"), ("RLIMIT_DATA", "memory_bytes"),
+                          ("RLIMIT_FSIZE", "file_bytes")):
+            if sb.get(key):
+                limits.append((getattr(resource, name), int(sb[key])))
+        for which, value in limits:
+            resource.setrlimit(which, (value, value))
+        _check(_libc.unshare(CLONE_NEWUSER), "unshare user namespace")
+        if mapper is None:  # the zygote's uid 0 is lgt's user outside: the attempt is that user, as 1000
+            _write("/proc/self/setgroups", "deny")
+            _write("/proc/self/uid_map", f"{AGENT_UID} 0 1\n")
+            _write("/proc/self/gid_map", f"{AGENT_UID} 0 1\n")
+        else:  # the parent maps it (a root writer may name any uid); then it becomes that uid
+            os.write(back_w, b"u")
+            if os.read(go_r, 1) != b"k":
+                raise SandboxSetupError(1, "the attempt's uid could not be mapped")
+            os.setgroups([])
+            os.setresgid(AGENT_UID, AGENT_UID, AGENT_UID)
+            os.setresuid(AGENT_UID, AGENT_UID, AGENT_UID)
+        # the listener last: the controller starts relaying (and timing) once it has it
+        control.sendmsg([json.dumps({"id": req["id"], "ready": True}).encode()],
+                        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array("i", [listener.fileno()]))])
+        listener.close()
+        control.close()
+        _drop_capabilities()
+    except OSError as e:
+        _fail(req, control, e)
+
+
+def _map_child(pid: int, uid: int, go_w: int, back_r: int) -> None:
+    """(The parent, as root) map the child's new user namespace's 1000 to ``uid`` once it has one."""
+    proc = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)  # before the child mounts its own /proc
+    os.write(go_w, b"g")
+    ok = b"x"
+    try:
+        if os.read(back_r, 1) == b"u":
+            for name in ("uid_map", "gid_map"):
+                fd = os.open(name, os.O_WRONLY, dir_fd=proc)
+                os.write(fd, f"{AGENT_UID} {uid} 1\n".encode())
+                os.close(fd)
+            ok = b"k"
+    except OSError:
+        pass
+    os.write(go_w, ok)
+    os.close(proc)
+
+
+def _fail(req: dict, control: socket.socket, e: OSError) -> None:
+    try:
+        control.sendmsg([json.dumps({"id": req["id"], "error": f"the sandbox could not be set up "
+                                     f"({e.strerror or e})"}).encode()])
+    finally:
+        print(f"lgt sandbox: could not set up the attempt's namespaces: {e}", file=sys.stderr)
+        os._exit(126)
