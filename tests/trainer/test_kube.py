@@ -99,6 +99,40 @@ def test_the_job_is_the_template_plus_what_the_controller_owns(tmp_path: Path) -
     assert {"name": "lgt-rollout", "mountPath": kube.MOUNT, "readOnly": True} in c["volumeMounts"]
 
 
+def documented(marker: str) -> dict:
+    """The YAML block of docs/kubernetes.md that holds ``marker``."""
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+    block = next(b.split("```", 1)[0] for b in text.split("```yaml")[1:] if marker in b.split("```", 1)[0])
+    return yaml.safe_load(block)
+
+
+def test_the_documented_template_holds_the_sandbox_guarantees(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(documented("# job.yaml")))
+    runner = kube.KubeRunner(template=tmp_path / "job.yaml", namespace="rl-agents", run_dir=tmp_path / "run",
+                             run_name="run", ttl_s=600)
+    runner.parent = {"apiVersion": "v1", "kind": "ConfigMap", "name": "lgt-run-x", "uid": "u1"}
+    labels = {"lgt/run": runner.key, "lgt/rollout": "g1-0", "lgt/attempt": "0"}
+    job = runner.job("lgt-x-g1-0-0", labels, {"TASK_ID": "t1"}, {"HTTPS_PROXY": "http://x"}, {}, 60)
+    pod = job["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert pod["automountServiceAccountToken"] is False
+    assert c["securityContext"] == {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert c["resources"]["limits"]["memory"] and c["resources"]["limits"]["ephemeral-storage"]
+    writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+    assert writable == {"/work", "/tmp"}
+    assert all(v["emptyDir"]["sizeLimit"] for v in pod["volumes"] if "emptyDir" in v)
+    # the NetworkPolicy selects every rollout's pod and lets it reach the proxy's port and DNS only
+    policy = documented("lgt-agents-reach-only-the-proxy")
+    [expr] = policy["spec"]["podSelector"]["matchExpressions"]
+    assert expr == {"key": "lgt/run", "operator": "Exists"} and "lgt/run" in \
+        job["spec"]["template"]["metadata"]["labels"]
+    assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"} and policy["spec"]["ingress"] == []
+    ports = sorted(p["port"] for rule in policy["spec"]["egress"] for p in rule["ports"])
+    assert ports == [53, 53, 8080] and all(rule["to"] for rule in policy["spec"]["egress"])
+
+
 @pytest.mark.parametrize("kw,message", [
     (dict(runner="kubernetes", job_template=Path("job.yaml")), "needs agent job_template (a Job manifest) "
                                                                "and proxy_host"),
@@ -161,6 +195,10 @@ def test_rollouts_run_as_jobs_with_their_credentials_only_in_a_secret(tmp_path, 
     # the proxy recorded each rollout's call under its identity
     assert {r["rollout_id"] for r in proxy.calls("rollout_id LIKE 'k8s-%'")} == {"k8s-0", "k8s-1", "k8s-2"}
     assert len(jobs) == 3 and all(j["spec"]["backoffLimit"] == 0 for j in jobs)
+    pods = [j["spec"]["template"]["spec"] for j in jobs]  # as the API server stored them
+    assert all(p["automountServiceAccountToken"] is False for p in pods)
+    assert all(p["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                         "capabilities": {"drop": ["ALL"]}} for p in pods)
     assert {j["metadata"]["labels"]["lgt/rollout"] for j in jobs} == {"k8s-0", "k8s-1", "k8s-2"}
     token = seen["HTTPS_PROXY"].split("@")[0].rsplit(":", 1)[1]
     assert token not in json.dumps(jobs) and len(token) > 20  # the credentials: in the Secret only

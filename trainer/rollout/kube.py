@@ -501,6 +501,13 @@ class KubeRunner:
         template.setdefault("metadata", {}).setdefault("labels", {}).update(labels)
         pod = template.setdefault("spec", {})
         pod["restartPolicy"] = "Never"
+        # what an agent never needs, unless the template says otherwise: the API server's token, a way
+        # to gain privileges, capabilities
+        pod.setdefault("automountServiceAccountToken", False)
+        for container in pod["containers"]:
+            sc = container.setdefault("securityContext", {})
+            sc.setdefault("allowPrivilegeEscalation", False)
+            sc.setdefault("capabilities", {"drop": ["ALL"]})
         pod.setdefault("volumes", []).append({"name": "lgt-rollout", "secret": {"secretName": name}})
         c = pod["containers"][0]
         if command is not None:  # an evaluator Job: the same image, its own command
