@@ -1,4 +1,4 @@
-"""Write tasks.jsonl: toy SWE tasks, one-line bugs in a tiny module, each with the test that is its reward.
+"""Write tasks.jsonl: toy SWE tasks, one-line bugs in a tiny module, each with its hidden test (the reward).
 
     python examples/mini_swe_agent/make_tasks.py [N] > examples/mini_swe_agent/tasks.jsonl
 """
@@ -35,6 +35,9 @@ def task(i: int, rng: random.Random) -> dict:
         "issue": f"`{call}` in mathlib.py returns {got}; it should return {right(a, b)} ({doc}).",
         "files": {
             "mathlib.py": f'def {name}(a, b):\n    """{doc[0].upper() + doc[1:]}."""\n    return {wrong}\n',
+        },
+        # hidden from the agent (agent.private in run.yaml): the evaluator runs them on what it left
+        "tests": {
             "test_mathlib.py": f"from mathlib import {name}\n\nassert {call} == {right(a, b)}, {call}\n"
             "print('ok')\n",
         },

@@ -1,11 +1,12 @@
 """One SWE task for mini-swe-agent, the shape of a SWE-bench run at toy scale. Knows nothing of lgt.
 
 The task (the file $TASK_JSON names: an issue and the files of a tiny repository) is checked out into
-a throw-away git repository; mini-swe-agent — unmodified, its own text-based config, litellm as its
-model client — works on the issue with bash in that repository until it submits or hits its limits;
-then the task's own test runs on what the agent left, and its result is the reward, printed as the
-last line:
-{"exit_status": "...", "tests_passed": true, "reward": 1.0}.
+a git repository in the rollout's work folder ($LGT_WORK_DIR/repo, or a throw-away folder);
+mini-swe-agent — unmodified, its own text-based config, litellm as its model client — works on the
+issue with bash in that repository until it submits or hits its limits, and its exit status is printed
+as the last line: {"exit_status": "..."}. The reward is grade.py's, which runs the task's hidden tests
+on the repository it left, after it exits — the tests are never where the agent (and its bash) could
+read or edit them, as in SWE-bench.
 
 The model is litellm's ``openai/gpt-4o-mini`` at OPENAI_BASE_URL (a hosted API under a reserved name
 that never resolves; under lgt-proxy, the policy being trained).
@@ -40,8 +41,10 @@ def main() -> None:
     task = json.loads(Path(os.environ["TASK_JSON"]).read_text())  # the whole task, as a file
     config = yaml.safe_load(resources.files("minisweagent.config").joinpath("mini_textbased.yaml")
                             .read_text())
+    work = os.environ.get("LGT_WORK_DIR")
     with tempfile.TemporaryDirectory(prefix="swe-task-") as tmp:
-        repo = Path(tmp)
+        repo = Path(work or tmp) / "repo"
+        repo.mkdir()
         checkout(task["files"], repo)
         model = LitellmTextbasedModel(model_name="openai/gpt-4o-mini", cost_tracking="ignore_errors",
                                       model_kwargs={"temperature": 1.0, "max_tokens": 64})
@@ -52,10 +55,7 @@ def main() -> None:
         except Exception as e:  # the agent's own crash: a failed attempt, not a wrong answer
             print(f"mini-swe-agent failed: {type(e).__name__}: {e}", file=sys.stderr)
             raise SystemExit(1) from None
-        test = next(name for name in task["files"] if name.startswith("test_"))
-        check = subprocess.run([sys.executable, test], cwd=repo, capture_output=True, timeout=30)
-        passed = check.returncode == 0
-    print(json.dumps({"exit_status": status, "tests_passed": passed, "reward": 1.0 if passed else 0.0}))
+    print(json.dumps({"exit_status": status}))
 
 
 if __name__ == "__main__":
