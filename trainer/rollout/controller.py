@@ -938,6 +938,8 @@ class RolloutController:
                 env = {k: v for k, v in os.environ.items() if k not in STRIPPED_VARS}
                 layout = self._layout(python) if self.sandboxed else None
                 self._forkserver = await ForkServer.start(python, modules, env=env, sandbox=layout)
+                if layout is not None:  # with the zygote's own folders (its learning one), which stay
+                    self._layout_keep = layout.keep()
             return self._forkserver
 
     def _layout(self, python: str) -> sandboxing.Layout:
@@ -956,7 +958,6 @@ class RolloutController:
                                    attempts=self.work_root, cwd=self.agent.cwd)
         self.work_root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.work_root, 0o711)
-        self._layout_keep = layout.keep()
         return layout
 
     async def _reap(self, proc: asyncio.subprocess.Process | ForkedProcess) -> int:

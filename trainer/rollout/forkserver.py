@@ -64,6 +64,8 @@ class ForkServer:
         self.loop = asyncio.get_running_loop()
         self._reader = self.loop.create_task(self._read())
         self.control = control  # sandboxed: requests go here with their files; attempts answer here
+        # sandboxed attempts being set up at once: a unix socket holds only a few unread messages
+        self._starting = asyncio.Semaphore(8)
         if control is not None:
             control.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             asyncio.get_running_loop().add_reader(control.fileno(), self._read_control)
@@ -135,6 +137,24 @@ class ForkServer:
         asyncio.get_running_loop().create_task(_drain(proc.stderr))
         return cls(proc, learn_dir, control)
 
+    async def _send(self, msg: bytes, fds: list[int]) -> None:
+        """One request on the control socket without blocking the event loop: while the zygote is busy
+        (a burst of rollouts fills the socket), this loop must go on relaying the running attempts."""
+        assert self.control is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                self.control.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+                                     socket.MSG_DONTWAIT)
+                return
+            except BlockingIOError:
+                writable = loop.create_future()
+                loop.add_writer(self.control.fileno(), _wake, writable)
+                try:
+                    await writable
+                finally:
+                    loop.remove_writer(self.control.fileno())
+
     def _read_control(self) -> None:
         """An attempt's answer from inside its sandbox: ready (its listening socket, and its pid as this
         process sees it, from the kernel's credentials) or the reason its namespaces failed."""
@@ -161,6 +181,8 @@ class ForkServer:
             if fut is None or fut.done() or pid is None or (body.get("ready") and len(fds) != 1):
                 for fd in fds:
                     os.close(fd)
+                if pid is not None and (fut is None or fut.done()):  # its spawn() gave up: no one watches it
+                    _kill_child(pid)
                 if fut is not None and not fut.done():
                     fut.set_exception(ForkServerError("the sandboxed attempt sent a malformed answer"))
                 continue
@@ -207,26 +229,32 @@ class ForkServer:
         req = {"id": rid, "argv": list(argv), "env": dict(env), "cwd": str(cwd) if cwd else None,
                "stdout": str(stdout), "stderr": str(stderr), "exec": execute}
         if self.control is not None:
-            req["sandbox"] = dict(sandbox or {})
-            ready = self._ready[rid] = loop.create_future()
-            files = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-                     for p in (stdout, stderr)]
-            try:
-                socket.send_fds(self.control, [json.dumps(req).encode()], files)
-            except OSError as e:
-                self._ready.pop(rid, None)
-                self._exited.pop(rid, None)
-                raise ForkServerError(f"the sandbox's zygote does not answer ({e.strerror or e})") from None
-            finally:
-                for fd in files:
-                    os.close(fd)
-            try:
-                pid, listener = await asyncio.wait_for(asyncio.shield(ready), 60)
-            except TimeoutError:
-                raise ForkServerError("the sandboxed attempt did not start within 60 s") from None
-            proc = ForkedProcess(pid, exited)
-            proc.listener = listener
-            return proc
+            async with self._starting:
+                req["sandbox"] = dict(sandbox or {})
+                ready = self._ready[rid] = loop.create_future()
+                files = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                         for p in (stdout, stderr)]
+                try:
+                    await self._send(json.dumps(req).encode(), files)
+                except OSError as e:
+                    self._ready.pop(rid, None)
+                    self._exited.pop(rid, None)
+                    raise ForkServerError(f"the sandbox's zygote does not answer ({e.strerror or e})") \
+                        from None
+                finally:
+                    for fd in files:
+                        os.close(fd)
+                try:
+                    pid, listener = await asyncio.wait_for(asyncio.shield(ready), 60)
+                except (TimeoutError, asyncio.CancelledError) as e:
+                    self._ready.pop(rid, None)
+                    ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen: no warning
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    raise ForkServerError("the sandboxed attempt did not start within 60 s") from None
+                proc = ForkedProcess(pid, exited)
+                proc.listener = listener
+                return proc
         self._started[rid] = started
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(req) + "\n").encode())
@@ -261,6 +289,11 @@ class ForkServer:
             self.control.close()
         if self.learn_dir:
             shutil.rmtree(self.learn_dir, ignore_errors=True)
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _kill_child(pid: int) -> None:
