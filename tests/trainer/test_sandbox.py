@@ -169,3 +169,14 @@ def test_the_run_config_default_is_sandbox_and_egress_allowlist(tmp_path):
         (tmp_path / "run.yaml").write_text("agent: {command: [python, agent.py]}\ntasks: tasks.jsonl\n"
                                            "model: {path: m}\nproxy: {egress: open}\n")
         config.load(tmp_path / "run.yaml")
+
+
+def test_a_burst_of_warm_started_rollouts_all_start(tmp_path, proxy):
+    """More sandboxed rollouts at once than a unix socket holds unread messages, while the zygote
+    waits for its first (learning) child: none may wait on another (this once deadlocked)."""
+    agent = spec("chat_agent.py", python_preload=("auto",), timeout_s=60)
+    jobs = [({"question": f"What is {i}+1?", "rewards": {"stdout": 1}}, f"burst-{i}") for i in range(64)]
+    ctl = RolloutController(agent, endpoint(proxy), proxy.store, tmp_path / "run", 64)
+    results = asyncio.run(run_all(ctl, jobs))
+    assert [r.error for r in results if r.status != "ok"] == []
+    assert max(r.seconds for r in results) < 30
