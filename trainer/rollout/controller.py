@@ -522,6 +522,7 @@ class RolloutController:
         self.hidden = [Path(p).resolve() for p in (*hide, self.store, self.run_dir)]
         self.work_root = self.out_dir / "work"
         self._layout_keep: list[str] = []
+        self._ca_pem: dict[int, bytes] = {}  # by proxy port: what each sandboxed attempt gets a copy of
 
     # -- public ---------------------------------------------------------------------------------------
     async def run(self, task: Mapping[str, Any], rollout_id: str, group_id: str | None = None,
@@ -828,9 +829,11 @@ class RolloutController:
         os.chmod(self.work_root, 0o711)
         shutil.rmtree(work, ignore_errors=True)
         (work / ".lgt").mkdir(parents=True, mode=0o700)
-        ca = self.proxy_for(rollout_id).rollout_env(rollout_id, 0)["SSL_CERT_FILE"]
+        proxy = self.proxy_for(rollout_id)
+        if proxy.port not in self._ca_pem:  # the proxy's CA bundle, made and read once per run
+            self._ca_pem[proxy.port] = Path(proxy.rollout_env(rollout_id, 0)["SSL_CERT_FILE"]).read_bytes()
         (work / ".lgt" / "task.json").write_bytes(agent_json)
-        (work / ".lgt" / "ca.pem").write_bytes(Path(ca).read_bytes())
+        (work / ".lgt" / "ca.pem").write_bytes(self._ca_pem[proxy.port])
         for name, data in files.items():
             (work / ".lgt" / name).write_bytes(data)
         uid = sandboxing.sandbox_uid()
