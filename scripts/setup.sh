@@ -15,6 +15,8 @@
 #                (when npm is present; LGT_SKIP_AGENTS=1 or LGT_SKIP_HARNESSES=1 skips)
 #   bubblewrap   the agents' sandbox (agent.sandbox: bwrap, the default): installed with apt-get when this
 #                user is root, else a warning saying how
+#   chromium     the browser the live run page's test drives (Playwright, Debian's chromium): installed
+#                with apt-get when this user is root (LGT_SKIP_BROWSER=1 skips), else that test skips
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +30,15 @@ if ! command -v bwrap >/dev/null 2>&1; then
     echo "setup: warning: bwrap is not installed (sudo apt-get install bubblewrap, or dnf install" \
          "bubblewrap); until then runs need agent.sandbox: none" >&2
   fi
+fi
+
+if [ "${LGT_SKIP_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&1 &&
+   [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "setup: installing chromium (the live run page's browser test)" >&2
+  apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 &&
+      apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; } ||
+    echo "setup: warning: apt-get could not install chromium; the browser test will skip" >&2
 fi
 
 source scripts/find_python.sh
@@ -56,7 +67,7 @@ fi
 build_venv .venv-proxy "$py" -e ".[proxy,inspect,test,clients]" "${proxy_extra[@]}"
 
 if [ "${LGT_SKIP_ENGINE:-0}" != 1 ]; then
-  build_venv .venv "$(find_python 3.11)" -e ".[engine,train,k8s,apo,test]"
+  build_venv .venv "$(find_python 3.11)" -e ".[engine,train,k8s,apo,observe,test,browser]"
   # PyPI's torchvision/torchaudio/torchcodec break vLLM's import next to the CPU torch wheel
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi

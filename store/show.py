@@ -111,6 +111,8 @@ def rollout_excluded(rollout: dict[str, Any], rewarded: bool) -> str | None:
     """Why no call of the attempt is trained (``sample_candidates``), or None."""
     if rollout["status"] != "ok":
         return f"the rollout's status is {rollout['status']}"
+    if rollout.get("split") == "eval":
+        return "a held-out evaluation rollout (recorded, never trained)"
     if not rewarded:
         return "the rollout has no reward yet"
     return None

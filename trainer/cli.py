@@ -1,6 +1,6 @@
-"""``lgt-train``: the trainer's command line — ``run``, ``eval``, ``apo``, ``engine``, ``make-model``,
-``samples``, and the store's own commands (``sql``, ``reward``, ``rollout``, ``show``, ``report``:
-:mod:`lgt.store.cli`). Inspection commands work without torch.
+"""``lgt-train``: the trainer's command line — ``run``, ``serve``, ``eval``, ``apo``, ``engine``,
+``make-model``, ``samples``, and the store's own commands (``sql``, ``reward``, ``rollout``, ``show``,
+``report``: :mod:`lgt.store.cli`). Inspection commands work without torch.
 
 Each command checks its input, calls one function and prints the result; a user's mistake ends in one
 sentence (``click.ClickException``), with nothing written.
@@ -108,8 +108,11 @@ def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator
                    "config.json), with this command's overrides on top.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override any config key (dotted, YAML value), e.g. --set backend.lr=1e-4.")
+@click.option("--serve", "serve_port", type=click.IntRange(0, 65535), metavar="PORT",
+              help="Serve the live run page on 127.0.0.1:PORT while the run goes on (0: a free port).")
 def run_cmd(config_file: Path | None, mode: str | None, steps: int | None, max_minutes: float | None,
-            run_dir: Path | None, resume_dir: Path | None, sets: tuple[str, ...]) -> None:
+            run_dir: Path | None, resume_dir: Path | None, sets: tuple[str, ...],
+            serve_port: int | None) -> None:
     """Train the agent of CONFIG_FILE (a run YAML) with RL; see examples/arith/run.yaml. With --resume
     RUN_DIR, CONFIG_FILE may be left out: the run goes on as it was configured."""
     from lgt.trainer import config as cfgmod
@@ -136,17 +139,62 @@ def run_cmd(config_file: Path | None, mode: str | None, steps: int | None, max_m
         raise click.ClickException(str(e)) from None
     if python != sys.executable:  # the backend lives in its own environment (verl on CPU machines)
         _reexec(python, cfg)
+    target = (resume_dir or run_dir or cfg.run_dir or cfgmod.default_run_dir(cfg)).resolve()
+    page = None
+    if serve_port is not None:
+        from lgt.trainer.report import live
+
+        try:
+            live.check_port("127.0.0.1", serve_port)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+        page = live.Background(target, "127.0.0.1", serve_port, store=cfg.store_path(target))
+        try:
+            click.echo(f"live run page: {page.start()}", err=True)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
     try:
         with _display() as display:
-            out = recipe.run(cfg, run_dir=resume_dir or run_dir, resume=resume_dir is not None,
-                             display=display)
+            out = recipe.run(cfg, run_dir=target, resume=resume_dir is not None, display=display)
     except KeyboardInterrupt:
         raise click.ClickException("interrupted; continue with --resume") from None
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(_run_error(e)) from None
+    finally:
+        if page is not None:
+            page.stop()
     from lgt.trainer.report import summary
 
     click.echo(summary.render(summary.write(out)))
+
+
+@main.command("serve")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,
+              help="The port (0: a free one).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="The address to listen on; the page has no login, so keep it on loopback unless the "
+                   "network is yours.")
+@click.option("--store", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The run's store, when it is not RUN_DIR/store or the one its config names.")
+def serve_cmd(run_dir: Path, port: int, host: str, store: Path | None) -> None:
+    """Serve the live page of RUN_DIR (running or finished): curves, held-out evaluation, every rollout
+    and its trajectory token by token. Read-only; updates as the run writes."""
+    from lgt.trainer.report import live
+
+    if not (run_dir / "config.json").is_file() and not (run_dir / "metrics.jsonl").is_file():
+        raise click.ClickException(f"{run_dir} is not a run directory (it has no config.json or "
+                                   "metrics.jsonl): give the folder lgt-train run wrote")
+    try:
+        live.check_port(host, port)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    view = live.RunView(run_dir, store)
+    try:
+        live.serve(view, host, port,
+                   ready=lambda url: click.echo(f"serving {run_dir} on {url} (Ctrl-C stops)", err=True))
+    except KeyboardInterrupt:
+        pass
 
 
 @main.command("eval")
