@@ -427,3 +427,32 @@ def test_ipc_payload_is_opened_on_the_workers_own_device() -> None:
         t = torch.arange(4.0, device="cuda")
         [(_, opened)] = open_ipc_payload(engine_mod.ipc_payload({"w": t}), torch.cuda.current_device())
         assert torch.equal(opened.cpu(), t.cpu())
+
+
+def test_scratch_folders_of_killed_engines_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from lgt.trainer.serving.engine import OWNER_FILE, SCRATCH_PREFIX, _owner, sweep_scratch
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_owner = _owner(gone.pid)  # taken while it runs; then it exits
+    gone.wait()
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        folders = {}
+        for name, owner in (("dead", dead_owner), ("live", _owner(parent.pid)), ("mine", _owner()),
+                            ("reused", f"{parent.pid} 1"), ("unowned", None)):
+            folders[name] = d = tmp_path / f"{SCRATCH_PREFIX}{name}"
+            (d / "sub").mkdir(parents=True)
+            if owner is not None:
+                (d / OWNER_FILE).write_text(owner)
+        (tmp_path / "other-dead").mkdir()
+        (tmp_path / "other-dead" / OWNER_FILE).write_text(dead_owner)
+        removed = sweep_scratch(str(tmp_path))
+    finally:
+        parent.kill()
+        parent.wait()
+    assert sorted(p.name for p in removed) == [f"{SCRATCH_PREFIX}dead", f"{SCRATCH_PREFIX}reused"]
+    assert [n for n, d in folders.items() if d.exists()] == ["live", "mine", "unowned"]
+    assert (tmp_path / "other-dead").exists()

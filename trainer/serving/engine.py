@@ -443,7 +443,9 @@ class Engine:
         cmd = build_command(cfg, port, cpu=cpu, python=python)
         log.info("starting vLLM (%s build) on port %d, log %s", "CPU" if cpu else "GPU", port, log_path)
         log.debug("vLLM command: %s", " ".join(cmd))
-        scratch = tempfile.mkdtemp(prefix="lgt-vllm-")
+        sweep_scratch()
+        scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
+        Path(scratch, OWNER_FILE).write_text(_owner())
         try:
             with open(log_path, "ab") as log_file:
                 env = build_env(cfg, cpu=cpu, scratch=scratch)
@@ -727,6 +729,51 @@ class Engine:
                                      resume=t5 - t4, total=t5 - t0, tensors=n, nbytes=nbytes)
         log.info("weights updated in %.3f s (%d tensors, %.1f MB)", t5 - t0, n, nbytes / 1e6)
         return t5 - t0
+
+
+SCRATCH_PREFIX = "lgt-vllm-"
+OWNER_FILE = ".lgt-owner"  # in an engine's scratch folder: "<pid> <start time>" of the lgt that made it
+
+
+def _owner(pid: int | None = None) -> str:
+    pid = os.getpid() if pid is None else pid
+    return f"{pid} {_start_time(pid)}"
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc: a reused pid has another), or ''."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def sweep_scratch(root: str | None = None) -> list[Path]:
+    """Remove the scratch folders of engines whose lgt process is gone (killed before ``stop()``: each
+    holds vLLM's sockets and compile files, ~150 MB); returns what was removed. Folders without an
+    owner file or of a live owner are left alone."""
+    removed = []
+    for d in Path(root or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*"):
+        try:
+            pid_text, _, started = (d / OWNER_FILE).read_text().partition(" ")
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue
+        if pid == os.getpid() or (_start_time(pid) == started.strip() if started.strip() else _alive(pid)):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _signal_group(pgid: int, sig: int) -> None:
