@@ -140,6 +140,26 @@ def test_files_are_read_as_they_grow_whole_lines_only(tmp_path: Path) -> None:
     path.write_text('{"step": 1}\n')  # rewritten shorter (a resumed run): read again
     assert [r["step"] for r in tail.read()] == [1]
 
+    rollouts = tmp_path / "rollouts.jsonl"  # a line per rollout: parsed in bulk, only seconds kept
+    durations = live.Durations(rollouts)
+    rollouts.write_text('{"rollout_id": "a", "seconds": 1.5, "error": null}\n{"seconds": 2')
+    assert durations.read() == [1.5]
+    with open(rollouts, "a") as f:
+        f.write('}\nnot json\n{"rollout_id": "c", "seconds": "x"}\n')  # torn by hand: line by line
+    assert durations.read() == [1.5, 2.0, None]
+
+    trained = tmp_path / "trained.jsonl"
+    tail2 = live.TrainedTail(trained)
+    assert tail2.read_new() is None
+    trained.write_text('{"step": 3, "rollout_id": "r", "attempt": 0, "advantage": -0.5, "loss_weight": 0.1,'
+                       ' "sample_id": "r~0#0"}\n')
+    assert tail2.read_new().to_pylist() == [{"rollout_id": "r", "attempt": 0, "step": 3, "advantage": -0.5,
+                                             "loss_weight": 0.1}]
+    assert tail2.read_new() is None
+    trained.write_text("")
+    with pytest.raises(live.FileShrank):
+        tail2.read_new()
+
 
 def test_a_run_that_has_not_written_yet_is_an_empty_page_that_fills_in(tmp_path: Path) -> None:
     run = tmp_path / "run"

@@ -39,10 +39,64 @@ SORTS = ("started_at", "ended_at", "reward", "calls", "generated", "seconds", "s
 FILTERS = ("status", "split", "task", "rollout", "step", "reward_min", "reward_max", "trained")
 
 
+class FileShrank(Exception):
+    """A file read as it grows was rewritten shorter: read it again from the start."""
+
+
+def new_lines(path: Path, offset: int) -> tuple[bytes, int]:
+    """The whole lines ``path`` holds past ``offset``, and the offset after them (a line a crash cut off
+    is read once it is whole); FileShrank when it is shorter than ``offset``."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return b"", offset
+    if size < offset:
+        raise FileShrank(str(path))
+    if size == offset:
+        return b"", offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(size - offset)
+    end = data.rfind(b"\n") + 1
+    return data[:end], offset + end
+
+
+def bulk_rows(data: bytes, columns: tuple[tuple[str, str], ...]) -> Any:
+    """JSON lines as an Arrow table of ``columns`` ((name, type alias) pairs; other fields ignored),
+    parsed in bulk; a line that is not JSON is skipped."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    schema = pa.schema([(name, pa.type_for_alias(kind)) for name, kind in columns])
+    try:
+        return pj.read_json(io.BytesIO(data), parse_options=pj.ParseOptions(
+            explicit_schema=schema, unexpected_field_behavior="ignore")).select(schema.names)
+    except pa.ArrowInvalid:  # a torn or hand-written line: line by line, skipping it
+        rows = []
+        for line in data.splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append({k: _typed(row.get(k), kind) for k, kind in columns})
+        return pa.Table.from_pylist(rows, schema=schema)
+
+
+def _typed(v: Any, kind: str) -> Any:
+    try:
+        if v is None:
+            return None
+        return float(v) if kind.startswith("float") else int(v) if kind.startswith("int") else str(v)
+    except (TypeError, ValueError):
+        return None
+
+
 class Tail:
-    """The whole lines of a growing JSON-lines file, read from where the last read stopped (a line a
-    crash cut off is read once it is whole; a file that shrank — a resumed run rewrote it — is read
-    again from the start)."""
+    """The rows of a growing JSON-lines file (metrics.jsonl, eval.jsonl: a line per step or evaluation),
+    read from where the last read stopped; a file rewritten shorter is read again from the start."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -52,27 +106,76 @@ class Tail:
     def read(self) -> list[dict[str, Any]]:
         """Every row so far (new ones appended)."""
         try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return self.rows
-        if size < self._offset:
+            data, self._offset = new_lines(self.path, self._offset)
+        except FileShrank:
             self.rows, self._offset = [], 0
-        if size == self._offset:
-            return self.rows
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read(size - self._offset)
-        end = data.rfind(b"\n") + 1
-        for line in data[:end].splitlines():
+            data, self._offset = new_lines(self.path, 0)
+        for line in data.splitlines():
             try:
                 row = json.loads(line)
             except ValueError:
                 continue
             if isinstance(row, dict):
                 self.rows.append(row)
-        self._offset += end
         return self.rows
 
+
+class Durations:
+    """rollouts.jsonl's ``seconds``, a float per rollout (the file holds one line per rollout: parsed
+    in bulk, nothing else kept)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seconds: list[float | None] = []
+        self._offset = 0
+
+    def read(self) -> list[float | None]:
+        try:
+            data, self._offset = new_lines(self.path, self._offset)
+        except FileShrank:
+            self.seconds, self._offset = [], 0
+            data, self._offset = new_lines(self.path, 0)
+        if data:
+            self.seconds += bulk_rows(data, (("seconds", "float64"),)).column("seconds").to_pylist()
+        return self.seconds
+
+
+class TrainedTail:
+    """trained.jsonl's new lines as an Arrow table of :data:`TRAINED_COLUMNS` (a step writes a line per
+    sample: a long run's file holds one per trained sample, so it is parsed in bulk)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def reset(self) -> None:
+        self._offset = 0
+
+    def read_new(self) -> Any:
+        """The lines written since the last read, or None when there are none; FileShrank when the
+        file was rewritten shorter."""
+        data, self._offset = new_lines(self.path, self._offset)
+        return bulk_rows(data, TRAINED_COLUMNS) if data else None
+
+
+TRAINED_COLUMNS = (("rollout_id", "string"), ("attempt", "int32"), ("step", "int64"),
+                   ("advantage", "float64"), ("loss_weight", "float64"))
+TRAINED_SQL = """
+CREATE OR REPLACE TEMP TABLE trained_log (rollout_id VARCHAR, attempt INTEGER, step BIGINT, advantage DOUBLE,
+    loss_weight DOUBLE);
+CREATE OR REPLACE TEMP TABLE trained (rollout_id VARCHAR, attempt INTEGER, trained_step BIGINT,
+    advantage DOUBLE, loss_weight DOUBLE);
+CREATE OR REPLACE TEMP VIEW listing_view AS
+SELECT listing.*, trained.trained_step, trained.advantage, trained.loss_weight
+FROM listing LEFT JOIN trained USING (rollout_id, attempt)
+"""
+# a resumed step trains a rollout again: its last step counts
+TRAINED_LAST_SQL = """
+CREATE OR REPLACE TEMP TABLE trained AS
+SELECT rollout_id, attempt, max(step) AS trained_step, arg_max(advantage, step) AS advantage,
+       arg_max(loss_weight, step) AS loss_weight
+FROM trained_log GROUP BY ALL
+"""
 
 LISTING_SQL = """
 CREATE OR REPLACE TEMP TABLE listing AS
@@ -115,13 +218,13 @@ class RunView:
         self._store_given = self.store is not None
         self.metrics = Tail(self.run_dir / "metrics.jsonl")
         self.evals = Tail(self.run_dir / "eval.jsonl")
-        self.trained = Tail(self.run_dir / "trained.jsonl")
-        self.durations = Tail(self.run_dir / "rollouts.jsonl")
+        self.trained = TrainedTail(self.run_dir / "trained.jsonl")
+        self.durations = Durations(self.run_dir / "rollouts.jsonl")
         self._con: Any = None
         self._files: tuple[tuple[int, ...], int] | None = None  # _file_state when last listed
         self._unseen: set[int] = set()  # tables without files when connected: their views are empty
         self._looked = 0.0
-        self._trained_rows = -1  # trained.jsonl rows in the connection's table (-1: none made yet)
+        self._seen: tuple[tuple[int, ...], int] | None = None  # _file_state at the last look
         self._tokenizer: Any = None
         self._tokenizer_tried = False
 
@@ -183,7 +286,7 @@ class RunView:
         from lgt.trainer.report import plots
 
         target = self.config.get("target_reward")
-        durations = [r.get("seconds") for r in self.durations.read()]
+        durations = self.durations.read()
         made = plots.charts(self.metrics.read(), durations, self.evals.read(),
                             target if isinstance(target, (int, float)) else None)
         return {name: [caption, svg] for name, (caption, svg) in made.items()}
@@ -236,62 +339,53 @@ class RunView:
             counts = dict(con.execute("SELECT status, count(*) FROM listing GROUP BY 1").fetchall())
         return {"total": total, "offset": offset, "limit": limit, "rows": rows, "statuses": counts}
 
-    def _listing(self) -> Any:
-        """The connection, with ``listing`` (and ``listing_view``: with what training made of each
-        rollout) current as of the store's files and trained.jsonl."""
+    def _connection(self) -> Any:
+        """The DuckDB connection, its views made anew when the store (or a table's first file) appeared
+        since, and its ``trained`` table current; at most every :data:`REFRESH_S` it looks again."""
         now = time.monotonic()
         if self._con is not None and now - self._looked < REFRESH_S:
             return self._con
         self._looked = now
         self.config  # noqa: B018 - names the store once the run has written its config
         present = bool(self.store) and Path(self.store).is_dir()
-        files = _file_state(Path(self.store)) if present else None
+        self._seen = _file_state(Path(self.store)) if present else None
         if self._con is not None and present and (
-                self._files is None or any(files[0][i] for i in self._unseen)):
-            self._con.close()  # the store, or a table's first file, appeared since: views anew
+                self._files is None or any(self._seen[0][i] for i in self._unseen)):
+            self._con.close()
             self._con = None
         if self._con is None:
-            if not present:  # a run that has not written its store yet: an empty table
+            if present:
+                self._con = connect(self.store)
+                self._unseen = {i for i, n in enumerate(self._seen[0]) if not n}
+            else:  # a run that has not written its store yet: an empty table
                 import duckdb
 
                 self._con = duckdb.connect()
-                self._con.execute(EMPTY_LISTING_SQL)
-                self._trained_table()
-                return self._con
-            self._con = connect(self.store)
-            self._trained_rows = -1  # the new connection has no trained table yet
+            self._con.execute(EMPTY_LISTING_SQL)
             self._files = None
-            self._unseen = {i for i, n in enumerate(files[0]) if not n}
-        if files != self._files:
-            self._con.execute(LISTING_SQL)
-            self._files = files
-        self._trained_table()
+            self._con.execute(TRAINED_SQL)
+            self.trained.reset()
+        try:
+            chunk = self.trained.read_new()
+        except FileShrank:
+            self._con.execute(TRAINED_SQL)
+            self.trained.reset()
+            chunk = self.trained.read_new()
+        if chunk is not None:
+            self._con.register("trained_chunk", chunk)
+            self._con.execute("INSERT INTO trained_log SELECT * FROM trained_chunk")
+            self._con.unregister("trained_chunk")
+            self._con.execute(TRAINED_LAST_SQL)
         return self._con
 
-    def _trained_table(self) -> None:
-        rows = self.trained.read()
-        if self._trained_rows == len(rows):
-            return
-        self._trained_rows = len(rows)
-        import pyarrow as pa
-
-        last: dict[tuple[str, int], dict[str, Any]] = {}
-        for r in rows:  # a resumed step trains again: its last row counts
-            last[(str(r.get("rollout_id")), int(r.get("attempt") or 0))] = r
-        t = pa.table({"rollout_id": [k[0] for k in last], "attempt": [k[1] for k in last],
-                      "trained_step": [r.get("step") for r in last.values()],
-                      "advantage": [_finite(r.get("advantage")) for r in last.values()],
-                      "loss_weight": [_finite(r.get("loss_weight")) for r in last.values()]},
-                     schema=pa.schema([("rollout_id", pa.string()), ("attempt", pa.int32()),
-                                       ("trained_step", pa.int64()), ("advantage", pa.float64()),
-                                       ("loss_weight", pa.float64())]))
-        con = self._con
-        con.register("trained_arrow", t)
-        con.execute("CREATE OR REPLACE TEMP TABLE trained AS SELECT * FROM trained_arrow")
-        con.unregister("trained_arrow")
-        con.execute("CREATE OR REPLACE TEMP VIEW listing_view AS SELECT listing.*, trained.trained_step, "
-                    "trained.advantage, trained.loss_weight FROM listing LEFT JOIN trained "
-                    "USING (rollout_id, attempt)")
+    def _listing(self) -> Any:
+        """The connection with ``listing`` (and ``listing_view``: with what training made of each
+        rollout) current as of the store's files and trained.jsonl."""
+        con = self._connection()
+        if self._seen is not None and self._seen != self._files:
+            con.execute(LISTING_SQL)
+            self._files = self._seen
+        return con
 
     # -- one trajectory
 
@@ -299,8 +393,8 @@ class RunView:
         """One rollout attempt turn by turn, with what training made of each token (ValueError: not
         in the store)."""
         with self._lock:
-            con = self._listing()
-            if self._files is None:  # no store yet
+            con = self._connection()
+            if self._seen is None:  # no store yet
                 raise ValueError(f"rollout {rollout_id!r} is not in the store")
             traj = show.load_trajectory(con, rollout_id, attempt)
             trained = con.execute("SELECT trained_step, advantage, loss_weight FROM trained "
