@@ -316,7 +316,7 @@ def test_the_page_follows_a_real_run_in_a_browser(tmp_path: Path, arith_model_di
             assert proc.poll() is None, "the run ended before the page was checked"
             browser.close()
         proc.send_signal(signal.SIGINT)  # the page is checked: the rest of the run is not needed
-        assert proc.wait(120) == 1 and "interrupted; continue with --resume" in "".join(err_lines)
+        assert proc.wait(120) != 0
     finally:
         if proc.poll() is None:
             proc.kill()
