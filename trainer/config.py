@@ -27,6 +27,7 @@ import yaml
 
 from lgt.trainer.apo.optimize import ApoConfig
 from lgt.trainer.backends.base import BACKENDS, TorchConfig, VerlConfig
+from lgt.trainer.report import trackers
 from lgt.trainer.rl.algorithm import AlgorithmConfig, LossConfig
 from lgt.trainer.rollout.controller import AgentSpec
 from lgt.trainer.rollout.resources import ResourceSpec
@@ -94,6 +95,9 @@ class RunConfig:
     run_dir: Path | None = None  # default: runs/<name>-<timestamp>
     checkpoint_every: int = 1
     restarts: int = 3  # a dead engine (or a proxy the run started) is started again this often per run
+    # experiment trackers the run also writes to (lgt.trainer.report.trackers): console (nothing more),
+    # tensorboard, wandb, mlflow; one name or a list
+    log: tuple[str, ...] = ("console",)
     source: Path | None = None  # the YAML file this came from
 
     def store_path(self, run_dir: Path) -> Path:
@@ -384,6 +388,8 @@ def validate(cfg: RunConfig) -> None:
              f"resources ({', '.join(cfg.resources) or 'it has none: add a resources section'})")
     t = cfg.proxy.upstream_timeout_s
     need(t is None or t > 0, f"proxy.upstream_timeout_s must be a positive number of seconds, not {t}")
+    bad_log = trackers.problem(cfg.log)
+    need(bad_log is None, bad_log or "")
 
 
 def load_tasks(path: Path) -> list[dict[str, Any]]:

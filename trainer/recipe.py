@@ -161,7 +161,7 @@ class Recipe:
         self.resume = resume
         self.store = cfg.store_path(run_dir)
         self.remote = cfg.store_remote()  # the store on S3: self.store is its local mirror
-        self.runlog = RunLog(run_dir, display, steps=cfg.steps)
+        self.runlog = RunLog(run_dir, display, steps=cfg.steps, trackers=cfg.log)
         self.progress = Progress()
         self.stopped: str | None = None  # why training ended (the final summary says it)
         self.tasks: list[dict[str, Any]] = []
@@ -202,13 +202,15 @@ class Recipe:
         self.runlog.follow(self.scheduler.counts)
         self.evaluator = evaluation.Evaluator(cfg.eval, self.eval_tasks, self.controller.run, self.run_dir,
                                               log=self.runlog.log, elapsed=self.runlog.elapsed,
-                                              on_done=self.scheduler.wake)
+                                              on_done=self.scheduler.wake, record=self.runlog.eval)
         # what the steps need from the config, and nothing more
         self.adopt_jobs = self.resume and cfg.agent.runner == "kubernetes"
         self.stop_rules = StopRules(cfg.steps, cfg.max_minutes, cfg.max_samples, cfg.target_reward)
         self.algorithm, self.max_staleness = cfg.algorithm, cfg.max_staleness
         self.updates_per_step, self.checkpoint_every = cfg.backend.updates_per_step, cfg.checkpoint_every
         self.columns = {"mode": cfg.mode, "backend": cfg.backend.name}  # in every metrics row
+        # last: nothing after it fails, so a tracker run that began is always ended (run's finally)
+        self.runlog.start_trackers(cfg.to_json(), resume_step=self.progress.step if self.resume else None)
 
     def prepare(self, *, new_run: bool = False) -> None:
         """The tasks (training and held-out), the run directory, its store and (a new run's)
@@ -363,6 +365,7 @@ class Recipe:
         if progress.step % self.checkpoint_every == 0 or progress.step >= self.stop_rules.steps:
             await timed("checkpoint", self.save_checkpoint)
         await timed("resume", sup.proxy.resume, progress.version, paused=True)
+        self.runlog.trained(progress.step, progress.version, prepared.samples)
         self.runlog.step(step_row(
             step=progress.step, version=progress.version, time_s=self.runlog.elapsed(), columns=self.columns,
             groups=len(batch), prepared=prepared.metrics(),
@@ -423,6 +426,7 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False,
         if set_up or not resume:  # a resume that failed to set up leaves the run's record as it was
             with contextlib.suppress(Exception):
                 finish(run_dir, r.store, stopped=r.stopped)
+        r.runlog.close(r.stopped)  # the trackers' runs end with the summary and plots (if they began)
     return run_dir
 
 

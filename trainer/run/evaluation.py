@@ -154,11 +154,13 @@ class Evaluator:
     """The run's evaluations of ``tasks`` (the held-out ones): one at a time, beside the training
     rollouts; ``eval.jsonl`` in ``run_dir`` gets a row each. Without an eval section (``cfg`` None)
     it does nothing. ``run_rollout``: the rollout controller's ``run``; ``elapsed``: the run's clock
-    (``time_s``); ``on_done``: called when an evaluation ends (the recipe's wait for a batch wakes)."""
+    (``time_s``); ``on_done``: called when an evaluation ends (the recipe's wait for a batch wakes);
+    ``record``: each eval.jsonl row once written (the run's trackers)."""
 
     def __init__(self, cfg: EvalConfig | None, tasks: Sequence[dict[str, Any]],
                  run_rollout: Callable[..., Any], run_dir: Path, *, log: Callable[[str], None],
-                 elapsed: Callable[[], float], on_done: Callable[[], None] = lambda: None) -> None:
+                 elapsed: Callable[[], float], on_done: Callable[[], None] = lambda: None,
+                 record: Callable[[dict[str, Any]], None] = lambda row: None) -> None:
         self.cfg = cfg
         self.tasks = list(tasks)
         self.run_rollout = run_rollout
@@ -166,6 +168,7 @@ class Evaluator:
         self.log = log
         self.elapsed = elapsed
         self.on_done = on_done
+        self.record = record
         self.task: asyncio.Task | None = None  # the evaluation running now
         self.last_step: int | None = None  # the step last evaluated (at most one evaluation per step)
 
@@ -207,7 +210,9 @@ class Evaluator:
         """One evaluation, waited for; errors raised (``lgt-train eval``)."""
         assert self.cfg is not None
         res = await evaluate(self.cfg, self.tasks, self.run_rollout, step=step, version=version)
-        append_row(self.run_dir, res.row(max(0.0, self.elapsed())))
+        row = res.row(max(0.0, self.elapsed()))
+        append_row(self.run_dir, row)
+        self.record(row)
         return res
 
     async def _run(self, step: int, version: int) -> None:

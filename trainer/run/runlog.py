@@ -1,9 +1,11 @@
 """The run's record as it goes, and at its end: what a person reads during and after a run.
 
 :class:`RunLog` writes one ``metrics.jsonl`` row per training step and one ``rollouts.jsonl`` row per
-rollout, shows log lines and the live status line (:func:`default_display`), and keeps the mean reward
-of the last steps (``target_reward``). :func:`finish` turns what the run wrote into ``summary.json``,
-``metrics.csv``, the plots and the report pages. :class:`StopRules` says when training ends.
+rollout, shows log lines and the live status line (:func:`default_display`), keeps the mean reward
+of the last steps (``target_reward``) and passes the steps, the evaluations and the end of the run to
+the experiment trackers (:mod:`lgt.trainer.report.trackers`). :func:`finish` turns what the run wrote
+into ``summary.json``, ``metrics.csv``, the plots and the report pages. :class:`StopRules` says when
+training ends.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from typing import Any
 from lgt.store.files import atomic_path, write_atomic
 from lgt.store.query import connect
 from lgt.trainer.report.summary import WINDOW, read_jsonl
+from lgt.trainer.report.trackers import Trackers
 
 TARGET_WINDOW = WINDOW  # target_reward is reached when the mean reward of this many last steps reaches it
 
@@ -75,9 +78,11 @@ class RunLog:
     """``run_dir``'s metrics.jsonl and rollouts.jsonl, the display's log lines and status line.
 
     ``steps``: the run's step limit (the status line says "step 3/20"); ``counts``: running, done and
-    failed rollouts for the status line (:meth:`follow`, once the scheduler exists)."""
+    failed rollouts for the status line (:meth:`follow`, once the scheduler exists); ``trackers``: the
+    run config's ``log`` (started by :meth:`start_trackers`, closed by :meth:`close`)."""
 
-    def __init__(self, run_dir: Path, display: Display | None = None, *, steps: int = 0) -> None:
+    def __init__(self, run_dir: Path, display: Display | None = None, *, steps: int = 0,
+                 trackers: Sequence[str] = ()) -> None:
         self.run_dir = run_dir
         self.display = display or (lambda stats, line: None)
         self.steps = steps
@@ -85,6 +90,19 @@ class RunLog:
         self.recent_rewards: list[float] = []  # mean reward of the last steps (target_reward)
         self.t0 = time.monotonic()
         self._counts: Callable[[], tuple[int, int, int]] | None = None
+        self.trackers = Trackers(trackers, say=self.log)
+
+    def start_trackers(self, config: dict[str, Any], resume_step: int | None = None) -> None:
+        """The trackers begin with the run ``config``; a resumed run's (at ``resume_step``) continue."""
+        self.trackers.start(self.run_dir, config, resume_step)
+
+    def eval(self, row: Mapping[str, Any]) -> None:
+        """An evaluation's eval.jsonl row (written by the evaluator), for the trackers."""
+        self.trackers.eval(row)
+
+    def close(self, stopped: str | None) -> None:
+        """The trackers get the summary and the plots (:func:`finish` wrote them) and end their runs."""
+        self.trackers.finish(self.run_dir, stopped)
 
     def follow(self, counts: Callable[[], tuple[int, int, int]]) -> None:
         self._counts = counts
@@ -117,6 +135,17 @@ class RunLog:
         with open(self.run_dir / "rollouts.jsonl", "a") as f:
             f.write(json.dumps(_result_row(res), default=str) + "\n")
 
+    def trained(self, step: int, version: int, samples: Any) -> None:
+        """What a step trained on, a line of trained.jsonl per sample (``samples``: the admitted table):
+        the advantage and loss weight the loss gave it, for the live page's trajectory view."""
+        if not samples.num_rows:
+            return
+        cols = [c for c in ("sample_id", "rollout_id", "attempt", "group_id", "reward", "advantage",
+                            "loss_weight") if c in samples.column_names]
+        with open(self.run_dir / "trained.jsonl", "a") as f:
+            for r in samples.select(cols).to_pylist():
+                f.write(json.dumps({"step": step, "version": version, **r}, default=str) + "\n")
+
     def step(self, row: Mapping[str, Any]) -> None:
         """A training step's metrics row: appended to metrics.jsonl, shown on one line."""
         with open(self.run_dir / "metrics.jsonl", "a") as f:
@@ -132,6 +161,7 @@ class RunLog:
         self.refresh(f"step {s.step}/{self.steps}  reward {s.reward_mean:.3f}  "
                      f"samples {row['samples']}  staleness≤{s.staleness}  drain {s.drain_s:.2f}s  "
                      f"train {row['perf/train_s']:.2f}s  sync {row['perf/sync_s']:.2f}s")
+        self.trackers.step(row)
 
 
 def step_row(*, step: int, version: int, time_s: float, columns: Mapping[str, Any], groups: int,
