@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import threading
@@ -29,6 +30,8 @@ from typing import Any
 
 from lgt.store import show
 from lgt.store.query import connect
+
+log = logging.getLogger("lgt.live")
 
 REFRESH_S = 1.0  # the store's file list is looked at no more often than this
 PAGE_MAX = 500  # rollouts per page of the table at most
@@ -711,7 +714,11 @@ def make_app(view: RunView, *, allowed_hosts: tuple[str, ...] = ()) -> Any:
         last = None
         try:
             while True:
-                state = await asyncio.to_thread(_locked_state, view)
+                try:
+                    state = await asyncio.to_thread(_locked_state, view)
+                except Exception:  # a read that failed (a file mid-write, the store moved): say, go on
+                    log.exception("the run page could not read %s", view.run_dir)
+                    state = last
                 if state != last:
                     await resp.write(f"data: {json.dumps(state)}\n\n".encode())
                     last = state
