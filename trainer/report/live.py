@@ -77,15 +77,21 @@ def bulk_rows(data: bytes, columns: tuple[tuple[str, str], ...]) -> Any:
         return pj.read_json(io.BytesIO(data), parse_options=pj.ParseOptions(
             explicit_schema=schema, unexpected_field_behavior="ignore")).select(schema.names)
     except pa.ArrowInvalid:  # a torn or hand-written line: line by line, skipping it
-        rows = []
-        for line in data.splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                rows.append({k: _typed(row.get(k), kind) for k, kind in columns})
-        return pa.Table.from_pylist(rows, schema=schema)
+        return pa.Table.from_pylist([{k: _typed(row.get(k), kind) for k, kind in columns}
+                                     for row in json_rows(data)], schema=schema)
+
+
+def json_rows(data: bytes) -> list[dict[str, Any]]:
+    """The JSON objects of ``data``'s lines; a line that is not one is skipped."""
+    rows = []
+    for line in data.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 def _typed(v: Any, kind: str) -> Any:
@@ -113,13 +119,7 @@ class Tail:
         except FileShrank:
             self.rows, self._offset = [], 0
             data, self._offset = new_lines(self.path, 0)
-        for line in data.splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                self.rows.append(row)
+        self.rows += json_rows(data)
         return self.rows
 
 
