@@ -261,8 +261,7 @@ def egress_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = [click.style(head, dim=True)
              + (click.style(f" · {blocked} blocked", fg="red") if blocked else "")]
     for r in rows:
-        where = (f"{r['method']} {r['scheme']}://{r['host']}{r['path'] or ''}" if r["kind"] == "http"
-                 else f"{r['kind']} {r['host']}:{r['port']}")
+        where = egress_target(r)
         if r["kind"] == "tls_failed":  # never got as far as the policy: the agent refused the TLS
             outcome = ""
         elif r["allowed"]:
@@ -274,6 +273,13 @@ def egress_lines(rows: list[dict[str, Any]]) -> list[str]:
             outcome += click.style(f" · {r['error']}", fg="yellow")
         lines.append(f"  {where} · {outcome.lstrip(' ·')}")
     return lines
+
+
+def egress_target(r: dict[str, Any]) -> str:
+    """What an egress row reached: ``GET https://host/path`` for a request, ``tcp host:port`` else."""
+    if r["kind"] == "http":
+        return f"{r['method']} {r['scheme']}://{r['host']}{r['path'] or ''}"
+    return f"{r['kind']} {r['host']}:{r['port']}"
 
 
 def render_build(report: dict[str, Any]) -> list[str]:

@@ -30,6 +30,7 @@ from typing import Any
 
 from lgt.store import show
 from lgt.store.query import connect
+from lgt.trainer.report.summary import jsonl_rows, read_json
 
 log = logging.getLogger("lgt.live")
 
@@ -78,20 +79,7 @@ def bulk_rows(data: bytes, columns: tuple[tuple[str, str], ...]) -> Any:
             explicit_schema=schema, unexpected_field_behavior="ignore")).select(schema.names)
     except pa.ArrowInvalid:  # a torn or hand-written line: line by line, skipping it
         return pa.Table.from_pylist([{k: _typed(row.get(k), kind) for k, kind in columns}
-                                     for row in json_rows(data)], schema=schema)
-
-
-def json_rows(data: bytes) -> list[dict[str, Any]]:
-    """The JSON objects of ``data``'s lines; a line that is not one is skipped."""
-    rows = []
-    for line in data.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+                                     for row in jsonl_rows(data)], schema=schema)
 
 
 def _typed(v: Any, kind: str) -> Any:
@@ -119,7 +107,7 @@ class Tail:
         except FileShrank:
             self.rows, self._offset = [], 0
             data, self._offset = new_lines(self.path, 0)
-        self.rows += json_rows(data)
+        self.rows += jsonl_rows(data)
         return self.rows
 
 
@@ -235,7 +223,7 @@ class RunView:
     def config(self) -> dict[str, Any]:
         """The run's config.json (read until the run has written it)."""
         if not self._config:
-            self._config = _read_json(self.run_dir / "config.json")
+            self._config = read_json(self.run_dir / "config.json")
             if not self._store_given:
                 named = self._config.get("store")
                 self.store = Path(named) if isinstance(named, str) and "://" not in named else \
@@ -255,7 +243,7 @@ class RunView:
 
     def overview(self) -> dict[str, Any]:
         cfg = self.config
-        summary = _read_json(self.run_dir / "summary.json")
+        summary = read_json(self.run_dir / "summary.json")
         rows = self.metrics.read()
         last = rows[-1] if rows else {}
         agent = cfg.get("agent") or {}
@@ -272,7 +260,7 @@ class RunView:
         return {"name": cfg.get("name") or self.run_dir.name, "run_dir": str(self.run_dir),
                 "settings": {k: v for k, v in settings.items() if v is not None},
                 "finished": bool(summary), "summary": summary or None,
-                "summary_text": _summary_text(self.run_dir) if summary else None,
+                "summary_text": _summary_text(summary) if summary else None,
                 "step": last.get("step", 0), "version": last.get("version", 0),
                 "reward": _finite(last.get("rollout/reward_mean")), "time_s": last.get("time_s")}
 
@@ -407,7 +395,7 @@ class RunView:
 
     def tokenizer(self) -> Any:
         """The run's model's tokenizer (decodes tokens one by one), or None when it cannot be read."""
-        if not self._tokenizer_tried:
+        if not self._tokenizer_tried and self.config:  # the run may not have written its config yet
             self._tokenizer_tried = True
             path = (self.config.get("model") or {}).get("path")
             if path:
@@ -535,10 +523,9 @@ def _reply(resp: Any) -> dict[str, Any] | None:
 
 
 def _egress(e: dict[str, Any]) -> dict[str, Any]:
-    where = (f"{e['method']} {e['scheme']}://{e['host']}{e['path'] or ''}" if e["kind"] == "http"
-             else f"{e['kind']} {e['host']}:{e['port']}")
-    return {"where": where, "allowed": bool(e["allowed"]), "policy": e["policy"], "status": e.get("status"),
-            "bytes": e.get("response_bytes"), "error": e.get("error"), "kind": e["kind"]}
+    return {"where": show.egress_target(e), "allowed": bool(e["allowed"]), "policy": e["policy"],
+            "status": e.get("status"), "bytes": e.get("response_bytes"), "error": e.get("error"),
+            "kind": e["kind"]}
 
 
 def _reward(w: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -568,7 +555,7 @@ def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _int(query: dict[str, str], key: str, default: int = 0) -> int:
+def _int(query: dict[str, str], key: str, default: int | None = 0) -> int | None:
     value = query.get(key)
     if value in (None, ""):
         return default
@@ -610,19 +597,11 @@ def _file_state(store: Path) -> tuple[tuple[int, ...], int]:
     return tuple(counts), newest
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _summary_text(run_dir: Path) -> str | None:
-    from lgt.trainer.report import summary
+def _summary_text(summary: dict[str, Any]) -> str | None:
+    from lgt.trainer.report.summary import render
 
     try:
-        return summary.render(summary.read_json(run_dir / "summary.json"))
+        return render(summary)
     except Exception:  # a summary of an older layout: the page shows its values instead
         return None
 
@@ -696,12 +675,10 @@ def make_app(view: RunView, *, allowed_hosts: tuple[str, ...] = ()) -> Any:
         return await call(view.rollouts, dict(request.query))
 
     async def trajectory(request: web.Request) -> web.Response:
-        attempt = request.query.get("attempt")
         try:
-            n = int(attempt) if attempt not in (None, "") else None
-        except ValueError:
-            return web.json_response({"error": f"attempt must be a whole number, not {attempt!r}"},
-                                     status=400)
+            n = _int(dict(request.query), "attempt", None)
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=400)
         try:
             out = await asyncio.to_thread(view.trajectory, request.match_info["rollout_id"], n)
         except ValueError as e:

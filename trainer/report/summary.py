@@ -21,9 +21,14 @@ WINDOW = 10  # steps in the trailing mean that decides the target (the trainer's
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a .jsonl file; lines that do not parse (a line cut off by a crash) are left out."""
+    return jsonl_rows(path.read_bytes()) if path.exists() else []
+
+
+def jsonl_rows(data: bytes) -> list[dict[str, Any]]:
+    """The JSON objects of ``data``'s lines; a line that is not one is left out."""
     rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):
+    for line in data.splitlines():
+        with contextlib.suppress(ValueError):  # JSONDecodeError, or bytes that are not UTF-8
             row = json.loads(line)
             if isinstance(row, dict):
                 rows.append(row)

@@ -34,7 +34,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from lgt.store.files import write_atomic
-from lgt.trainer.report.summary import read_json
+from lgt.trainer.report.summary import number, read_json
 
 STATE_FILE = "trackers.json"  # in the run directory: {tracker name: what it needs to reopen its run}
 PIP = {"PIL": "pillow", "mlflow": "mlflow-skinny"}  # module -> the package that installs it
@@ -344,8 +344,7 @@ class Trackers:
 
 def numbers(row: Mapping[str, Any]) -> dict[str, float]:
     """A row's finite numbers but its ``step`` (no lists, strings, true/false, NaN)."""
-    return {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))
-            and not isinstance(v, bool) and math.isfinite(v)}
+    return {k: v for k, v in row.items() if k != "step" and number(v) is not None}
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "", sep: str = "/") -> dict[str, Any]:
