@@ -176,8 +176,9 @@ def known_attempts(con: duckdb.DuckDBPyConnection, root: Path, rollout_id: str) 
 
 def find_call(con: duckdb.DuckDBPyConnection, root: Path, call_id: str) -> tuple[str, int] | None:
     """(rollout_id, attempt) of a recorded call, or None."""
-    row = con.execute("SELECT rollout_id, attempt FROM calls WHERE call_id = ? LIMIT 1",
-                                [call_id]).fetchone()
+    # read to its end: a half-read result blocks the connection's relation API (DuckDB 2)
+    row = next(iter(con.execute("SELECT rollout_id, attempt FROM calls WHERE call_id = ? LIMIT 1",
+                                [call_id]).fetchall()), None)
     if row is not None:
         return row[0], row[1]
     for r in _wal_rows(root, "calls", call_id):

@@ -58,7 +58,7 @@ def report_data(con: duckdb.DuckDBPyConnection, build_report: dict[str, Any] | N
     totals = con.execute("""
         SELECT (SELECT count(*) FROM calls), (SELECT count(*) FROM rollouts),
                (SELECT count(*) FROM rewards WHERE call_id IS NULL),
-               (SELECT coalesce(sum(usage_total_tokens), 0) FROM calls)""").fetchone()
+               (SELECT coalesce(sum(usage_total_tokens), 0) FROM calls)""").fetchall()[0]
     capture: list[tuple[str, int]] = []
     if "capture" in _columns(con, "calls"):  # stores written before schema 3 lack it
         capture = [(str(c), int(n)) for c, n in con.execute("""

@@ -127,6 +127,23 @@ def test_a_trajectory_shows_trained_tokens_logprobs_advantages_and_merge_breaks(
         view.trajectory("nope")
 
 
+def test_a_step_trained_between_two_looks_is_read_after_any_query(run_dir: Path, monkeypatch) -> None:
+    """A page and a trajectory asked for, then trained.jsonl grows: the next look registers the new
+    rows on the same connection (DuckDB 2 refuses that while a result is left half-read)."""
+    monkeypatch.setattr(live, "REFRESH_S", 0.0)
+    view = live.RunView(run_dir)
+    row = {"step": 2, "version": 2, "sample_id": "r-break~0#0", "rollout_id": "r-break", "attempt": 0,
+           "group_id": "g1", "reward": 0.0, "advantage": -0.5, "loss_weight": 0.05}
+    for ask in (lambda: view.rollouts({"status": "ok"}), lambda: view.trajectory("r-ok")):
+        ask()
+        with (run_dir / "trained.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            row = {**row, "step": row["step"] + 1}
+        assert view.state()["steps"] == 2
+    assert view.trajectory("r-break")["trained"]["step"] == 3  # the last step that trained it
+    assert view.rollouts({"trained": "yes"})["total"] == 2
+
+
 def test_files_are_read_as_they_grow_whole_lines_only(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     tail = live.Tail(path)

@@ -321,7 +321,9 @@ class RunView:
         sql_where = f"WHERE {' AND '.join(where)}" if where else ""
         with self._lock:
             con = self._listing()
-            total = con.execute(f"SELECT count(*) FROM listing_view {sql_where}", params).fetchone()[0]
+            # every result read to its end: DuckDB 2 refuses register() (the next trained.jsonl chunk)
+            # on a connection holding a half-read result
+            total = con.execute(f"SELECT count(*) FROM listing_view {sql_where}", params).fetchall()[0][0]
             cur = con.execute(
                 f"SELECT * FROM listing_view {sql_where} ORDER BY {sort} {'DESC' if desc else 'ASC'} "
                 f"NULLS LAST, rollout_id, attempt LIMIT {limit} OFFSET {offset}", params)
@@ -388,9 +390,9 @@ class RunView:
             if self._seen is None:  # no store yet
                 raise ValueError(f"rollout {rollout_id!r} is not in the store")
             traj = show.load_trajectory(con, rollout_id, attempt)
-            trained = con.execute("SELECT trained_step, advantage, loss_weight FROM trained "
-                                  "WHERE rollout_id = ? AND attempt = ?",
-                                  [rollout_id, traj.rollout["attempt"]]).fetchone()
+            trained = next(iter(con.execute("SELECT trained_step, advantage, loss_weight FROM trained "
+                                            "WHERE rollout_id = ? AND attempt = ?",
+                                            [rollout_id, traj.rollout["attempt"]]).fetchall()), None)
         return trajectory_json(traj, self.tokenizer(), trained, as_chat=_as_chat())
 
     def tokenizer(self) -> Any:
