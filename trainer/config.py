@@ -27,6 +27,8 @@ import yaml
 
 from lgt.trainer.apo.optimize import ApoConfig
 from lgt.trainer.backends.base import BACKENDS, TorchConfig, VerlConfig
+from lgt.trainer.distill.opd import TeacherSection
+from lgt.trainer.distill.sft import SftConfig
 from lgt.trainer.report import trackers
 from lgt.trainer.rl.algorithm import AlgorithmConfig, LossConfig
 from lgt.trainer.rollout.controller import AgentSpec
@@ -81,6 +83,8 @@ class RunConfig:
     eval: EvalConfig | None = None  # held-out evaluation (lgt.trainer.run.evaluation); null: none
     resources: dict[str, ResourceSpec] = dataclasses.field(default_factory=dict)  # prompts (resources.py)
     apo: ApoConfig | None = None  # lgt-train apo: which resource, the optimiser, the critic (apo.py)
+    teacher: TeacherSection | None = None  # on-policy distillation's teacher (distill/opd.py)
+    sft: SftConfig | None = None  # lgt-train sft: the teacher's traces and how they are chosen (distill/sft.py)
     mode: str = "async"
     group_size: int = 8
     batch_groups: int = 4

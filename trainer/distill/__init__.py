@@ -1,0 +1,2 @@
+"""Learning from a stronger model before (or beside) RL: supervised fine-tuning on a teacher's recorded
+traces (``sft``) and on-policy distillation, a teacher scoring every token the student generated (``opd``)."""
