@@ -67,8 +67,14 @@ secret_option = click.option(
 @click.option("--served-model", help="Model name the upstream serves; requests' `model` is rewritten to it.")
 @click.option("--upstream-api-key", envvar="LGT_UPSTREAM_API_KEY",
               help="Bearer key for the upstream (agents' own keys are never forwarded to it).")
+@click.option("--hosted-model", "hosted_models", multiple=True, metavar="GLOB",
+              help="With --upstream: calls whose requested model matches (e.g. 'claude-*'; repeatable) go "
+                   "where the agent sent them, unchanged, and are recorded as a hosted model's.")
 @click.option("--upstream-ca", type=click.Path(dir_okay=False, path_type=Path),
-              help="Extra CA file trusted for an https upstream.")
+              help="Extra CA file trusted for an https upstream (and for the hosts calls go to as sent).")
+@click.option("--resolve", multiple=True, metavar="HOST:PORT=ADDR:PORT",
+              help="Connect to ADDR:PORT whenever HOST:PORT is asked for (as curl's; the TLS name is still "
+                   "HOST); repeatable. For private gateways, and for tests.")
 @click.option("--upstream-insecure", is_flag=True, help="Do not verify upstream TLS certificates.")
 @click.option("--upstream-timeout", type=float,
               help="Seconds an LLM call's upstream may stay silent (before its answer begins, or between "

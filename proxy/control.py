@@ -84,6 +84,7 @@ def state(rt: Runtime) -> dict[str, Any]:
         "calls": dict(rt.metrics.calls),
         "rejected": rt.metrics.rejected,
         "bad_requests": rt.metrics.bad_requests,
+        "passed_unread": rt.metrics.passed_unread,
         "blocked_egress": rt.metrics.blocked_egress,
         "auth_failures": rt.metrics.auth_failures,
         "record_failures": rt.metrics.record_failures,

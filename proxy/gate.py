@@ -133,6 +133,8 @@ class Metrics:
     drain: Histogram = field(default_factory=Histogram)
     rejected: int = 0
     bad_requests: int = 0
+    # observe-only: requests on an LLM API's path whose body could not be read, passed through unrecorded
+    passed_unread: int = 0
     blocked_egress: int = 0
     auth_failures: int = 0
     record_failures: int = 0
@@ -165,6 +167,8 @@ class Metrics:
             ("lgt_proxy_rejected_total", "counter", "Calls answered 429 while paused.", self.rejected),
             ("lgt_proxy_bad_requests_total", "counter", "LLM-path requests answered 400/413.",
              self.bad_requests),
+            ("lgt_proxy_passed_unread_total", "counter",
+             "LLM-path requests passed through unread and unrecorded (observe-only).", self.passed_unread),
             ("lgt_proxy_egress_blocked_total", "counter", "Requests blocked by the egress policy.",
              self.blocked_egress),
             ("lgt_proxy_auth_failures_total", "counter", "Requests answered 407/401.",

@@ -34,6 +34,7 @@ from .addons import (
     Translate,
 )
 from .addons.egress import EGRESS_MODES
+from .addons.route import parse_resolve
 from .codex import CodexModels
 from .control import make_app
 from .gate import HOLD, REJECT, Gate
@@ -58,6 +59,8 @@ class ProxyConfig:
     upstream_ca: Path | None = None
     upstream_insecure: bool = False
     upstream_timeout: float | None = None  # seconds of upstream silence before a call is ended
+    hosted_models: tuple[str, ...] = ()  # with an upstream: models whose calls go where the agent aimed
+    resolve: tuple[str, ...] = ()  # HOST:PORT=ADDR:PORT, as curl's --resolve
     idle_timeout: int = 600  # seconds a connection may move no byte before it closes (tcp_timeout)
     remote: Any = None  # lgt.store.remote.RemoteStore: the store is on S3, ``store`` its local mirror
     listen_host: str = "127.0.0.1"
@@ -90,6 +93,13 @@ class ProxyConfig:
             raise ConfigError("--egress allowlist needs at least one --allow-host")
         if self.capture_tokens not in CAPTURE_MODES:
             raise ConfigError(f"--capture-tokens must be auto, on or off, not {self.capture_tokens!r}")
+        if self.hosted_models and self.upstream is None:
+            raise ConfigError("--hosted-model needs --upstream (without one, every Responses, Messages and "
+                              "Gemini call already goes where the agent sent it)")
+        try:
+            parse_resolve(list(self.resolve))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.reverse_port is not None and self.upstream is None:
             raise ConfigError("--reverse-port needs --upstream (reverse mode forwards to it)")
         loopback = self.control_host in ("127.0.0.1", "::1", "localhost")
@@ -180,7 +190,8 @@ class LLMCalls:
     have it from a list made once.
     """
 
-    HOOKS = ("load", "configure", "requestheaders", "request", "responseheaders", "response", "error")
+    HOOKS = ("load", "configure", "requestheaders", "request", "responseheaders", "response", "error",
+             "server_connect")
 
     def __init__(self, rt: Runtime) -> None:
         self.parts = [Answers(rt), Translate(rt), Hold(rt), Substitute(rt), Route(rt), Deadlines(),
@@ -215,6 +226,10 @@ class LLMCalls:
 
     async def error(self, flow: Any) -> None:
         await self._run("error", flow)
+
+    def server_connect(self, data: Any) -> None:  # Route's --resolve
+        for fn in self._hooks["server_connect"]:
+            fn(data)
 
 
 def addons(rt: Runtime, bridge_port: int) -> list[Any]:
@@ -314,6 +329,8 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         connection_strategy="lazy",  # never contact the host an agent aimed at before routing
         tcp_timeout=cfg.idle_timeout,  # a stalled client (slow body, unread answer) is let go
         ssl_insecure=cfg.upstream_insecure,
+        lgt_hosted_models=list(cfg.hosted_models),
+        lgt_resolve=list(cfg.resolve),
     )
     if rt.resender.ca_bundle:
         opts.update(ssl_verify_upstream_trusted_ca=rt.resender.ca_bundle)

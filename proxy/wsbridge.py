@@ -28,7 +28,9 @@ What only the WebSocket mode has:
 - A socket closed mid-answer ends the bridge's request: the proxy records the call as
   ``client_disconnect``, as for an agent that closes an HTTP connection.
 
-Without an upstream (observe-only) upgrades are left alone and pass to the host the agent aimed at.
+Without an upstream (observe-only) upgrades pass to the host the agent aimed at, unchanged, and each
+``response.create`` on them is recorded as a hosted model's call (:class:`HostedSocket`), at the
+terminal event of its answer — before that event passes on to the agent.
 """
 
 from __future__ import annotations
@@ -43,14 +45,20 @@ from aiohttp import WSMsgType, web
 from mitmproxy import http
 from multidict import CIMultiDict
 
+from lgt.store.schema import STATUS_CLIENT_DISCONNECT, STATUS_HTTP_ERROR, STATUS_OK
+
 from . import dialects, wire
-from .addons import IDENT, NOTE_HEADER, ROUTED, SECRET_HEADERS, Runtime
+from .addons import IDENT, NOTE_HEADER, ROUTED, SECRET_HEADERS, Call, Record, Runtime
+from .addons.capture import HOSTED, HostedStream
+from .addons.route import origin
+from .addons.state import now_us
 from .auth import AuthError, Identity, rollout_token, verify
 
 log = logging.getLogger("lgt.proxy")
 
 SOCKET = "lgt.responses_socket"  # flow metadata: this upgrade was handed to the bridge
 HOST = "lgt.socket_host"  # flow metadata: the host the agent aimed its upgrade at
+OBSERVED = "lgt.hosted_socket"  # flow metadata: an observe-only socket's HostedSocket
 PREWARMS_KEPT = 64  # prewarm responses remembered per socket
 WS_NOTE = "received over the Responses API's WebSocket; its events sent back as WebSocket messages"
 TERMINAL = (b'"response.completed"', b'"response.failed"', b'"response.incomplete"')
@@ -117,10 +125,12 @@ def prewarm_events(body: dict[str, Any]) -> tuple[str, list[bytes]]:
 class ResponsesSocket:
     """mitmproxy addon: an authenticated rollout's WebSocket upgrade of ``…/responses`` goes to the
     bridge (added after :class:`~lgt.proxy.addons.Route`, whose reverse-mode routing it overrides,
-    and before ``Egress``, which leaves routed flows alone). Observe-only proxies leave upgrades be."""
+    and before ``Egress``, which leaves routed flows alone). Observe-only proxies let upgrades go
+    where the agent aimed and read each call on them (:class:`HostedSocket`)."""
 
     def __init__(self, rt: Runtime, bridge_port: int) -> None:
         self.rt, self.port = rt, bridge_port
+        self.record = Record(rt)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if is_responses_upgrade(flow.request.method, flow.request.path, flow.request.headers):
@@ -129,9 +139,13 @@ class ResponsesSocket:
     def request(self, flow: http.HTTPFlow) -> None:
         identity: Identity | None = flow.metadata.get(IDENT)
         req = flow.request
-        if flow.response is not None or identity is None or self.rt.upstream is None:
+        if flow.response is not None or identity is None:
             return
         if not is_responses_upgrade(req.method, req.path, req.headers):
+            return
+        if self.rt.upstream is None:  # observe-only: to the hosted API as sent, its calls read
+            flow.metadata[OBSERVED] = HostedSocket(self.rt, self.record, identity, req.pretty_host,
+                                                   origin(flow))
             return
         host = flow.metadata.get(HOST) or req.pretty_host
         req.scheme, req.host, req.port = "http", "127.0.0.1", self.port
@@ -143,8 +157,85 @@ class ResponsesSocket:
         flow.metadata[SOCKET] = True
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
-        if flow.metadata.get(SOCKET) and flow.websocket is not None:
+        if flow.websocket is None:
+            return
+        if (observed := flow.metadata.get(OBSERVED)) is not None:
+            message = flow.websocket.messages[-1]
+            observed.message(message.from_client, message.content)
+        if flow.metadata.get(SOCKET) or observed is not None:
             del flow.websocket.messages[:-1]  # relayed, not kept: every call is on the record already
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        if (observed := flow.metadata.get(OBSERVED)) is not None:
+            observed.close()
+
+
+class HostedSocket:
+    """An observe-only rollout's Responses WebSocket to the hosted API, read as it passes: each
+    ``response.create`` (a prewarm, ``generate: false``, aside: nothing is generated) is a call of a
+    hosted model whose answer is the events that follow, recorded at ``response.completed`` /
+    ``.failed`` / ``.incomplete`` (or an ``error`` event, with its ``status``) as an HTTP call's
+    stream would be: ``request_json`` the message as sent, ``response_json`` the completed response.
+    Calls are answered in the order they were sent; one still open when the socket closes is
+    recorded as ``client_disconnect`` with what had come. Not held by a pause: the socket is the
+    provider's, not the proxy's to hold."""
+
+    def __init__(self, rt: Runtime, record: Record, identity: Identity, host: str, where: str) -> None:
+        self.rt, self.record, self.identity, self.host, self.where = rt, record, identity, host, where
+        self.pending: list[Call] = []
+
+    def message(self, from_client: bool, content: bytes) -> None:
+        try:
+            obj = wire.loads(content)
+        except (ValueError, UnicodeDecodeError):
+            return
+        if not isinstance(obj, dict):
+            return
+        if from_client:
+            if obj.get("type") == "response.create" and obj.get("generate") is not False:
+                self.pending.append(self._call(obj, content))
+            return
+        if not self.pending:
+            return
+        call = self.pending[0]
+        if call.first_byte_us is None:
+            call.first_byte_us = now_us()
+        stream: HostedStream = call.stream
+        stream.assembler.feed(obj)
+        if obj.get("type") == "error":
+            self.pending.pop(0)
+            status = obj.get("status") if isinstance(obj.get("status"), int) else None
+            err = obj.get("error") if isinstance(obj.get("error"), dict) else {}
+            self.record.record(call, STATUS_HTTP_ERROR, status, str(err.get("message") or obj)[:2000],
+                               response_json=None)
+        elif stream.assembler.done:
+            self.pending.pop(0)
+            stream.saw_done = True
+            self.record.record(call, STATUS_OK, 200, None,
+                               response_json=wire.dumps(stream.assembler.body()).decode())
+
+    def _call(self, obj: dict[str, Any], content: bytes) -> Call:
+        call = Call(self.identity, wire.CHAT, dialects.RESPONSES, self.host, body=content)
+        model = obj.get("model")
+        call.requested_model = model if isinstance(model, str) else None
+        call.request = call.agent_request = obj
+        call.capture_reason = HOSTED
+        call.translation = [WS_NOTE]
+        call.upstream = self.where
+        call.under_way = True
+        call.started_us = now_us()
+        call.policy_version = self.rt.gate.policy_version
+        call.seq = self.rt.next_seq(self.identity)
+        call.stream = HostedStream(call, dialects.RESPONSES, sse=True, encoding="")
+        return call
+
+    def close(self) -> None:
+        pending, self.pending = self.pending, []
+        for call in pending:
+            body = call.stream.assembler.body()
+            self.record.record(call, STATUS_CLIENT_DISCONNECT, None,
+                               "the socket closed before the answer was complete",
+                               response_json=wire.dumps(body).decode() if body else None)
 
 
 class Bridge:

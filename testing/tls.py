@@ -1,5 +1,6 @@
 """A throw-away certificate authority and a leaf certificate for 127.0.0.1 it signed (``make_certs``): what
-an HTTPS fake upstream serves in benchmarks."""
+an HTTPS fake upstream serves in benchmarks, and — with ``names`` — a stand-in for a provider's host
+(``api.anthropic.com`` reached through the proxy's ``--resolve``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 LOOPBACK = ipaddress.ip_address("127.0.0.1")
 
 
-def make_certs(d: Path) -> tuple[Path, Path, Path]:
-    """A throw-away CA and a leaf for 127.0.0.1 signed by it: (ca.pem, cert.pem, key.pem)."""
+def make_certs(d: Path, names: tuple[str, ...] = ()) -> tuple[Path, Path, Path]:
+    """A throw-away CA and a leaf for 127.0.0.1 (and localhost, and each of ``names``) signed by it:
+    (ca.pem, cert.pem, key.pem)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -37,6 +39,7 @@ def make_certs(d: Path) -> tuple[Path, Path, Path]:
     leaf_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     leaf = (cert(leaf_name, key.public_key(), False)
             .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        *map(x509.DNSName, names),
                                                         x509.IPAddress(LOOPBACK)]), False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),

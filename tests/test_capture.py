@@ -147,7 +147,7 @@ def test_observe_only_calls_are_not_degraded(tmp_path: Path, upstream: FakeUpstr
         with client(p, rollout) as c:
             assert c.post(f"{upstream.url}/chat/completions", json=chat("hi")).status_code == 200
         [row] = p.calls()
-        assert (row["capture"], row["capture_reason"]) == ("no_tokens", "not_requested")
+        assert (row["capture"], row["capture_reason"]) == ("no_tokens", "hosted")  # the answer is the model's
         assert degraded(p) == {}
     finally:
         p.stop()

@@ -489,7 +489,9 @@ def test_observe_only_records_calls_where_the_agent_sent_them(
         sent = upstream.requests[-1].body
         assert "return_token_ids" not in sent and sent["model"] == "gpt-4o"
         [row] = p.calls()
-        assert row["status"] == "ok" and row["upstream"] is None and row["served_model"] is None
+        # the store says which model answered, and where: the agent's own host
+        assert row["status"] == "ok" and row["upstream"] == upstream.url.removesuffix("/v1")
+        assert row["served_model"] == "gpt-4o" and row["capture_reason"] == "hosted"
         assert row["prompt_token_ids"] is None
         assert json.loads(row["response_json"])["choices"][0]["message"]["content"]
     finally:

@@ -4,6 +4,8 @@ again, so the agent gets the answer it asked for (in its own API when the call w
 from __future__ import annotations
 
 import logging
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 from mitmproxy import ctx, http
@@ -11,6 +13,7 @@ from mitmproxy import ctx, http
 from lgt.store.schema import STATUS_CLIENT_DISCONNECT, STATUS_HTTP_ERROR, STATUS_UPSTREAM_ERROR
 
 from .. import dialects, wire
+from ..dialects import hosted
 from .runtime import Runtime
 from .state import Call, agent_gone, error_text, forwarding, now_us, or_refuse, under_way
 
@@ -27,7 +30,13 @@ REJECTED_TOKEN_IDS = "upstream_rejected_token_ids"  # refused with token ids too
 NONFINITE_LOGPROBS = "nonfinite_logprobs"  # a logprob was NaN, infinite or vLLM's -9999 floor
 MISSING_LOGPROBS = "missing_logprobs"  # token ids came back, logprobs did not (or not one per token)
 MISSING_TOKEN_IDS = "missing_token_ids"  # asked for token ids, none came back (not vLLM?)
-NOT_REQUESTED = "not_requested"  # capture is off (observe-only): not a degradation
+NOT_REQUESTED = "not_requested"  # token capture was not asked for: not a degradation
+HOSTED = "hosted"  # a hosted model answered (observe-only, --hosted-model): no token ids to be had
+
+
+def is_hosted(call: Call) -> bool:
+    """The call goes where the agent sent it, unchanged, and is only read (Translate decides)."""
+    return call.capture_reason == HOSTED
 
 
 def why_not_full(call: Call, level: str, first: wire.ChoiceCapture | None) -> str | None:
@@ -119,12 +128,104 @@ class StreamRewriter:
         return [joined] if joined else []
 
 
+def stream_decoder(encoding: str) -> Callable[[bytes], bytes] | None:
+    """Undo a response's ``content-encoding`` one piece at a time (identity, gzip, deflate, br, zstd);
+    None for one it cannot."""
+    kind = encoding.strip().lower()
+    if kind in ("", "identity"):
+        return lambda data: data
+    if kind in ("gzip", "x-gzip", "deflate"):
+        return zlib.decompressobj(31 if "gzip" in kind else 15).decompress
+    if kind == "br":
+        import brotli  # mitmproxy's own dependency
+
+        return brotli.Decompressor().process
+    if kind == "zstd":
+        from mitmproxy.net.encoding import zstd  # the stdlib's, or its backport
+
+        return zstd.ZstdDecompressor().decompress
+    return None
+
+
+class HostedStream:
+    """``flow.response.stream`` for a hosted model's streamed answer: each piece goes on to the agent as
+    it came, unchanged; a copy is read on the side (decompressed when the provider compressed it) into
+    the API's unstreamed body (``dialects.hosted.Assembler``). The call is recorded (``call.finish``)
+    before the piece holding the API's last event is handed on; a Gemini stream, which has no last
+    event, when the body ends (Record)."""
+
+    def __init__(self, call: Call, api: str, sse: bool, encoding: str) -> None:
+        self.call = call
+        self.assembler = hosted.Assembler(api)
+        self.framer = wire.SSEFramer() if sse else None
+        self.raw = bytearray()  # a Gemini stream without alt=sse: one JSON array
+        self.saw_done = False
+        self.broken = 0
+        self.unread = False  # the rest cannot be read (too large an event, an unknown encoding)
+        self.decode = stream_decoder(encoding)
+        if self.decode is None:  # an encoding the proxy cannot undo piece by piece: passed on, not read
+            self.unread, self.broken = True, 1
+
+    def _read(self, data: bytes) -> None:
+        data = self.decode(data) if self.decode is not None else data
+        if self.framer is None:
+            self.raw += data
+            return
+        for event in self.framer.feed(data):
+            body = wire.event_data(event)
+            if body is None:
+                continue
+            if body.strip() == b"[DONE]":
+                self.assembler.done = True
+                continue
+            try:
+                self.assembler.feed(wire.loads(body))
+            except ValueError:
+                self.broken += 1
+
+    def _end(self) -> None:
+        if self.framer is not None:
+            if self.framer.rest().strip():
+                self.broken += 1
+        else:
+            for chunk in hosted.gemini_stream_body(bytes(self.raw)) or ():
+                self.assembler.feed(chunk)
+        if self.assembler.api == dialects.GEMINI and self.assembler.events:
+            self.assembler.done = True  # Gemini's stream ends with its body
+        self.saw_done = self.assembler.done
+
+    def __call__(self, data: bytes) -> list[bytes]:
+        if self.call.deadline is not None:  # the upstream is not silent (Deadlines)
+            self.call.deadline.touch()
+        if self.call.first_chunk_us is None and data:
+            self.call.first_chunk_us = now_us()
+        if not data:
+            if not self.unread:
+                self._end()
+            return []
+        if not self.unread:
+            try:
+                self._read(data)
+            except Exception as e:  # a broken encoding, an event too large: never the agent's problem
+                log.warning("call %s: %s; the rest of the hosted stream is passed on unread",
+                            self.call.call_id, e)
+                self.broken += 1
+                self.unread = True
+        if self.assembler.done and not self.saw_done:
+            self.saw_done = True
+            if not self.call.finish():
+                return []  # not recorded: the agent must not see a complete stream
+        return [data]
+
+
 class Capture:
     """A call under way is sent with the served model's name and vLLM's ``return_token_ids`` and
     ``logprobs`` (``lgt_capture_tokens``; greedy decoding for a ``~greedy`` identity); its answer —
     whole, or each event of a stream — is read into ``call.capture`` and given back without what was
     injected, or translated to the agent's API. An upstream that refuses what was injected is asked
-    again without it. How the answer ended, when not ok, is ``call.failure`` for Record."""
+    again without it. How the answer ended, when not ok, is ``call.failure`` for Record. A hosted
+    model's call (``HOSTED``) is left as the agent sent it and its answer as the provider wrote it: a
+    stream only read on its way (:class:`HostedStream`)."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
@@ -140,7 +241,7 @@ class Capture:
 
     def request(self, flow: http.HTTPFlow) -> None:
         call = forwarding(flow)
-        if call is None:
+        if call is None or is_hosted(call):  # a hosted model's call is sent as the agent wrote it
             return
         with or_refuse(flow, call):
             prepared, call.injected = wire.prepare_request(
@@ -162,6 +263,8 @@ class Capture:
             return
         call.first_byte_us = now_us()
         ctype = flow.response.headers.get("content-type", "")
+        if is_hosted(call):
+            return self._hosted_stream(flow, call, ctype)
         if 200 <= flow.response.status_code < 300 and ctype.startswith("text/event-stream"):
             call.stream = StreamRewriter(call)
             flow.response.stream = call.stream
@@ -172,6 +275,10 @@ class Capture:
         call = under_way(flow)
         if call is None or call.stream is not None or flow.response is None:
             return  # a stream was captured as it passed
+        if is_hosted(call):  # the provider's answer is the agent's, errors included, as it came
+            if not 200 <= flow.response.status_code < 300:
+                call.failure = (STATUS_HTTP_ERROR, error_text(flow.response.raw_content))
+            return
         if flow.response.status_code in INJECTION_SUSPECT and call.injected.captures:
             await self._ask_again(flow, call)
             if call.stream is not None:  # the new answer was a stream, read whole (Record ends it)
@@ -199,6 +306,19 @@ class Capture:
             elif call.injected != wire.Injected():
                 wire.strip_response(call.endpoint, obj, call.injected)
                 resp.content = wire.dumps(obj)
+
+    @staticmethod
+    def _hosted_stream(flow: http.HTTPFlow, call: Call, ctype: str) -> None:
+        """A hosted model's 2xx stream (SSE; Gemini's JSON array too) is passed on as it comes."""
+        assert flow.response is not None
+        if not 200 <= flow.response.status_code < 300:
+            return
+        sse = ctype.startswith("text/event-stream")
+        gemini_json = call.api == dialects.GEMINI and (call.agent_request or {}).get("stream") == "json"
+        if sse or gemini_json:
+            call.stream = HostedStream(call, call.api or call.endpoint, sse,
+                                       flow.response.headers.get("content-encoding", ""))
+            flow.response.stream = call.stream
 
     async def _ask_again(self, flow: http.HTTPFlow, call: Call) -> None:
         """The upstream refused a call carrying injected capture fields: ask again without the

@@ -20,7 +20,8 @@ from lgt.store.schema import (
 from lgt.store.writer import os_reason
 
 from .. import wire
-from .capture import NOT_REQUESTED, why_not_full
+from ..dialects import hosted
+from .capture import HOSTED, NOT_REQUESTED, is_hosted, why_not_full
 from .runtime import Runtime
 from .state import CALL, Call, json_response, now_us, under_way
 
@@ -45,7 +46,7 @@ def call_row(call: Call, status: str, http_status: int | None, error: str | None
     usage = cap.usage_dict() or {}
     first_byte = call.first_chunk_us or call.first_byte_us
     level = wire.capture_level(cap.prompt_token_ids, token_ids, logprobs)
-    return {
+    row = {
         "call_id": call.call_id,
         "rollout_id": call.identity.rollout_id,
         "attempt": call.identity.attempt,
@@ -81,6 +82,15 @@ def call_row(call: Call, status: str, http_status: int | None, error: str | None
         "usage_completion_tokens": usage.get("completion_tokens"),
         "usage_total_tokens": usage.get("total_tokens"),
     }
+    if is_hosted(call):  # what the provider says of its answer: who answered, usage, how it ended
+        try:
+            answer = wire.loads(response_json) if response_json else None
+        except (ValueError, UnicodeDecodeError):
+            answer = None
+        facts = hosted.columns(call.api or call.endpoint, answer)
+        row.update(facts)
+        row["capture_reason"] = HOSTED if status == STATUS_OK else None
+    return row
 
 
 def refused_row(call: Call, flow: http.HTTPFlow, max_bytes: int, policy_version: int) -> dict[str, Any]:
@@ -165,7 +175,9 @@ class Record:
         assert stream is not None
         status, error = STATUS_OK, None
         if not stream.saw_done:
-            status, error = STATUS_STREAM_ERROR, "the upstream stream ended without [DONE]"
+            status, error = STATUS_STREAM_ERROR, ("the hosted model's stream ended before its last event"
+                                                  if is_hosted(call) else
+                                                  "the upstream stream ended without [DONE]")
         elif stream.broken:
             status, error = STATUS_STREAM_ERROR, f"{stream.broken} stream event(s) were not valid JSON"
         return self.record(call, status, flow.response.status_code if flow.response else None,
@@ -184,7 +196,8 @@ class Record:
             status = STATUS_STREAM_ERROR
         else:
             status = STATUS_UPSTREAM_ERROR
-        response_json = wire.dumps(assembled(call)).decode() if call.capture.choices else None
+        read = call.stream.assembler.events if is_hosted(call) and call.stream is not None else 0
+        response_json = wire.dumps(assembled(call)).decode() if call.capture.choices or read else None
         self.record(call, status, flow.response.status_code if flow.response else None,
                     None if status == STATUS_OK else msg, response_json=response_json)
 
@@ -198,7 +211,7 @@ class Record:
             status, error = STATUS_UPSTREAM_TIMEOUT, call.timed_out
         ended = now_us()
         row = call_row(call, status, http_status, error, response_json, ended)
-        if row["capture_reason"] is not None and row["capture_reason"] != NOT_REQUESTED:
+        if row["capture_reason"] not in (None, NOT_REQUESTED, HOSTED):
             rt.metrics.degraded(row["capture_reason"])
         row["proxy_session"] = rt.writer.session
         rt.metrics.count(status)
@@ -226,6 +239,8 @@ class Record:
 
 def assembled(call: Call) -> dict[str, Any]:
     """What the agent received, as one response body of its API."""
+    if is_hosted(call) and call.stream is not None:
+        return call.stream.assembler.body()
     if call.translator is not None:
         return call.translator.final(call.capture)
     return call.capture.assembled(call.injected)

@@ -1,12 +1,16 @@
-"""The Substitute and Route addons: what the engine is asked, and where."""
+"""The Substitute and Route addons: what the engine is asked, and where (a host's address too)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
-from mitmproxy import http
+from mitmproxy import ctx, http
+from mitmproxy.exceptions import OptionsError
 
 from .. import dialects, resources
+from .capture import is_hosted
 from .runtime import Runtime
 from .state import CALL, IDENT, REVERSE, ROUTED, SECRET_HEADERS, forwarding, json_response, or_refuse
 
@@ -21,7 +25,9 @@ class Substitute:
 
     def request(self, flow: http.HTTPFlow) -> None:
         call = forwarding(flow)
-        subs = self.rt.resources.get(call.identity.rollout_id, call.identity.attempt) if call else None
+        if call is None or is_hosted(call):  # a hosted model is asked what the agent asked
+            return
+        subs = self.rt.resources.get(call.identity.rollout_id, call.identity.attempt)
         if not subs:
             return
         with or_refuse(flow, call):
@@ -34,12 +40,35 @@ class Substitute:
 class Route:
     """With an upstream, a call under way goes to ``<upstream>/<endpoint>`` whatever host the agent
     aimed at, the agent's keys replaced by the upstream's (``--upstream-api-key``, or none); on a
-    reverse-mode path everything else goes to the upstream too. Without one (observe-only), calls go
-    where the agent sent them. Routed flows are marked ``flow.metadata[ROUTED]``."""
+    reverse-mode path everything else goes to the upstream too. Without one (observe-only), and for a
+    hosted model's call, calls go where the agent sent them, with its own keys (``call.upstream`` says
+    the origin). Routed flows are marked ``flow.metadata[ROUTED]``.
+
+    ``--resolve HOST:PORT=ADDR:PORT`` (``lgt_resolve``), as curl's: a connection the proxy opens to
+    HOST:PORT goes to ADDR:PORT instead, the TLS name (SNI, the certificate checked) still HOST — for
+    private gateways, and for tests that stand a provider in on loopback."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.upstream = urlsplit(rt.upstream) if rt.upstream else None
+        self.resolve: dict[tuple[str, int], tuple[str, int]] = {}
+
+    def load(self, loader: Any) -> None:
+        loader.add_option("lgt_resolve", Sequence[str], [],
+                          "HOST:PORT=ADDR:PORT: connections to HOST:PORT are made to ADDR:PORT instead.")
+
+    def configure(self, updated: set[str]) -> None:
+        if "lgt_resolve" in updated:
+            try:
+                self.resolve = parse_resolve(ctx.options.lgt_resolve)
+            except ValueError as e:
+                raise OptionsError(str(e)) from None
+
+    def server_connect(self, data: Any) -> None:
+        """Every connection the proxy opens (LLM calls, other traffic, WebSockets): ``--resolve``."""
+        address = data.server.address
+        if address is not None and (to := self.resolve.get((str(address[0]).lower(), address[1]))):
+            data.server.address = to
 
     def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or IDENT not in flow.metadata:
@@ -52,6 +81,9 @@ class Route:
         if call is None:
             return
         with or_refuse(flow, call):
+            if is_hosted(call):
+                call.upstream = origin(flow)
+                return
             self.rt.saw_model(call.requested_model)
             if self.upstream is not None:  # Gemini's ?alt=sse&key=… is not the engine's
                 self.route(flow, f"{self.upstream.path.rstrip('/')}/{call.endpoint}",
@@ -80,3 +112,25 @@ class Route:
         if self.rt.upstream_api_key:
             flow.request.headers["authorization"] = f"Bearer {self.rt.upstream_api_key}"
         flow.metadata[ROUTED] = True
+
+
+def origin(flow: http.HTTPFlow) -> str:
+    """``scheme://host[:port]`` of where the agent sent a request (the port when not the scheme's own)."""
+    req = flow.request
+    default = 443 if req.scheme == "https" else 80
+    return f"{req.scheme}://{req.pretty_host}" + ("" if req.port == default else f":{req.port}")
+
+
+def parse_resolve(entries: list[str]) -> dict[tuple[str, int], tuple[str, int]]:
+    """``--resolve HOST:PORT=ADDR:PORT`` entries as {(host, port): (addr, port)}; ValueError names the
+    first one that is not of that form."""
+    out: dict[tuple[str, int], tuple[str, int]] = {}
+    for entry in entries:
+        name, _, target = entry.partition("=")
+        host, _, port = name.rpartition(":")
+        addr, _, to_port = target.rpartition(":")
+        if not (host and addr and port.isdigit() and to_port.isdigit()):
+            raise ValueError(f"--resolve {entry!r} is not HOST:PORT=ADDR:PORT (e.g. "
+                             "api.anthropic.com:443=10.0.0.5:8443)")
+        out[(host.lower().strip("[]"), int(port))] = (addr.strip("[]"), int(to_port))
+    return out

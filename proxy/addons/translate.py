@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
 from typing import Any
 
-from mitmproxy import http
+from mitmproxy import ctx, http
 
 from .. import dialects, wire
 from ..auth import Identity
+from .capture import HOSTED
 from .runtime import Runtime
 from .state import CALL, IDENT, NOTE_HEADER, REVERSE, Call
 
@@ -39,24 +42,75 @@ def read_request(rt: Runtime, identity: Identity, api: str, content: bytes | Non
     return agent_req, dialects.to_chat(api, agent_req, None, notes)
 
 
+def hosted_request(api: str | None, path: str, content: bytes | None) -> dict[str, Any] | None:
+    """A hosted model's call as its dialect reads it (Gemini: the model and streaming from the path);
+    None when the body is not a JSON object with a string ``model`` or none at all."""
+    try:
+        req = wire.loads(content or b"")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(req, dict):
+        return None
+    req = dialects.agent_request(api, path, req) if api is not None else req
+    return req if isinstance(req.get("model", ""), str) else None
+
+
+def matches(model: Any, globs: list[str]) -> bool:
+    """The requested model is one of ``--hosted-model``'s (shell-style patterns, case as written)."""
+    return isinstance(model, str) and any(fnmatchcase(model, g) for g in globs)
+
+
 class Translate:
-    """LLM calls from an identified rollout: ``POST …/chat/completions`` and ``…/completions`` as they
-    are; with an upstream, the Responses, Messages and Gemini APIs too, translated to chat/completions.
-    The call becomes ``flow.metadata[CALL]`` with the engine's request, an output limit past the
-    engine's context left out. A body over the size limit gets 413, one that cannot be read 400 (in
-    observe-only mode, off reverse-mode paths, it passes through as ordinary traffic instead)."""
+    """LLM calls from an identified rollout: ``POST …/chat/completions`` and ``…/completions``, the
+    Responses, Messages and Gemini APIs. With an upstream they are the engine's, the other APIs
+    translated to chat/completions: the call becomes ``flow.metadata[CALL]`` with the engine's request,
+    an output limit past the engine's context left out. A call of a hosted model — in observe-only
+    mode every call, with an upstream one whose model matches ``--hosted-model``
+    (``lgt_hosted_models``) — is a call marked ``capture_reason = HOSTED``, sent where the agent aimed
+    as it is, and only read. A body over the size limit gets 413, one that cannot be read 400 (in
+    observe-only mode, off reverse-mode paths, it passes through as ordinary traffic instead, counted
+    in ``rt.metrics.passed_unread``)."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self.translates = rt.upstream is not None  # observe-only: other APIs pass through unrecorded
+        self.translates = rt.upstream is not None  # observe-only: other APIs are a hosted model's
+        self.hosted: list[str] = []
+
+    def load(self, loader: Any) -> None:
+        loader.add_option("lgt_hosted_models", Sequence[str], [],
+                          "With an upstream, calls whose requested model matches one of these patterns go "
+                          "where the agent sent them, unchanged, and are recorded as a hosted model's.")
+
+    def configure(self, updated: set[str]) -> None:
+        if "lgt_hosted_models" in updated:
+            self.hosted = list(ctx.options.lgt_hosted_models)
 
     def recognise(self, flow: http.HTTPFlow) -> tuple[str, str | None] | None:
         """(the engine's endpoint, the API translated from) when the request is an LLM call."""
         endpoint = wire.endpoint_of(flow.request.method, flow.request.path)
         if endpoint is not None:
             return endpoint, None
-        api = dialects.api_of(flow.request.method, flow.request.path) if self.translates else None
+        api = dialects.api_of(flow.request.method, flow.request.path)
         return (wire.CHAT, api) if api is not None else None
+
+    def _hosted(self, flow: http.HTTPFlow, call: Call, content: bytes | None) -> bool | None:
+        """True: the call is a hosted model's (marked, and read as the agent sent it); None: it is not
+        an LLM call the proxy can read and passes through untouched; False: the engine's."""
+        if flow.metadata.get(REVERSE) or (self.translates and not self.hosted):
+            return False
+        req = hosted_request(call.api, flow.request.path, content)
+        if req is None:
+            if self.translates:
+                return False  # the engine's path answers 400 with the reason
+            self.rt.metrics.passed_unread += 1
+            return None
+        if self.translates and not matches(req.get("model"), self.hosted):
+            return False
+        call.requested_model = req.get("model")
+        call.request = req
+        call.agent_request = req if call.api is not None else None
+        call.capture_reason = HOSTED
+        return True
 
     def _too_large(self, flow: http.HTTPFlow, call: Call, size: int) -> None:
         self.rt.metrics.bad_requests += 1
@@ -83,6 +137,12 @@ class Translate:
         call.translation = [n[:300] for n in flow.request.headers.get_all(NOTE_HEADER)]  # wsbridge's
         flow.request.headers.pop(NOTE_HEADER, None)
         content = flow.request.get_content(strict=False)
+        hosted = self._hosted(flow, call, content)
+        if hosted is None:
+            return
+        if hosted:
+            flow.metadata[CALL] = call
+            return
         try:
             if call.api is None:
                 req = wire.parse_request(call.endpoint, content)
@@ -94,6 +154,8 @@ class Translate:
                 self.rt.metrics.bad_requests += 1
                 flow.metadata[CALL] = call
                 call.refuse(flow, 400, str(e))
+                return
+            self.rt.metrics.passed_unread += 1
             return  # observe-only: not an LLM call we understand; ordinary traffic
         call.requested_model = (call.agent_request or req).get("model")
         call.request = req

@@ -158,8 +158,11 @@ def error_body(api: str, status: int, message: str, kind: str | None = None) -> 
 
 def as_chat(api: str, request: Any, response: Any) -> tuple[Any, Any]:
     """A recorded Responses / Messages / Gemini call (the agent's request and the body it got) as the
-    chat/completions request and response it stands for, for display (``lgt-train show``); a part that
-    cannot be read comes back as None."""
+    chat/completions request and response it stands for, for display (``lgt-train show``) and for
+    learning from a hosted model (``lgt-train sft``); a part that cannot be read comes back as None.
+    A chat/completions call (a hosted model's too) is already what it stands for."""
+    if api not in APIS:
+        return request, response
     try:
         chat_req = to_chat(api, request) if isinstance(request, dict) else None
     except (BadRequest, ValueError, TypeError, KeyError):
@@ -183,8 +186,9 @@ def as_chat(api: str, request: Any, response: Any) -> tuple[Any, Any]:
                 item.get("input") if kind == "tool_use" else {"input": item.get("input")})
             calls.append({"id": item.get("call_id") or item.get("id"), "type": "function",
                           "function": {"name": item.get("name"), "arguments": args}})
-        elif kind == "reasoning":
-            reasoning += [p.get("text", "") for p in item.get("content") or () if isinstance(p, dict)]
+        elif kind == "reasoning":  # the reasoning text when given, else its summary (hosted models')
+            parts = item.get("content") or item.get("summary") or ()
+            reasoning += [str(p.get("text", "")) for p in parts if isinstance(p, dict)]
         elif kind == "thinking":
             reasoning.append(str(item.get("thinking", "")))
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
