@@ -27,8 +27,9 @@ import yaml
 
 from lgt.trainer.apo.optimize import ApoConfig
 from lgt.trainer.backends.base import BACKENDS, TorchConfig, VerlConfig
-from lgt.trainer.distill.opd import TeacherSection
+from lgt.trainer.distill.opd import TeacherSection, tokenizer_mismatch
 from lgt.trainer.distill.sft import SftConfig
+from lgt.trainer.models import MakeModel
 from lgt.trainer.report import trackers
 from lgt.trainer.rl.algorithm import AlgorithmConfig, LossConfig
 from lgt.trainer.rollout.controller import AgentSpec
@@ -54,17 +55,6 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class MakeModel:
-    """Build the model locally when ``model.path`` does not exist yet (lgt.trainer.demo.tiny.make_model)."""
-
-    preset: str = "demo"
-    warm_start: str | None = "arith"  # arith | carry | calc | both | null
-    seconds: float = 90.0  # CPU-seconds of warm start (as many steps as this machine makes in them) ...
-    steps: int | None = None  # ... or this many steps, the same model on every machine (seconds ignored)
-    seed: int = 0
-
-
-@dataclass(frozen=True)
 class ModelSection:
     path: Path = Path("model")
     make: MakeModel | None = None
@@ -84,7 +74,7 @@ class RunConfig:
     resources: dict[str, ResourceSpec] = dataclasses.field(default_factory=dict)  # prompts (resources.py)
     apo: ApoConfig | None = None  # lgt-train apo: which resource, the optimiser, the critic (apo.py)
     teacher: TeacherSection | None = None  # on-policy distillation's teacher (distill/opd.py)
-    sft: SftConfig | None = None  # lgt-train sft: the teacher's traces and how they are chosen (distill/sft.py)
+    sft: SftConfig | None = None  # lgt-train sft: the teacher's traces, how they are chosen (distill/sft.py)
     mode: str = "async"
     group_size: int = 8
     batch_groups: int = 4
@@ -394,6 +384,35 @@ def validate(cfg: RunConfig) -> None:
     need(t is None or t > 0, f"proxy.upstream_timeout_s must be a positive number of seconds, not {t}")
     bad_log = trackers.problem(cfg.log)
     need(bad_log is None, bad_log or "")
+    validate_teacher(cfg)
+
+
+def validate_teacher(cfg: RunConfig) -> None:
+    """On-policy distillation's rules: ``estimator: opd`` needs a teacher, a teacher is for ``opd`` only,
+    the torch backend trains it, and the teacher's tokenizer is the student's (compared when both model
+    directories exist already; a model still to be made is compared once made, before any engine
+    starts: :meth:`lgt.trainer.recipe.Recipe.setup`)."""
+    opd = cfg.algorithm.estimator == "opd"
+    if opd and cfg.teacher is None:
+        raise ConfigError("algorithm.estimator: opd needs a teacher section to score the student's tokens "
+                          "(teacher: {path: MODEL_DIR} or teacher: {url: http://host:port/v1})")
+    if cfg.teacher is not None and not opd:
+        raise ConfigError(f"the teacher section is used only by algorithm.estimator: opd, not "
+                          f"{cfg.algorithm.estimator!r}: set estimator: opd or leave the teacher out")
+    if opd and cfg.backend.name != "torch":
+        raise ConfigError(f"algorithm.estimator: opd trains with per-token advantages, which the "
+                          f"{cfg.backend.name} backend does not take yet: use backend: {{name: torch}}")
+    if cfg.teacher is not None and cfg.teacher.path is not None:
+        mismatch = teacher_tokenizer_problem(cfg.model.path, cfg.teacher.path)
+        if mismatch:
+            raise ConfigError(mismatch)
+
+
+def teacher_tokenizer_problem(student: Path, teacher: Path) -> str | None:
+    """:func:`~lgt.trainer.distill.opd.tokenizer_mismatch` when both directories hold a tokenizer, else
+    None (one still to be made)."""
+    has = [(d / "tokenizer.json").is_file() or (d / "vocab.json").is_file() for d in (student, teacher)]
+    return tokenizer_mismatch(student, teacher) if all(has) else None
 
 
 def load_tasks(path: Path) -> list[dict[str, Any]]:

@@ -18,6 +18,24 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "tiktoken.
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
+@dataclass(frozen=True)
+class MakeModel:
+    """Build a model locally when its path does not exist yet (lgt.trainer.demo.tiny.make_model): the run
+    config's ``model.make``, and ``teacher.make`` (a stronger teacher the example makes itself, e.g. the
+    same warm start trained longer on right answers: ``correct_fraction: 0.95``)."""
+
+    preset: str = "demo"
+    warm_start: str | None = "arith"  # arith | carry | calc | both | null
+    seconds: float = 90.0  # CPU-seconds of warm start (as many steps as this machine makes in them) ...
+    steps: int | None = None  # ... or this many steps, the same model on every machine (seconds ignored)
+    seed: int = 0
+    correct_fraction: float = 0.4  # the warm start's share of right answers (the rest a fixed error)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.correct_fraction, bool) or not 0.0 <= self.correct_fraction <= 1.0:
+            raise ValueError(f"correct_fraction must be between 0 and 1, not {self.correct_fraction!r}")
+
+
 class ModelError(ValueError):
     """A model directory that cannot serve as a policy; the message is one sentence naming the problem."""
 

@@ -11,8 +11,9 @@ the :class:`~lgt.trainer.run.supervisor.Supervisor` (the vLLM engine serving the
 ``lgt-proxy`` in front of it, or running ones; their restarts), the rollout controller that launches the
 unmodified agent once per rollout, the :class:`~lgt.trainer.run.scheduler.GroupScheduler` (which groups
 run; on a resume, what was left), the :class:`~lgt.trainer.run.evaluation.Evaluator` (held-out tasks) and
-the :class:`~lgt.trainer.run.runlog.RunLog` (metrics, the display, the report). Nothing after setup reads
-the run config.
+the :class:`~lgt.trainer.run.runlog.RunLog` (metrics, the display, the report); with
+``algorithm.estimator: opd``, the teacher (:class:`~lgt.trainer.distill.opd.Teacher`: a second engine,
+made and started here, or one at a URL). Nothing after setup reads the run config.
 
 **train**, each step:
   1. enough complete groups are ready (sync: the whole batch launched for this step; async: the
@@ -20,7 +21,8 @@ the run config.
      and the batch are :mod:`lgt.trainer.run.admission`'s pure functions;
   2. the batch's samples from the store (merged per rollout), while the other rollouts still run
      (the batch's groups are finished: nothing of theirs changes); stale groups dropped; advantages
-     and loss weights (:mod:`lgt.trainer.rl.algorithm`);
+     and loss weights (:mod:`lgt.trainer.rl.algorithm`); with a teacher, its logprob of every token
+     and the per-token advantages (:mod:`lgt.trainer.distill.opd`), still while the rollouts run;
   3. ``POST /pause`` to the proxy: new model calls are held, in-flight ones drain (seconds recorded);
   4. on a GPU the engine sleeps (its memory freed for the update); the backend trains; the engine
      wakes and gets the new weights without a restart (``backend.push_weights``);
@@ -73,7 +75,6 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     a few small JSON files, looks commands up on PATH; imports no torch, verl or vLLM.
     """
     from lgt.trainer import models
-    from lgt.trainer.demo import tiny
     from lgt.trainer.rollout import controller as rollouts
     from lgt.trainer.serving.engine import EngineError, engine_python
     from lgt.trainer.serving.proxy import ProxyError, find_proxy_command
@@ -90,19 +91,14 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
         raise ConfigError(str(e)) from None
     m = cfg.model
     if m.make is not None:
-        if m.make.preset not in tiny.PRESETS:
-            raise ConfigError(f"model.make.preset must be one of {', '.join(tiny.PRESETS)}, not "
-                              f"{m.make.preset!r}")
-        if m.make.steps is not None and m.make.steps < 1:
-            raise ConfigError(f"model.make.steps must be 1 or more, not {m.make.steps}")
-        if m.make.warm_start is not None and m.make.warm_start not in tiny.TASKS:
-            raise ConfigError(f"model.make.warm_start must be one of {', '.join(tiny.TASKS)} or null, not "
-                              f"{m.make.warm_start!r}")
-        if m.path.exists() and tiny.read_marker(m.path) is None and any(m.path.iterdir()):
-            raise ConfigError(f"model.path {m.path} holds something that is not a model made by lgt: "
-                              "choose another path for model.make")
+        _check_make(m.make, m.path, "model")
     else:
         models.check_model_dir(m.path, need_chat_template=True).check_context(cfg.engine.max_model_len)
+    t = cfg.teacher
+    if t is not None and t.make is not None and t.path is not None:
+        _check_make(t.make, t.path, "teacher")
+    elif t is not None and t.path is not None:
+        models.check_model_dir(t.path)
     if resume_dir is not None and not (resume_dir / "config.json").exists():
         raise ConfigError(f"{resume_dir} is not a run directory (it has no config.json)")
     target = run_dir or cfg.run_dir
@@ -122,10 +118,28 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     return tasks, held
 
 
+def _check_make(make: Any, path: Path, key: str) -> None:
+    """``model.make`` or ``teacher.make``: settings tiny can build, a path it may build at."""
+    from lgt.trainer.demo import tiny
+
+    if make.preset not in tiny.PRESETS:
+        raise ConfigError(f"{key}.make.preset must be one of {', '.join(tiny.PRESETS)}, not {make.preset!r}")
+    if make.steps is not None and make.steps < 1:
+        raise ConfigError(f"{key}.make.steps must be 1 or more, not {make.steps}")
+    if make.warm_start is not None and make.warm_start not in tiny.TASKS:
+        raise ConfigError(f"{key}.make.warm_start must be one of {', '.join(tiny.TASKS)} or null, not "
+                          f"{make.warm_start!r}")
+    if path.exists() and tiny.read_marker(path) is None and any(path.iterdir()):
+        raise ConfigError(f"{key}.path {path} holds something that is not a model made by lgt: "
+                          f"choose another path for {key}.make")
+
+
 def hidden_from_agents(cfg: RunConfig) -> list[Path]:
     """What a sandboxed agent must not see even when its folder holds it: the tasks (answers and the
     held-out ones), the config, the model (the store and the run directory are hidden anyway)."""
     paths = [cfg.tasks, cfg.model.path]
+    if cfg.teacher is not None and cfg.teacher.path is not None:
+        paths.append(cfg.teacher.path)
     if cfg.eval is not None and cfg.eval.tasks:
         paths.append(cfg.eval.tasks)
     if cfg.source is not None:
@@ -170,6 +184,7 @@ class Recipe:
         self.supervisor: Supervisor | None = None
         self.controller: Any = None
         self.scheduler: GroupScheduler | None = None
+        self.teacher: Any = None  # on-policy distillation's teacher (lgt.trainer.distill.opd.Teacher)
 
     # ------------------------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -191,7 +206,10 @@ class Recipe:
         if self.resume:  # the run's record of its config changes once the backend took the config
             write_json(self.run_dir / cfgmod.RUN_FILE, cfg.to_json())
         self.tokenizer = _decoder(model_dir)
+        teacher_dir = self.ensure_teacher(model_dir)  # made and its tokenizer checked before any engine
         self.serve(ckpt or model_dir, push_weights=self.backend.push_weights)
+        if cfg.teacher is not None:
+            self.start_teacher(teacher_dir)
         self.scheduler = GroupScheduler(
             self.controller, self.store, self.tasks,
             admission.Limits(cfg.mode, cfg.group_size, cfg.batch_groups, cfg.max_inflight, cfg.max_staleness),
@@ -258,24 +276,67 @@ class Recipe:
         self.serve(checkpoint or self.ensure_model())
 
     def ensure_model(self) -> Path:
+        m = self.cfg.model
+        if m.make is not None:
+            self.make(m.make, m.path, "model", need_chat_template=True)
+        return m.path
+
+    def make(self, make: Any, path: Path, what: str, *, need_chat_template: bool = False) -> None:
+        """``model.make`` or ``teacher.make``: the model built at ``path`` (reused when it was made with
+        the same settings)."""
         from lgt.trainer import models
         from lgt.trainer.demo import tiny
 
-        m = self.cfg.model
-        if m.make is not None:  # reuses the model when it was made with the same settings
-            # the held-out tasks are never shown in the warm start either: eval measures the unseen
-            exclude = sorted({str(t["question"]) for t in self.eval_tasks if "question" in t})
-            budget = dict(seconds=m.make.seconds, steps=m.make.steps, seed=m.make.seed, exclude=exclude)
-            made = tiny.is_made(m.path, preset=m.make.preset, warm_start_task=m.make.warm_start, **budget)
-            if not made:
-                size = f"{m.make.steps} steps" if m.make.steps else f"~{m.make.seconds:.0f} s"
-                self.runlog.log(f"building the model {m.path} (preset {m.make.preset}, warm start "
-                                f"{m.make.warm_start or 'none'}, {size}) ...")
-            tiny.make_model(m.path, preset=m.make.preset, warm_start_task=m.make.warm_start,
-                            progress=not made, **budget)
-            info = models.check_model_dir(m.path, need_chat_template=True)
-            info.check_context(self.cfg.engine.max_model_len)
-        return m.path
+        # the held-out tasks are never shown in the warm start either: eval measures the unseen
+        exclude = sorted({str(t["question"]) for t in self.eval_tasks if "question" in t})
+        budget = dict(seconds=make.seconds, steps=make.steps, seed=make.seed, exclude=exclude,
+                      correct_fraction=make.correct_fraction)
+        made = tiny.is_made(path, preset=make.preset, warm_start_task=make.warm_start, **budget)
+        if not made:
+            size = f"{make.steps} steps" if make.steps else f"~{make.seconds:.0f} s"
+            self.runlog.log(f"building the {what} {path} (preset {make.preset}, warm start "
+                            f"{make.warm_start or 'none'}, {size}, {make.correct_fraction:g} right) ...")
+        tiny.make_model(path, preset=make.preset, warm_start_task=make.warm_start, progress=not made,
+                        **budget)
+        info = models.check_model_dir(path, need_chat_template=need_chat_template)
+        info.check_context(self.cfg.engine.max_model_len)
+
+    def ensure_teacher(self, student_dir: Path) -> Path | None:
+        """The teacher's model directory (made when ``teacher.make`` says so), its tokenizer checked
+        against the student's; None for a teacher at a URL (attached and its tokenizer probed here, before
+        the student's engine starts) or no teacher."""
+        from lgt.trainer.distill.opd import Teacher, TeacherError, probe_mismatch
+
+        t = self.cfg.teacher
+        if t is None:
+            return None
+        if t.path is None:
+            try:
+                self.teacher = Teacher.attach(t, log=self.runlog.log)
+                mismatch = probe_mismatch(student_dir, self.teacher.tokenize)
+            except TeacherError as e:
+                raise ConfigError(str(e)) from None
+            if mismatch:
+                raise ConfigError(mismatch)
+            return None
+        if t.make is not None:
+            self.make(t.make, t.path, "teacher")
+        mismatch = cfgmod.teacher_tokenizer_problem(student_dir, t.path)
+        if mismatch:
+            raise ConfigError(mismatch)
+        return t.path
+
+    def start_teacher(self, teacher_dir: Path | None) -> None:
+        """The teacher's engine, started on ``teacher_dir`` (a teacher at ``teacher.url`` is attached
+        already: :meth:`ensure_teacher`)."""
+        from lgt.trainer.distill.opd import Teacher
+
+        cfg = self.cfg
+        if teacher_dir is not None:
+            self.teacher = Teacher.start(cfg.teacher, teacher_dir, cfg.engine,
+                                         log_path=self.run_dir / "logs" / "teacher-engine.log",
+                                         seed=cfg.seed, restarts=cfg.restarts, log=self.runlog.log)
+        self.opd_reward_coef = cfg.algorithm.opd_reward_coef
 
     # ------------------------------------------------------------------------------------ train
     async def main(self) -> None:
@@ -345,6 +406,9 @@ class Recipe:
         if self.remote is not None:  # the rollouts just recorded up; other replicas' calls down
             await timed("store_sync", lambda: (self.remote.push_all(), self.remote.pull()))
         prepared = await timed("samples", self.samples_for, batch)
+        distill: dict[str, float] = {}
+        if self.teacher is not None and prepared.samples.num_rows:  # still while the rollouts run
+            prepared, distill = await timed("teacher", self.distill, prepared)
         t_paused, metrics = time.monotonic(), {}
         perf.update({f"perf/{name}_s": 0.0 for name in ("train", "sync", "sleep", "wake")})
         # new calls are held from here; the calls in flight finish on the current weights (training
@@ -373,13 +437,28 @@ class Recipe:
             groups_failed=self.scheduler.failed_since_last(),
             sample_ids=prepared.samples["sample_id"].to_pylist(), running=self.scheduler.running,
             pause=pause, perf=perf, update_s=time.monotonic() - t_step, paused_s=time.monotonic() - t_paused,
-            metrics=metrics))
+            metrics={**distill, **metrics}))
 
     def samples_for(self, batch: list[Group]) -> admission.Prepared:
         """The batch's samples from the store, ready for the loss (:func:`~.run.admission.prepare`)."""
         samples = build_group_samples(self.store, [g.group_id for g in batch],
                                       mode=self.algorithm.sample_mode, tokenizer=self.tokenizer).samples
         return admission.prepare(samples, self.progress.version, self.algorithm, self.max_staleness)
+
+    def distill(self, prepared: admission.Prepared) -> tuple[admission.Prepared, dict[str, float]]:
+        """The teacher's logprob of every token of the batch's samples, and the per-token advantages
+        (:func:`~lgt.trainer.distill.opd.token_advantages`; a generated token without a recorded behaviour
+        logprob uses the backend's own before the update); the step's ``teacher/*`` and ``opd/*``
+        metrics."""
+        import dataclasses
+
+        from lgt.trainer.distill import opd
+
+        samples = prepared.samples
+        scored = self.teacher.score(samples.column("input_ids").to_pylist())
+        recomputed = self.backend.sample_logprobs(samples) if opd.needs_recompute(samples) else None
+        samples, metrics = opd.token_advantages(samples, scored.logprobs, self.opd_reward_coef, recomputed)
+        return dataclasses.replace(prepared, samples=samples), {**scored.metrics(), **metrics}
 
     def train_on(self, samples: pa.Table) -> dict[str, float]:
         """``backend.updates_per_step`` optimizer steps on disjoint shares of the batch's groups (each
@@ -401,6 +480,9 @@ class Recipe:
                 await self.controller.aclose()
 
     def cleanup(self) -> None:
+        if self.teacher is not None:
+            with contextlib.suppress(Exception):
+                self.teacher.stop()
         if self.supervisor is not None:
             self.supervisor.stop()
         if self.backend is not None:

@@ -23,6 +23,9 @@ Departures from a textbook loop, each on purpose:
   (they would add exactly zero gradient); a batch with none at all skips the update (no NaN).
 * Dropout is switched off in the model's config at load: the log-probs being trained must be the ones
   the engine sampled from.
+* A ``token_advantage`` column (list<float32> aligned with ``input_ids``: on-policy distillation's
+  per-token advantages, :mod:`lgt.trainer.distill.opd`) replaces the per-sample ``advantage`` in the
+  loss: the advantages become (B, T) like the log-probs.
 * ``dtype="bfloat16"`` keeps float32 master weights and AdamW state and runs the forward under autocast.
 
 Samples are read straight from the Arrow list buffers (numpy views over the offsets), never via Python
@@ -84,7 +87,9 @@ class TokenBatch:
     """A batch of samples as flat numpy arrays over the Arrow buffers (no per-token Python objects).
 
     Sample ``i``'s tokens are ``input_ids[starts[i]:starts[i] + lengths[i]]`` (same for ``loss_mask``
-    and ``behaviour_logprobs``); ``advantage``, ``loss_weight`` are per sample (N,).
+    and ``behaviour_logprobs``); ``advantage``, ``loss_weight`` are per sample (N,);
+    ``token_advantage`` (total tokens,) float32 when the samples carry per-token advantages (then the
+    loss uses it instead of ``advantage``).
     """
 
     sample_ids: pa.Array
@@ -96,6 +101,7 @@ class TokenBatch:
     masked: np.ndarray  # (N,) int64: loss_mask tokens per sample
     advantage: np.ndarray  # (N,) float32
     loss_weight: np.ndarray  # (N,) float32
+    token_advantage: np.ndarray | None = None  # (total tokens,) float32: per-token advantages (OPD)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -151,8 +157,11 @@ def read_samples(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) 
     ids, ids_off = _list_column(table, "input_ids")
     mask, mask_off = _list_column(table, "loss_mask")
     blp, blp_off = _list_column(table, "behaviour_logprobs")
+    per_token = "token_advantage" in table.column_names
+    tadv, tadv_off = _list_column(table, "token_advantage") if per_token else (blp, blp_off)
     lengths = np.diff(ids_off)
-    for name, off in (("loss_mask", mask_off), ("behaviour_logprobs", blp_off)):
+    lists = (("loss_mask", mask_off), ("behaviour_logprobs", blp_off), ("token_advantage", tadv_off))
+    for name, off in lists:
         bad = np.flatnonzero(np.diff(off) != lengths)
         if len(bad):
             i = int(bad[0])
@@ -165,6 +174,14 @@ def read_samples(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) 
     ids = ids[ids_off[0]:ids_off[-1]]
     mask = mask[mask_off[0]:mask_off[-1]]
     blp = blp[blp_off[0]:blp_off[-1]]
+    token_advantage = None
+    if per_token:
+        token_advantage = tadv[tadv_off[0]:tadv_off[-1]].astype(np.float32, copy=False)
+        bad = np.flatnonzero(~np.isfinite(token_advantage))
+        if len(bad):
+            i = int(np.searchsorted(ids_off[:-1] - ids_off[0], bad[0], side="right") - 1)
+            raise SampleError(f"sample {table.column('sample_id')[i].as_py()} has a non-finite "
+                              "token_advantage")
     starts = ids_off[:-1] - ids_off[0]
     if len(mask) and (mask.min() < 0 or mask.max() > 1):
         bad = int(np.flatnonzero((mask < 0) | (mask > 1))[0])
@@ -176,7 +193,7 @@ def read_samples(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) 
     return TokenBatch(sample_ids=table.column("sample_id").combine_chunks(), input_ids=ids, loss_mask=mask,
                       behaviour_logprobs=blp, starts=starts, lengths=lengths, masked=masked,
                       advantage=_scalar_column(table, "advantage"),
-                      loss_weight=_scalar_column(table, "loss_weight"))
+                      loss_weight=_scalar_column(table, "loss_weight"), token_advantage=token_advantage)
 
 
 def pack_micro_batches(lengths: Sequence[int] | np.ndarray, budget: int) -> list[list[int]]:
@@ -214,7 +231,8 @@ def pad_micro_batch(batch: TokenBatch, rows: Sequence[int], device: torch.device
     unused). Without ``trained_only`` K = T and these are the padded lists themselves
     (``positions`` = 0..T-1). With it, only positions whose next token is trained in some row are
     kept (plus the last, which predicts nothing): prompt-only stretches get no logits at all.
-    ``advantages``, ``loss_weight`` (B,) float32.
+    ``advantages`` (B,) float32, or (B, K) aligned like ``loss_mask`` when the batch has per-token
+    advantages (0 on padding); ``loss_weight`` (B,) float32.
     """
     idx = np.asarray(rows, dtype=np.int64)
     lens = batch.lengths[idx]
@@ -231,6 +249,11 @@ def pad_micro_batch(batch: TokenBatch, rows: Sequence[int], device: torch.device
     blp = np.zeros(b * width, np.float32)
     blp[flat] = batch.behaviour_logprobs[src]
     ids, mask, blp = ids.reshape(b, width), mask.reshape(b, width), blp.reshape(b, width)
+    adv = batch.advantage[idx]
+    if batch.token_advantage is not None:
+        adv = np.zeros(b * width, np.float32)
+        adv[flat] = batch.token_advantage[src]
+        adv = adv.reshape(b, width)
     positions = np.arange(width)
     targets = ids
     if trained_only:
@@ -239,13 +262,16 @@ def pad_micro_batch(batch: TokenBatch, rows: Sequence[int], device: torch.device
         pick = np.concatenate([[0], predicting + 1])
         targets, mask, blp = ids[:, pick], mask[:, pick], blp[:, pick]
         targets[:, 0], mask[:, 0], blp[:, 0] = 0, 0.0, 0.0
+        if adv.ndim == 2:
+            adv = adv[:, pick]
+            adv[:, 0] = 0.0
 
     def put(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
     return {"input_ids": put(ids), "positions": put(positions), "target_ids": put(targets),
             "loss_mask": put(mask), "behaviour_logprobs": put(blp),
-            "advantages": put(batch.advantage[idx]), "loss_weight": put(batch.loss_weight[idx])}
+            "advantages": put(adv), "loss_weight": put(batch.loss_weight[idx])}
 
 
 def _entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> float:

@@ -110,7 +110,19 @@ def summarize(run_dir: Path, *, stopped: str | None = None) -> dict[str, Any]:
         "retried": total("rollout/retried"),
         "groups_failed": total("rollout/groups_failed"),  # none of its rollouts ok: never trained
         "isolation": _isolation(cfg),
+        **({"teacher": teacher} if (teacher := _teacher(rows)) else {}),  # on-policy distillation's cost
     }
+
+
+def _teacher(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The teacher's seconds, tokens and requests over the run's steps (its ``teacher/*`` metrics), or
+    None for a run without a teacher."""
+    rows = [r for r in rows if number(r.get("teacher/seconds")) is not None]
+    if not rows:
+        return None
+    return {"seconds": round(sum(number(r.get("teacher/seconds")) or 0 for r in rows), 3),
+            "tokens": int(sum(number(r.get("teacher/tokens")) or 0 for r in rows)),
+            "requests": int(sum(number(r.get("teacher/requests")) or 0 for r in rows))}
 
 
 def _isolation(cfg: dict[str, Any]) -> dict[str, Any]:

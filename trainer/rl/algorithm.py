@@ -6,7 +6,10 @@ versions — and this module turns them into what the loss needs, in one place:
 * **advantages** by an estimator registered by name (:data:`ESTIMATORS`, like verl's
   ``register_adv_est``): ``grpo`` (``(r − mean_g) / (std_g + eps)``, or ``r − mean_g`` without
   ``std_normalize``: Dr. GRPO), ``rloo`` (``r − mean of the group's other rewards``), ``reinforce``
-  (the reward itself, no baseline). GRPO uses the *sample* standard deviation (n − 1); a group of one
+  (the reward itself, no baseline), ``opd`` (on-policy distillation: per sample the GRPO group
+  advantage, the reward part kept for the logs and mixed in with ``opd_reward_coef``; the per-token
+  advantage, teacher minus student logprob, is :mod:`lgt.trainer.distill.opd`'s). GRPO uses the
+  *sample* standard deviation (n − 1); a group of one
   or one whose rewards are all equal gets advantage 0 under ``grpo`` and ``rloo`` (``zero_variance``).
   A group is the rollouts of one task in one step that are trained (``group_id``): a failed rollout
   never counts as reward 0.
@@ -91,13 +94,16 @@ class AlgorithmConfig(LossConfig):
     """The run config's ``algorithm`` section: the loss settings plus how samples and advantages are
     made. ``estimator`` in :data:`ESTIMATORS`; ``std_normalize`` and ``eps`` apply to ``grpo``;
     ``sample_mode``: the store's merge (``exact``, or ``realign`` across re-tokenisation drift);
-    ``skip_zero_variance``: leave groups whose rewards are all equal out of the batch."""
+    ``skip_zero_variance``: leave groups whose rewards are all equal out of the batch;
+    ``opd_reward_coef`` (``estimator: opd``): the weight of the group's reward advantage added to each
+    generated token's teacher-minus-student log-ratio (0: pure distillation)."""
 
     estimator: str = "grpo"
     std_normalize: bool = True
     eps: float = 1e-6
     sample_mode: str = "realign"
     skip_zero_variance: bool = False
+    opd_reward_coef: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -107,6 +113,8 @@ class AlgorithmConfig(LossConfig):
             raise ValueError(f"eps must be a finite number >= 0, not {self.eps!r}")
         if self.sample_mode not in SAMPLE_MODES:
             raise _unknown("sample mode", self.sample_mode, SAMPLE_MODES)
+        if _number("opd_reward_coef", self.opd_reward_coef) < 0:
+            raise ValueError(f"opd_reward_coef must be a finite number >= 0, not {self.opd_reward_coef!r}")
 
 
 # --- advantage estimators -------------------------------------------------------------------------
@@ -169,6 +177,14 @@ def rloo(rewards: np.ndarray, groups: np.ndarray, cfg: AlgorithmConfig) -> np.nd
 def reinforce(rewards: np.ndarray, groups: np.ndarray, cfg: AlgorithmConfig) -> np.ndarray:
     """The reward itself (no baseline)."""
     return rewards.copy()
+
+
+@register_estimator("opd")
+def opd(rewards: np.ndarray, groups: np.ndarray, cfg: AlgorithmConfig) -> np.ndarray:
+    """On-policy distillation's reward part: GRPO's group advantage (the per-token teacher-minus-student
+    log-ratio is added by :func:`lgt.trainer.distill.opd.token_advantages`, which weighs this by
+    ``opd_reward_coef``)."""
+    return grpo(rewards, groups, cfg)
 
 
 def advantages(rewards: np.ndarray, groups: np.ndarray, cfg: AlgorithmConfig) -> np.ndarray:

@@ -160,8 +160,16 @@ class RunLog:
         s.tokens_per_s = row.get("perf/tokens_per_s", row.get("tokens_per_s", 0.0))
         self.refresh(f"step {s.step}/{self.steps}  reward {s.reward_mean:.3f}  "
                      f"samples {row['samples']}  staleness≤{s.staleness}  drain {s.drain_s:.2f}s  "
-                     f"train {row['perf/train_s']:.2f}s  sync {row['perf/sync_s']:.2f}s")
+                     f"train {row['perf/train_s']:.2f}s  sync {row['perf/sync_s']:.2f}s{distill_text(row)}")
         self.trackers.step(row)
+
+
+def distill_text(row: Mapping[str, Any]) -> str:
+    """On-policy distillation's part of the step's line: the reverse KL to the teacher and the seconds
+    the teacher took ('' without a teacher)."""
+    if "opd/reverse_kl" not in row:
+        return ""
+    return f"  reverse KL {row['opd/reverse_kl']:.3f}  teacher {row.get('teacher/seconds', 0.0):.2f}s"
 
 
 def step_row(*, step: int, version: int, time_s: float, columns: Mapping[str, Any], groups: int,
