@@ -1,4 +1,4 @@
-"""``lgt-train``: the trainer's command line — ``run``, ``serve``, ``eval``, ``apo``, ``engine``,
+"""``lgt-train``: the trainer's command line — ``run``, ``serve``, ``eval``, ``apo``, ``record``, ``engine``,
 ``make-model``, ``samples``, and the store's own commands (``sql``, ``reward``, ``rollout``, ``show``,
 ``report``: :mod:`lgt.store.cli`). Inspection commands work without torch.
 
@@ -220,6 +220,39 @@ def eval_cmd(config_file: Path, checkpoint: Path | None, run_dir: Path | None, s
     click.echo(f"{cfg.name}: {res.line()}")
     click.echo(f"  {len(res.greedy) + len(res.sampled)} rewards in {out / 'eval.jsonl'}; the rollouts in "
                f"{out / 'store'} (split 'eval')")
+
+
+@main.command("record")
+@click.argument("config_file", type=click.Path(path_type=Path))
+@click.option("--per-task", type=int, help="Rollouts per task (default: the config's group_size).")
+@click.option("--tasks", "n_tasks", type=int, help="Record only the first N training tasks.")
+@click.option("--eval", "with_eval", is_flag=True,
+              help="Also record the held-out tasks (split 'eval'): the teacher's held-out score.")
+@click.option("--threshold", type=float, default=1.0, show_default=True,
+              help="The summary gives the share of rollouts whose reward is at least this.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the recording writes (default: the config's run_dir, else "
+                   "runs/<name>-record-<time>).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override any config key (dotted, YAML value), e.g. --set agent.timeout_s=300.")
+def record_cmd(config_file: Path, per_task: int | None, n_tasks: int | None, with_eval: bool,
+               threshold: float, run_dir: Path | None, sets: tuple[str, ...]) -> None:
+    """Record CONFIG_FILE's agent, unchanged, on the model it already uses (its own key and base URL in
+    agent.env): every call, its rollouts and rewards, in the store; then `lgt-train sft`. Nothing of the
+    student is built. A store that holds calls already is added to."""
+    from lgt.trainer import config as cfgmod
+    from lgt.trainer.distill import record
+
+    try:
+        cfg = cfgmod.load(config_file, _overrides(sets))
+        # one sentence, nothing started
+        record.plan(cfg, per_task=per_task, n_tasks=n_tasks, with_eval=with_eval)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    summary = record.record(cfg, per_task=per_task, n_tasks=n_tasks, with_eval=with_eval, threshold=threshold,
+                            run_dir=run_dir, log=click.echo)
+    for line in record.render(summary, config_file):
+        click.echo(line)
 
 
 @main.command("apo")

@@ -114,19 +114,21 @@ class ProxyClient:
 
     # --- lifecycle -------------------------------------------------------------------------------
     @classmethod
-    def start(cls, store: Path | str, upstream: str, *, log_path: Path, policy_version: int = 0,
+    def start(cls, store: Path | str, upstream: str | None, *, log_path: Path, policy_version: int = 0,
               port: int = 0, control_port: int = 0, command: list[str] | None = None,
               upstream_timeout: float | None = None, listen_host: str = "127.0.0.1",
               egress: list[str] | None = None, timeout: float = 60) -> ProxyClient:
         """Start lgt-proxy on ``store`` (a folder, or ``s3://…``: the proxy uploads there and both
-        work in its local mirror)."""
+        work in its local mirror). ``upstream`` None: observe-only (calls go where the agent sent them,
+        and are recorded as a hosted model's: ``lgt-train record``)."""
         from lgt.store.remote import resolve
 
         store_arg, store = str(store), resolve(store)[0]
         port = port or free_port()
         control_port = control_port or free_port()
-        cmd = [*(command or find_proxy_command()), "--store", store_arg, "--upstream", upstream,
-               "--served-model", "policy", "--listen-port", str(port), "--control-port", str(control_port),
+        route = ["--upstream", upstream, "--served-model", "policy"] if upstream is not None else []
+        cmd = [*(command or find_proxy_command()), "--store", store_arg, *route,
+               "--listen-port", str(port), "--control-port", str(control_port),
                "--policy-version", str(policy_version), "--flush-seconds", "0.5"]
         if listen_host != "127.0.0.1":
             cmd += ["--listen-host", listen_host]
