@@ -13,7 +13,8 @@ FOLDERS = {"proxy": "lgt.proxy", "store": "lgt.store", "trainer": "lgt.trainer",
 # trainer its subpackages; a module directly in trainer/ (cli, recipe, config, models) is its own room.
 ORDER = [
     "lgt.testing",
-    "lgt.trainer.cli", "lgt.trainer.distill.record", "lgt.trainer.recipe", "lgt.trainer.config",
+    "lgt.trainer.cli", "lgt.trainer.distill.record", "lgt.trainer.distill.sft", "lgt.trainer.recipe",
+    "lgt.trainer.config",
     "lgt.trainer.distill", "lgt.trainer.run", "lgt.trainer.apo",
     "lgt.trainer.rollout", "lgt.trainer.backends", "lgt.trainer.serving", "lgt.trainer.report",
     "lgt.trainer.rl", "lgt.trainer.models", "lgt.trainer.demo",

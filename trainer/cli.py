@@ -1,6 +1,6 @@
-"""``lgt-train``: the trainer's command line — ``run``, ``serve``, ``eval``, ``apo``, ``record``, ``engine``,
-``make-model``, ``samples``, and the store's own commands (``sql``, ``reward``, ``rollout``, ``show``,
-``report``: :mod:`lgt.store.cli`). Inspection commands work without torch.
+"""``lgt-train``: the trainer's command line — ``run``, ``serve``, ``eval``, ``apo``, ``record``, ``sft``,
+``engine``, ``make-model``, ``samples``, and the store's own commands (``sql``, ``reward``, ``rollout``,
+``show``, ``report``: :mod:`lgt.store.cli`). Inspection commands work without torch.
 
 Each command checks its input, calls one function and prints the result; a user's mistake ends in one
 sentence (``click.ClickException``), with nothing written.
@@ -252,6 +252,31 @@ def record_cmd(config_file: Path, per_task: int | None, n_tasks: int | None, wit
     summary = record.record(cfg, per_task=per_task, n_tasks=n_tasks, with_eval=with_eval, threshold=threshold,
                             run_dir=run_dir, log=click.echo)
     for line in record.render(summary, config_file):
+        click.echo(line)
+
+
+@main.command("sft")
+@click.argument("config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--traces", type=click.Path(path_type=Path),
+              help="The store of the teacher's recorded calls (lgt-train record; default: sft.traces).")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where metrics, checkpoints and the summary go (default runs/<name>-<time>).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override any config key (dotted, YAML value), e.g. --set sft.min_reward=1.")
+def sft_cmd(config_file: Path, traces: Path | None, run_dir: Path | None, sets: tuple[str, ...]) -> None:
+    """Fine-tune CONFIG_FILE's model on a teacher's recorded traces (its sft section: which rollouts,
+    epochs, batch): re-tokenised with the model's own chat template, trained with the run's backend,
+    held-out eval before and after; the checkpoint is a model.path for `lgt-train run`."""
+    from lgt.trainer import config as cfgmod
+    from lgt.trainer.distill import sft
+
+    try:
+        cfg = cfgmod.load(config_file, _overrides(sets))
+        target = (run_dir or cfg.run_dir or cfgmod.default_run_dir(cfg)).resolve()
+        summary = sft.train(cfg, target, traces=traces, echo=click.echo)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise click.ClickException(_run_error(e)) from None
+    for line in sft.summary_lines(summary):
         click.echo(line)
 
 

@@ -28,7 +28,7 @@ import yaml
 from lgt.trainer.apo.optimize import ApoConfig
 from lgt.trainer.backends.base import BACKENDS, TorchConfig, VerlConfig
 from lgt.trainer.distill.opd import TeacherSection, tokenizer_mismatch
-from lgt.trainer.distill.sft import SftConfig
+from lgt.trainer.distill.traces import SftConfig
 from lgt.trainer.models import MakeModel
 from lgt.trainer.report import trackers
 from lgt.trainer.rl.algorithm import AlgorithmConfig, LossConfig
@@ -74,7 +74,7 @@ class RunConfig:
     resources: dict[str, ResourceSpec] = dataclasses.field(default_factory=dict)  # prompts (resources.py)
     apo: ApoConfig | None = None  # lgt-train apo: which resource, the optimiser, the critic (apo.py)
     teacher: TeacherSection | None = None  # on-policy distillation's teacher (distill/opd.py)
-    sft: SftConfig | None = None  # lgt-train sft: the teacher's traces, how they are chosen (distill/sft.py)
+    sft: SftConfig | None = None  # lgt-train sft: which of the teacher's traces (distill/traces.py)
     mode: str = "async"
     group_size: int = 8
     batch_groups: int = 4
