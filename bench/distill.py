@@ -1,0 +1,218 @@
+"""Learning from a stronger model before RL, on the CPU demo: RL alone, SFT then RL, OPD, OPD then RL.
+
+    .venv/bin/python bench/distill.py --seeds 0,1,2                    # every arm, three seeds
+    .venv/bin/python bench/distill.py --seeds 0 --arms rl,opd          # some of them
+    .venv/bin/python bench/distill.py --report runs/distill-*          # the table of finished arms
+
+Every arm starts from the same warm start (examples/carry: the model forgets the carry on most
+problems) and stops at the same target (the mean training reward of 10 steps ≥ 0.9) or limits:
+
+- ``rl``: ``lgt-train run examples/carry/run.yaml``;
+- ``opd``: ``lgt-train run examples/distill/opd.yaml`` — the teacher (the same warm start trained on
+  right answers, built by ``teacher.make``) scores every token the student generates;
+- ``opd+rl``: ``--distill-steps`` steps of OPD, then RL from its checkpoint;
+- ``sft+rl``: the teacher, served by ``lgt-train engine`` as if it were a hosted model, answers the
+  unchanged agent on the training tasks (``lgt-train record``), ``lgt-train sft`` trains the student on
+  the traces that earned reward 1, then RL from that checkpoint.
+
+Steps and seconds to the target count every stage (the SFT's optimizer steps and seconds, the OPD steps);
+teacher calls are the teacher's requests (OPD) or recorded calls (SFT). Held-out greedy and sampled
+reward (the config's ``eval``: tasks never trained on) before the first stage → after the last. The last
+lines give each arm's steps to target over RL's, per seed (goal: OPD ≤ 1/3 on 3 of 3 seeds, with held-out
+reward at least as high).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CARRY = ROOT / "examples" / "carry" / "run.yaml"
+OPD = ROOT / "examples" / "distill" / "opd.yaml"
+SFT = ROOT / "examples" / "distill" / "sft.yaml"
+ARMS = ("rl", "sft+rl", "opd", "opd+rl")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+
+def lgt_train(*args: str) -> None:
+    cmd = [sys.executable, "-m", "lgt.trainer.cli", *args]
+    print(f"$ lgt-train {' '.join(args)}", file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, env=_env())
+
+
+def run(config: Path, run_dir: Path, seed: int, *sets: str) -> dict:
+    lgt_train("run", str(config), "--run-dir", str(run_dir), "--set", f"seed={seed}",
+              *(x for s in sets for x in ("--set", s)))
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def final_checkpoint(run_dir: Path) -> Path:
+    from lgt.trainer.backends.checkpoints import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        raise SystemExit(f"{run_dir} has no finished checkpoint")
+    return ckpt
+
+
+def from_checkpoint(ckpt: Path) -> tuple[str, str]:
+    return f"model.path={ckpt}", "model.make=null"
+
+
+def teacher_dir() -> Path:
+    """The teacher examples/distill/opd.yaml names (built by its teacher.make when missing)."""
+    from lgt.trainer import config as cfgmod
+
+    cfg = cfgmod.load(OPD)
+    assert cfg.teacher is not None and cfg.teacher.path is not None
+    if not cfg.teacher.path.exists():
+        from lgt.trainer.demo import tiny
+
+        m = cfg.teacher.make
+        tiny.make_model(cfg.teacher.path, preset=m.preset, warm_start_task=m.warm_start, steps=m.steps,
+                        seconds=m.seconds, seed=m.seed, correct_fraction=m.correct_fraction)
+    return cfg.teacher.path
+
+
+class HostedTeacher:
+    """The teacher behind ``lgt-train engine``: a local stand-in for a hosted model (its URL is what the
+    agent's OPENAI_BASE_URL names while its traces are recorded)."""
+
+    def __init__(self, model: Path, port: int = 8031) -> None:
+        self.url = f"http://127.0.0.1:{port}/v1"
+        cmd = [sys.executable, "-m", "lgt.trainer.cli", "engine", str(model), "--port", str(port),
+               "--max-model-len", "256", "--served-model-name", "gpt-4o-mini"]  # what the agent asks for
+        self.proc = subprocess.Popen(cmd, env=_env(), start_new_session=True)
+
+    def wait(self, timeout: float = 600) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit("the teacher's engine exited")
+            try:
+                if httpx.get(self.url + "/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        raise SystemExit("the teacher's engine did not start")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+
+
+def arm(name: str, seed: int, out: Path, distill_steps: int) -> dict:
+    """One arm from the warm start: its stages' summaries, added up."""
+    d = out / f"{name.replace('+', '-')}-s{seed}"
+    if name == "rl":
+        return row(name, seed, [run(CARRY, d / "rl", seed)])
+    if name == "opd":
+        return row(name, seed, [run(OPD, d / "opd", seed)])
+    if name == "opd+rl":
+        first = run(OPD, d / "opd", seed, f"steps={distill_steps}", "target_reward=null")
+        then = run(CARRY, d / "rl", seed, *from_checkpoint(final_checkpoint(d / "opd")))
+        return row(name, seed, [first, then])
+    if name == "sft+rl":
+        teacher = HostedTeacher(teacher_dir())
+        try:
+            teacher.wait()
+            lgt_train("record", str(SFT), "--run-dir", str(d / "record"), "--set", f"seed={seed}",
+                      "--set", f"agent.env.OPENAI_BASE_URL={teacher.url}")
+        finally:
+            teacher.stop()
+        recorded = json.loads((d / "record" / "summary.json").read_text())
+        lgt_train("sft", str(SFT), "--traces", str(d / "record" / "store"), "--run-dir", str(d / "sft"),
+                  "--set", f"seed={seed}")
+        sft = json.loads((d / "sft" / "summary.json").read_text())
+        then = run(CARRY, d / "rl", seed, *from_checkpoint(Path(sft["checkpoint"])))
+        return row(name, seed, [sft, then], teacher_calls=recorded.get("calls"))
+    raise SystemExit(f"unknown arm {name!r}: one of {', '.join(ARMS)}")
+
+
+def row(name: str, seed: int, stages: list[dict], teacher_calls: int | None = None) -> dict:
+    """Steps and seconds to the target over all stages (None when the last did not reach it), teacher
+    calls, held-out reward before the first stage → after the last."""
+    last = stages[-1]
+    before = (stages[0].get("eval_before") or {})
+    after = (last.get("eval_after") or {})
+    earlier_steps = sum(int(s.get("steps") or 0) for s in stages[:-1])
+    earlier_s = sum(60 * float(s.get("minutes") or 0) for s in stages[:-1])
+    reached = last.get("steps_to_target") is not None
+    calls = teacher_calls if teacher_calls is not None else sum(
+        int((s.get("teacher") or {}).get("requests") or 0) for s in stages)
+    return {"arm": name, "seed": seed,
+            "steps": earlier_steps + last["steps_to_target"] if reached else None,
+            "seconds": earlier_s + last["seconds_to_target"] if reached else None,
+            "teacher_calls": calls,
+            "greedy": (before.get("greedy"), after.get("greedy")),
+            "sampled": (before.get("sampled"), after.get("sampled"))}
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'arm':>7} {'seed':>4} {'steps to target':>16} {'seconds':>8} {'teacher calls':>14} "
+            f"{'held-out greedy':>16} {'held-out sampled':>17}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        g, s = r["greedy"], r["sampled"]
+        steps = "not reached" if r["steps"] is None else str(r["steps"])
+        lines.append(f"{r['arm']:>7} {r['seed']:>4} {steps:>16} "
+                     f"{_f(r['seconds'], '.0f'):>8} {r['teacher_calls']:>14} "
+                     f"{_f(g[0]):>7} → {_f(g[1]):<6} {_f(s[0]):>8} → {_f(s[1]):<6}")
+    rl = {r["seed"]: r for r in rows if r["arm"] == "rl"}
+    for name in ARMS[1:]:
+        ratios = []
+        for r in rows:
+            base = rl.get(r["seed"])
+            if r["arm"] == name and base and base["steps"] and r["steps"] is not None:
+                ratios.append((r["seed"], r["steps"] / base["steps"]))
+        if ratios:
+            within = sum(1 for _, x in ratios if x <= 1 / 3)
+            lines.append(f"{name}: steps to target / RL's: "
+                         + ", ".join(f"seed {s} {x:.2f}" for s, x in ratios)
+                         + f"  (≤ 1/3 on {within} of {len(ratios)})")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    ap.add_argument("--distill-steps", type=int, default=10, help="OPD steps before RL in opd+rl")
+    ap.add_argument("--report", type=Path, metavar="OUT", help="tabulate the rows a bench run wrote")
+    args = ap.parse_args()
+    if args.report:
+        print(table([json.loads(line) for line in (args.report / "rows.jsonl").read_text().splitlines()]))
+        return
+    out = ROOT / "runs" / f"distill-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True)
+    rows = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for name in args.arms.split(","):
+            r = arm(name.strip(), seed, out, args.distill_steps)
+            rows.append(r)
+            with (out / "rows.jsonl").open("a") as f:
+                f.write(json.dumps(r) + "\n")
+    print()
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
