@@ -449,6 +449,19 @@ def load_tasks(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def split_tasks(cfg: RunConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The run's training tasks and its held-out ones (``eval``: a file of their own or a share split
+    off: lgt.trainer.run.evaluation.split_tasks); ConfigError (one sentence) when they cannot be read."""
+    from lgt.trainer.run import evaluation
+
+    tasks = load_tasks(cfg.tasks)
+    held = load_tasks(cfg.eval.tasks) if cfg.eval is not None and cfg.eval.tasks else None
+    try:
+        return evaluation.split_tasks(tasks, cfg.eval, held)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def default_run_dir(cfg: RunConfig, cwd: Path | None = None) -> Path:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return (cwd or Path.cwd()) / "runs" / f"{cfg.name}-{stamp}"

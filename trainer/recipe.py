@@ -79,12 +79,7 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     from lgt.trainer.serving.engine import EngineError, engine_python
     from lgt.trainer.serving.proxy import ProxyError, find_proxy_command
 
-    tasks = cfgmod.load_tasks(cfg.tasks)
-    held = cfgmod.load_tasks(cfg.eval.tasks) if cfg.eval is not None and cfg.eval.tasks else None
-    try:
-        tasks, held = evaluation.split_tasks(tasks, cfg.eval, held)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    tasks, held = cfgmod.split_tasks(cfg)
     try:
         rollouts.check_agent(cfg.agent)
     except rollouts.RolloutError as e:

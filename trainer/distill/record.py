@@ -85,12 +85,7 @@ def plan(cfg: RunConfig, *, per_task: int | None = None, n_tasks: int | None = N
     from lgt.trainer.rollout import controller as rollouts
     from lgt.trainer.serving.proxy import ProxyError, find_proxy_command
 
-    tasks = cfgmod.load_tasks(cfg.tasks)
-    held = cfgmod.load_tasks(cfg.eval.tasks) if cfg.eval is not None and cfg.eval.tasks else None
-    try:
-        tasks, held = evaluation.split_tasks(tasks, cfg.eval, held)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    tasks, held = cfgmod.split_tasks(cfg)
     if with_eval and cfg.eval is None:
         raise ConfigError("--eval records the held-out tasks, but the run config has no eval section to "
                           "say which they are: add e.g. eval: {split: 0.2}")
