@@ -94,8 +94,8 @@ class ProxyConfig:
         if self.capture_tokens not in CAPTURE_MODES:
             raise ConfigError(f"--capture-tokens must be auto, on or off, not {self.capture_tokens!r}")
         if self.hosted_models and self.upstream is None:
-            raise ConfigError("--hosted-model needs --upstream (without one, every Responses, Messages and "
-                              "Gemini call already goes where the agent sent it)")
+            raise ConfigError("--hosted-model needs --upstream (without one, every LLM call already goes "
+                              "where the agent sent it)")
         try:
             parse_resolve(list(self.resolve))
         except ValueError as e:

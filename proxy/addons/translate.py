@@ -149,14 +149,11 @@ class Translate:
             else:
                 call.agent_request, req = read_request(self.rt, identity, call.api, content, call.translation,
                                                        flow.request.path)
-        except (wire.BadRequest, ValueError) as e:
-            if self.translates or flow.metadata.get(REVERSE):
-                self.rt.metrics.bad_requests += 1
-                flow.metadata[CALL] = call
-                call.refuse(flow, 400, str(e))
-                return
-            self.rt.metrics.passed_unread += 1
-            return  # observe-only: not an LLM call we understand; ordinary traffic
+        except (wire.BadRequest, ValueError) as e:  # the engine's call (observe-only ones are hosted)
+            self.rt.metrics.bad_requests += 1
+            flow.metadata[CALL] = call
+            call.refuse(flow, 400, str(e))
+            return
         call.requested_model = (call.agent_request or req).get("model")
         call.request = req
         if self.translates:  # an output limit the engine's context cannot hold: left out
