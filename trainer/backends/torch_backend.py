@@ -157,10 +157,12 @@ def read_samples(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) 
     ids, ids_off = _list_column(table, "input_ids")
     mask, mask_off = _list_column(table, "loss_mask")
     blp, blp_off = _list_column(table, "behaviour_logprobs")
+    lists = [("loss_mask", mask_off), ("behaviour_logprobs", blp_off)]
     per_token = "token_advantage" in table.column_names
-    tadv, tadv_off = _list_column(table, "token_advantage") if per_token else (blp, blp_off)
+    if per_token:
+        tadv, tadv_off = _list_column(table, "token_advantage")
+        lists.append(("token_advantage", tadv_off))
     lengths = np.diff(ids_off)
-    lists = (("loss_mask", mask_off), ("behaviour_logprobs", blp_off), ("token_advantage", tadv_off))
     for name, off in lists:
         bad = np.flatnonzero(np.diff(off) != lengths)
         if len(bad):
