@@ -93,6 +93,26 @@ def test_a_store_is_read(tmp_path: Path, tok) -> None:
     assert build_samples(tok, calls, kept, 4096).calls == 2
 
 
+
+def test_a_retried_rollout_is_read_as_its_latest_attempt_with_that_attempts_reward(tmp_path: Path) -> None:
+    """Attempt 0 failed and was retried: only attempt 1's calls are traces, under attempt 1's reward
+    (the store's own rollouts and rewards views)."""
+    from lgt.store.ingest import add_reward, add_rollout
+    from lgt.store.writer import TableWriter
+
+    store = tmp_path / "s"
+    with TableWriter(store, "calls") as w:
+        for attempt, answer in ((0, "41"), (1, "42")):
+            for row in tool_rollout("r", "6*7", answer, attempt=attempt):
+                w.append(row)
+    add_rollout(store, "r", attempt=0, task_id="mult", group_id="g0", status="failed", exit_code=1)
+    add_rollout(store, "r", attempt=1, task_id="mult", group_id="g0")
+    add_reward(store, "r", 0.0, attempt=0)
+    add_reward(store, "r", 1.0, attempt=1)
+    calls, rollouts = read_traces(store)
+    assert [(r["rollout_id"], r["status"], r["reward"]) for r in rollouts] == [("r", "ok", 1.0)]
+    assert {c["attempt"] for c in calls} == {1} and len(calls) == 2
+
 # --- training: the policy loss with advantage 1 and ratio 1 is the NLL; a real lgt-train sft ---------
 
 def test_the_policy_loss_gradient_is_the_nll_gradient(tiny_model_dir: Path, tok) -> None:

@@ -217,28 +217,37 @@ def choose_rollouts(rows: list[dict], cfg: SftConfig) -> dict[str, dict]:
 
 
 def read_traces(store: Path) -> tuple[list[dict], list[dict]]:
-    """(calls, rollouts with their latest rollout-level reward) of a store."""
+    """(calls, rollouts) of a store: each rollout's latest attempt (the store's ``rollouts`` view) with
+    its rollout-level reward (the ``rewards`` view: the latest recorded), and that attempt's calls."""
     from lgt.store.query import connect
 
     if not Path(store).is_dir():
         raise SftError(f"sft.traces {store} is not a store directory")
     con = connect(store)
-    cols = {r[0] for r in con.execute("DESCRIBE calls").fetchall()}
-    api = "api" if "api" in cols else "NULL AS api"
-    calls = [dict(zip(["rollout_id", "attempt", "seq", "status", "api", "request_json", "response_json"], r))
-             for r in con.execute(f"SELECT rollout_id, attempt, seq, status, {api}, request_json, "
-                                  "response_json FROM calls").fetchall()]
-    if not calls:
-        raise SftError(f"the store {store} holds no recorded calls")
-    rollouts = [dict(zip(["rollout_id", "task_id", "group_id", "status", "split", "reward"], r))
-                for r in con.execute(_ROLLOUTS_SQL).fetchall()]
+    try:
+        cols = {r[0] for r in con.execute("DESCRIBE calls").fetchall()}
+        api = "c.api" if "api" in cols else "NULL AS api"
+        con.execute(_LATEST_SQL)
+        fields = ["rollout_id", "attempt", "seq", "status", "api", "request_json", "response_json"]
+        calls = [dict(zip(fields, r)) for r in con.execute(
+            f"SELECT c.rollout_id, c.attempt, c.seq, c.status, {api}, c.request_json, c.response_json "
+            "FROM calls c SEMI JOIN _lgt_latest USING (rollout_id, attempt)").fetchall()]
+        if not calls:
+            raise SftError(f"the store {store} holds no recorded calls")
+        rollouts = [dict(zip(["rollout_id", "task_id", "group_id", "status", "split", "reward"], r))
+                    for r in con.execute("SELECT rollout_id, task_id, group_id, status, split, reward "
+                                         "FROM _lgt_latest").fetchall()]
+    finally:
+        con.close()
     return calls, rollouts
 
 
-_ROLLOUTS_SQL = """
-SELECT r.rollout_id, r.task_id, r.group_id, r.status, r.split, w.reward FROM rollouts r
-LEFT JOIN (SELECT rollout_id, arg_max(TRY_CAST(value AS DOUBLE), recorded_at) AS reward FROM rewards
-           WHERE call_id IS NULL GROUP BY rollout_id) w USING (rollout_id)
+_LATEST_SQL = """
+CREATE OR REPLACE TEMP VIEW _lgt_latest AS
+SELECT r.rollout_id, r.attempt, r.task_id, r.group_id, r.status, r.split, w.value AS reward
+FROM rollouts r
+LEFT JOIN rewards w ON w.rollout_id = r.rollout_id AND w.attempt = r.attempt AND w.call_id IS NULL
+QUALIFY r.attempt = max(r.attempt) OVER (PARTITION BY r.rollout_id)
 """
 
 
