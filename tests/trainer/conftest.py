@@ -45,12 +45,14 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[Path
     every test of the session that only needs *an* engine running (a run given ``engine.url`` loads its
     own weights into it first, which also resets its prefix cache, and leaves it running). Served as
     ``policy`` with a context of 8192 and the hermes tool parser (what the framework examples need).
+    ``engines(model_dir, own_weights=True)``: the served weights are ``model_dir``'s again, whatever an
+    earlier run left there (for tests that compare what it computes with the checkpoint).
     Tests of the engine's own start, stop, restart or crash handling start their own."""
-    from lgt.trainer.serving.engine import Engine, EngineConfig
+    from lgt.trainer.serving.engine import Engine, EngineConfig, checkpoint_tensors
 
     started: dict[Path, Engine] = {}
 
-    def get(model_dir: Path) -> Engine:
+    def get(model_dir: Path, own_weights: bool = False) -> Engine:
         eng = started.get(model_dir)
         if eng is None or eng.died:  # first use, or a test killed it: a fresh one
             if eng is not None:
@@ -61,6 +63,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[Path
                 extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")))
         if eng.is_paused():  # a run killed between its pause and resume
             eng.resume()
+        if own_weights:
+            eng.update_weights(checkpoint_tensors(model_dir))
         return eng
 
     yield get

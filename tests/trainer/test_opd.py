@@ -56,7 +56,7 @@ def test_teacher_logprobs_equal_what_transformers_computes(arith_model_dir: Path
                                                           engines: Callable[[Path], Engine]) -> None:
     from lgt.trainer.demo import tiny
 
-    engine = engines(arith_model_dir)  # the session's engine serves the teacher here
+    engine = engines(arith_model_dir, own_weights=True)  # the session's engine serves the teacher here
     tok = tiny.load_tokenizer(arith_model_dir)
     chat = tok.apply_chat_template([{"role": "user", "content": "What is 3+4?"},
                                     {"role": "assistant", "content": "The answer is 7."}], tokenize=False)
