@@ -63,6 +63,12 @@ def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path
     rollouts = con.execute("SELECT count(DISTINCT rollout_id) FROM rollouts_log WHERE status = 'ok'"
                            ).fetchone()[0]  # finished (rollouts the run's end cut off have no reward)
     assert rewards == rollouts >= 4 * steps
+    with_tools = con.execute("SELECT count(*) FROM calls WHERE json_array_length(request_json, '$.tools') > 0"
+                             ).fetchone()[0]
+    if with_tools:  # the shared engine parses tool calls; the example's own engine must be told to as well
+        own = yaml.safe_load((here / "run.yaml").read_text()).get("engine") or {}
+        assert "--enable-auto-tool-choice" in (own.get("extra_args") or []), \
+            f"{example}'s agent offers tools: its engine needs a tool-call parser"
     if example in HARNESSES:  # the reward is the task's own check, printed by task.sh after the harness
         done = con.execute("SELECT rollout_id || '~' || attempt FROM rollouts_log WHERE status = 'ok'"
                            ).fetchall()
