@@ -47,7 +47,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +72,8 @@ from lgt.testing.harnesses import (
     installed_version,
     prepare,
 )
+from lgt.testing.hosted_teacher import anthropic_answer, anthropic_whole, sse
+from lgt.testing.hosted_teacher import new_id as _id
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "harnesses"
@@ -91,20 +92,6 @@ SECRET_QUERY = {"key", "api_key", "apikey", "token", "access_token"}
 # --------------------------------------------------------------------------------------------------
 # canned answers, one small builder per API
 # --------------------------------------------------------------------------------------------------
-
-def _id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
-
-
-def sse(events: list[tuple[str | None, Any]]) -> bytes:
-    """``event: name`` (when given) + ``data: json`` frames."""
-    out = []
-    for name, data in events:
-        if name:
-            out.append(f"event: {name}\n")
-        out.append("data: " + (data if isinstance(data, str) else json.dumps(data)) + "\n\n")
-    return "".join(out).encode()
-
 
 def parse_sse(raw: bytes) -> list[dict[str, Any]]:
     events = []
@@ -125,51 +112,6 @@ def parse_sse(raw: bytes) -> list[dict[str, Any]]:
 
 
 # ---- Anthropic Messages --------------------------------------------------------------------------
-
-def anthropic_answer(body: dict[str, Any], call: ToolCall | None, text: str) -> list[tuple[str, Any]]:
-    model = body.get("model", "claude")
-    msg_id = _id("msg_")
-    usage = {"input_tokens": 10, "output_tokens": 0, "cache_creation_input_tokens": 0,
-             "cache_read_input_tokens": 0}
-    ev: list[tuple[str, Any]] = [("message_start", {"type": "message_start", "message": {
-        "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": usage}})]
-    if call is None:
-        ev += [("content_block_start", {"type": "content_block_start", "index": 0,
-                                        "content_block": {"type": "text", "text": ""}}),
-               ("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                        "delta": {"type": "text_delta", "text": text}}),
-               ("content_block_stop", {"type": "content_block_stop", "index": 0})]
-        stop = "end_turn"
-    else:
-        ev += [("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {
-                    "type": "tool_use", "id": _id("toolu_"), "name": call.name, "input": {}}}),
-               ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {
-                    "type": "input_json_delta", "partial_json": json.dumps(call.args)}}),
-               ("content_block_stop", {"type": "content_block_stop", "index": 0})]
-        stop = "tool_use"
-    ev += [("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
-                              "usage": {"output_tokens": 12}}),
-           ("message_stop", {"type": "message_stop"})]
-    return ev
-
-
-def anthropic_whole(events: list[tuple[str, Any]]) -> dict[str, Any]:
-    msg = copy.deepcopy(events[0][1]["message"])
-    for name, d in events[1:]:
-        if name == "content_block_start":
-            msg["content"].append(copy.deepcopy(d["content_block"]))
-        elif name == "content_block_delta":
-            blk = msg["content"][d["index"]]
-            if d["delta"]["type"] == "text_delta":
-                blk["text"] += d["delta"]["text"]
-            else:
-                blk["input"] = json.loads(d["delta"]["partial_json"])
-        elif name == "message_delta":
-            msg.update(d["delta"])
-            msg["usage"]["output_tokens"] = d["usage"]["output_tokens"]
-    return msg
-
 
 # ---- OpenAI Responses ----------------------------------------------------------------------------
 

@@ -31,7 +31,12 @@ from typing import Any
 
 Json = dict[str, Any]
 
-TASK_WORDS = re.compile(r"write the word ([^\s\"'`<>]+) into the file ([\w./~+@-]*\w)", re.IGNORECASE)
+_WORD, _FILE = r"(?P<word>[^\s\"'`<>]*[^\s\"'`<>.,;:!?])", r"(?P<file>[\w./~+@-]*\w)"
+# the task's sentence, in task_text's words and the other ways examples/write_a_word says it
+TASK_WORDS = tuple(re.compile(p, re.IGNORECASE) for p in (
+    rf"write the word {_WORD} into the file {_FILE}",
+    rf"create {_FILE} in the current directory containing just the word {_WORD}",
+    rf"put the word {_WORD} in a file named {_FILE}"))
 # where a harness's prompt says it runs (Claude Code, Codex, qwen-code, Gemini CLI, opencode, pi)
 WORKDIR = re.compile(r"(?:Primary working directory:|<cwd>|currently working in the directory:"
                      r"|Workspace Directories:\**\s*-|Working directory:|Current working directory:)"
@@ -92,12 +97,13 @@ def find_task(texts: Iterable[str]) -> Task | None:
     texts = list(texts)
     found = None
     for t in texts:
-        for m in TASK_WORDS.finditer(t):
-            found = m
+        last = max((m for pattern in TASK_WORDS for m in pattern.finditer(t)), key=lambda m: m.start(),
+                   default=None)
+        found = last or found
     if found is None:
         return None
     workdir = next((m.group(1).rstrip(".,;:") for t in texts for m in WORKDIR.finditer(t)), None)
-    return Task(found.group(1), found.group(2), workdir)
+    return Task(found.group("word"), found.group("file"), workdir)
 
 
 # --------------------------------------------------------------------------------------------------

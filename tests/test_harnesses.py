@@ -51,7 +51,8 @@ from lgt.testing.proxy import ProxyProc
 
 TIMEOUT_S = 180
 CASES = [(name, profile) for name in harnesses.HARNESSES for profile in ("default", "minimal")]
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "harnesses"
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "harnesses"
 WRITE = {"type": "function", "function": {"name": "Write", "description": "Write a file.", "parameters": {
     "type": "object", "properties": {"file_path": {"type": "string"}, "content": {"type": "string"}},
     "required": ["file_path", "content"]}}}
@@ -65,6 +66,16 @@ def test_task_and_workdir_from_the_prompt() -> None:
     assert task == Task("MANGO", "a.txt", "/w/x") and task.path == "/w/x/a.txt"
     assert find_task([task_text("MANGO", "/abs/b.txt")]).path == "/abs/b.txt"
     assert find_task(["Generate a title for this conversation."]) is None
+
+
+def test_every_phrasing_of_the_write_a_word_tasks() -> None:
+    lines = (ROOT / "examples/write_a_word/tasks.jsonl").read_text().splitlines()
+    tasks = [json.loads(line) for line in lines]
+    assert len({t["prompt"].split(t["word"])[0] for t in tasks}) > 3  # the three phrasings, several files
+    for t in tasks:
+        assert find_task(["You are a coding agent.", t["prompt"]]) == Task(t["word"], t["file"]), t["prompt"]
+    shouted = find_task(["Create out.txt in the current directory containing just the word KIWI!"])
+    assert shouted == Task("KIWI", "out.txt")
 
 
 def test_the_fake_engine_loads_the_policy_by_name() -> None:  # python -m lgt.testing.fake_upstream --script

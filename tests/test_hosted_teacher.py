@@ -1,0 +1,76 @@
+"""The stand-in hosted model of the harness distillation example (``python -m lgt.testing.hosted_teacher``):
+the official Anthropic SDK, streamed and not, reads its answers as a hosted API's, and it answers as an
+expert doing the write-a-word task."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+
+import anthropic
+import pytest
+from aiohttp import web
+
+from lgt.testing import hosted_teacher
+
+BASH = {"name": "Bash", "description": "Run a command.", "input_schema": {
+    "type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}},
+    "required": ["command"]}}
+TASK = "Create fruit.txt in the current directory containing just the word GUAVA."
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(hosted_teacher.app())
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+
+
+def client(url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key="sk-ant-any", max_retries=0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_task_gets_the_tool_call_then_a_final_text(url: str, stream: bool) -> None:
+    c = client(url)
+    first = [{"role": "user", "content": [{"type": "text", "text": TASK}]}]
+    kwargs = {"model": "claude-sonnet-4-5", "max_tokens": 256, "tools": [BASH],
+              "system": "You are a coding agent."}
+    if stream:
+        with c.messages.stream(messages=first, **kwargs) as s:
+            msg = s.get_final_message()
+    else:
+        msg = c.messages.create(messages=first, **kwargs)
+    assert msg.stop_reason == "tool_use" and msg.model == "claude-sonnet-4-5"
+    (use,) = msg.content
+    assert (use.type, use.name, use.input) == ("tool_use", "Bash", {"command": "echo GUAVA > fruit.txt"})
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": ""}
+    second = first + [{"role": "assistant", "content": [use.model_dump()]},
+                      {"role": "user", "content": [result]}]
+    done = c.messages.create(messages=second, **kwargs)
+    assert (done.stop_reason, done.content[0].text) == ("end_turn", "done")
+    assert done.usage.input_tokens > msg.usage.input_tokens > 0  # a longer request counts more
+
+
+def test_side_calls_count_tokens_and_bad_bodies(url: str) -> None:
+    c = client(url)
+    side = c.messages.create(model="claude-haiku-4-5", max_tokens=32,
+                             messages=[{"role": "user", "content": "Generate a title."}])
+    assert (side.stop_reason, side.content[0].text) == ("end_turn", "OK.")
+    counted = c.messages.count_tokens(model="claude-sonnet-4-5", messages=[{"role": "user", "content": TASK}])
+    assert counted.input_tokens > 0
+    with pytest.raises(anthropic.BadRequestError, match="messages: Field required"):
+        c.post("/v1/messages", body={"model": "x", "max_tokens": 1}, cast_to=object)
