@@ -3,6 +3,7 @@
     .venv/bin/python bench/distill.py --seeds 0,1,2                    # every arm, three seeds
     .venv/bin/python bench/distill.py --seeds 0 --arms rl,opd          # some of them
     .venv/bin/python bench/distill.py --report runs/distill-*          # the table of finished arms
+    .venv/bin/python bench/distill.py --harness --seeds 0,1,2          # Claude Code: record, SFT, eval
 
 Every arm starts from the same warm start (examples/carry: the model forgets the carry on most
 problems) and stops at the same target (the mean training reward of 10 steps ≥ 0.9) or limits:
@@ -14,6 +15,12 @@ problems) and stops at the same target (the mean training reward of 10 steps ≥
 - ``sft+rl``: the teacher, served by ``lgt-train engine`` as if it were a hosted model, answers the
   unchanged agent on the training tasks (``lgt-train record``), ``lgt-train sft`` trains the student on
   the traces that earned reward 1, then RL from that checkpoint.
+
+``--harness`` measures the harness path instead (examples/claude_code/distill.yaml): Claude Code, unchanged,
+recorded on a stand-in hosted model (``python -m lgt.testing.hosted_teacher``: Anthropic Messages on
+loopback, an expert at the write-a-word task), then the demo model SFT-trained on the rewarded traces and
+run in Claude Code itself: the teacher's success, the SFT's steps and seconds, and the student's held-out
+task success before → after, per seed.
 
 Steps and seconds to the target count every stage (the SFT's optimizer steps and seconds, the OPD steps);
 teacher calls are the teacher's requests (OPD) or recorded calls (SFT). Held-out greedy and sampled
@@ -37,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CARRY = ROOT / "examples" / "carry" / "run.yaml"
 OPD = ROOT / "examples" / "distill" / "opd.yaml"
 SFT = ROOT / "examples" / "distill" / "sft.yaml"
+HARNESS = ROOT / "examples" / "claude_code" / "distill.yaml"
 ARMS = ("rl", "sft+rl", "opd", "opd+rl")
 
 
@@ -143,6 +151,50 @@ def arm(name: str, seed: int, out: Path, distill_steps: int) -> dict:
     raise SystemExit(f"unknown arm {name!r}: one of {', '.join(ARMS)}")
 
 
+def harness(seed: int, out: Path, port: int = 8032) -> dict:
+    """The harness path for one seed: record Claude Code on the stand-in hosted model, SFT, evaluate."""
+    import socket
+
+    d = out / f"harness-s{seed}"
+    teacher = subprocess.Popen([sys.executable, "-m", "lgt.testing.hosted_teacher", "--port", str(port)],
+                               env=_env(), start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        lgt_train("record", str(HARNESS), "--eval", "--run-dir", str(d / "record"), "--set", f"seed={seed}",
+                  "--set", f"agent.env.ANTHROPIC_BASE_URL=http://127.0.0.1:{port}")
+    finally:
+        teacher.terminate()
+        teacher.wait(30)
+    recorded = json.loads((d / "record" / "summary.json").read_text())
+    lgt_train("sft", str(HARNESS), "--traces", str(d / "record" / "store"), "--run-dir", str(d / "sft"),
+              "--set", f"seed={seed}")
+    sft = json.loads((d / "sft" / "summary.json").read_text())
+    b, a = sft["eval_before"], sft["eval_after"]
+    return {"arm": "harness", "seed": seed, "teacher_train": recorded["splits"]["train"]["reward_mean"],
+            "teacher_eval": recorded["splits"]["eval"]["reward_mean"], "teacher_calls": recorded["calls"],
+            "record_seconds": recorded["seconds"], "samples": sft["samples"], "sft_steps": sft["steps"],
+            "sft_seconds": 60 * sft["minutes"], "nll": (sft["nll_first"], sft["nll_last"]),
+            "greedy": (b["greedy"], a["greedy"]), "sampled": (b["sampled"], a["sampled"])}
+
+
+def harness_table(rows: list[dict]) -> str:
+    head = (f"{'seed':>4} {'teacher train/held-out':>23} {'calls':>6} {'samples':>7} {'SFT steps':>9} "
+            f"{'SFT s':>6} {'NLL':>15} {'student greedy':>15} {'student sampled':>16}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        g, s, nll = r["greedy"], r["sampled"], r["nll"]
+        lines.append(f"{r['seed']:>4} {_f(r['teacher_train']):>14} / {_f(r['teacher_eval']):<6} "
+                     f"{r['teacher_calls']:>6} {r['samples']:>7} {r['sft_steps']:>9} "
+                     f"{r['sft_seconds']:>6.0f} "
+                     f"{_f(nll[0], '.3f'):>6} → {_f(nll[1], '.3f'):<6} {_f(g[0]):>6} → {_f(g[1]):<6} "
+                     f"{_f(s[0]):>7} → {_f(s[1]):<6}")
+    return "\n".join(lines)
+
+
 def row(name: str, seed: int, stages: list[dict], teacher_calls: int | None = None) -> dict:
     """Steps and seconds to the target over all stages (None when the last did not reach it), teacher
     calls, held-out reward before the first stage → after the last."""
@@ -197,21 +249,26 @@ def main() -> None:
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     ap.add_argument("--distill-steps", type=int, default=10, help="OPD steps before RL in opd+rl")
     ap.add_argument("--report", type=Path, metavar="OUT", help="tabulate the rows a bench run wrote")
+    ap.add_argument("--harness", action="store_true",
+                    help="the harness path (Claude Code) instead of the arms")
     args = ap.parse_args()
     if args.report:
-        print(table([json.loads(line) for line in (args.report / "rows.jsonl").read_text().splitlines()]))
+        rows = [json.loads(line) for line in (args.report / "rows.jsonl").read_text().splitlines()]
+        arms = [r for r in rows if r["arm"] != "harness"]
+        runs = [r for r in rows if r["arm"] == "harness"]
+        print("\n\n".join(([table(arms)] if arms else []) + ([harness_table(runs)] if runs else [])))
         return
     out = ROOT / "runs" / f"distill-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True)
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
-        for name in args.arms.split(","):
-            r = arm(name.strip(), seed, out, args.distill_steps)
+        for name in ["harness"] if args.harness else args.arms.split(","):
+            r = harness(seed, out) if args.harness else arm(name.strip(), seed, out, args.distill_steps)
             rows.append(r)
             with (out / "rows.jsonl").open("a") as f:
                 f.write(json.dumps(r) + "\n")
     print()
-    print(table(rows))
+    print(harness_table(rows) if args.harness else table(rows))
 
 
 if __name__ == "__main__":

@@ -13,5 +13,11 @@ source "$here/../write_a_word/fresh_folder.sh" claude-code   # $tmp/project (cwd
     > "$tmp/claude.json" < /dev/null
 code=$?
 head -c 2000 "$tmp/claude.json"; echo
-[ $code -eq 0 ] || exit $code   # Claude Code itself failed: a failed attempt, retried (not reward 0)
+if [ $code -ne 0 ]; then
+    # the model's own reply ended the session (longer than CLAUDE_CODE_MAX_OUTPUT_TOKENS) → scored like
+    # any answer; Claude Code itself or its API failing (a connection, a status) → a failed attempt, retried
+    python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
+sys.exit(0 if d.get("api_error_status") is None and "output token maximum" in str(d.get("result")) else 1)' \
+        "$tmp/claude.json" 2>/dev/null || exit $code
+fi
 python3 "$here/../write_a_word/check.py" "$tmp/project"

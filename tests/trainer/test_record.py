@@ -10,6 +10,7 @@ examples/arith/agent.py, unchanged, pointed at the stand-in by its own OPENAI_BA
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import urllib.request
@@ -196,6 +197,63 @@ def test_record_an_unmodified_agent_on_a_hosted_model(tmp_path: Path, hosted: Ho
         assert added.fetchone() == ("g000003", "arith-0")
     finally:
         con.close()
+
+
+def test_record_claude_code_on_a_hosted_teacher_and_its_traces_render_as_samples(
+        tmp_path: Path, arith_model_dir: Path) -> None:
+    """examples/claude_code/distill.yaml as docs/distill.md runs it: the real Claude Code binary, unchanged,
+    on the stand-in hosted model (``python -m lgt.testing.hosted_teacher``, Anthropic Messages on
+    loopback); every call is a row the student's template renders, each rollout one merged sample."""
+    import subprocess
+    import time
+
+    from lgt.testing import harnesses
+    from lgt.trainer.demo import tiny
+    from lgt.trainer.distill.traces import SftConfig, build_samples, choose_rollouts, read_traces
+    from lgt.trainer.serving.engine import free_port
+
+    if not harnesses.installed(harnesses.HARNESSES["claude_code"]["minimal"]):
+        pytest.skip("Claude Code is not installed (bash scripts/setup_agent.sh examples/claude_code)")
+    port = free_port("127.0.0.1")
+    teacher = subprocess.Popen([sys.executable, "-m", "lgt.testing.hosted_teacher", "--port", str(port)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert "a stand-in hosted model" in (teacher.stdout.readline() if teacher.stdout else "")
+        time.sleep(0.2)
+        run_dir = tmp_path / "rec"
+        out = invoke(ROOT / "examples/claude_code/distill.yaml", "--run-dir", run_dir, "--tasks", "3",
+                     "--eval", "--set", f"agent.env.ANTHROPIC_BASE_URL=http://127.0.0.1:{port}",
+                     "--set", "eval.split=0.05")  # a few held-out tasks of 120
+    finally:
+        teacher.terminate()
+        teacher.wait(10)
+    assert out.exit_code == 0, out.output
+    assert "train: 3 tasks, 3 rollouts (3 ok, 0 failed), mean reward 1.000" in out.output
+    held = re.search(r"eval: (\d+) tasks, \1 rollouts \(\1 ok, 0 failed\), mean reward 1.000", out.output)
+    assert held, out.output
+    con = connect(run_dir / "store")
+    try:
+        rows = con.execute("SELECT api, status, capture_reason, upstream, served_model, count(*) FROM calls "
+                           "GROUP BY ALL").fetchall()
+    finally:
+        con.close()
+    # two calls per rollout: the Bash call, then "done" after its result
+    n = 2 * (3 + int(held.group(1)))
+    assert rows == [("messages", "ok", "hosted", f"http://127.0.0.1:{port}", rows[0][4], n)], rows
+    assert rows[0][4].startswith("claude-")  # the model Claude Code asked for, as the host answered it
+
+    calls, rollouts = read_traces(run_dir / "store")
+    kept = choose_rollouts(rollouts, SftConfig(min_reward=1.0))
+    assert len(kept) == 3  # the held-out rollouts are never trained on
+    tok = tiny.load_tokenizer(arith_model_dir)  # the demo models' tokenizer and chat template
+    built = build_samples(tok, calls, kept, 4096)
+    assert (len(built.samples), built.calls) == (3, 6) and not built.bad_traces and not built.merge_breaks
+    for sample in built.samples:
+        task = next(json.loads(line) for line in (ROOT / "examples/write_a_word/tasks.jsonl").open()
+                    if json.loads(line)["task_id"] == sample["task_id"])
+        trained = tok.decode([i for i, m in zip(sample["input_ids"], sample["loss_mask"]) if m])
+        assert f'"command": "echo {task["word"]} > {task["file"]}"' in trained and trained.count("done") == 1
+        assert task["prompt"] in tok.decode(sample["input_ids"])  # the task itself is context, not trained
 
 
 @pytest.mark.parametrize("case, message", [

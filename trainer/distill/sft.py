@@ -62,6 +62,7 @@ def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = pr
     bcfg = dataclasses.replace(cfg.backend, epochs=1, **({"lr": sft.lr} if sft.lr is not None else {}))
     backend = entry(bcfg.name).load_class().load(cfg.model.path, bcfg)
     nll: list[float] = []
+    started = time.perf_counter()
     try:
         with open(run_dir / "metrics.jsonl", "a") as f:
             for step, batch in enumerate(batches(built.samples, sft.batch_rollouts, sft.epochs, cfg.seed)):
@@ -77,6 +78,7 @@ def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = pr
     finally:
         backend.close()
     summary |= {"steps": len(nll), "nll_first": nll[0] if nll else None, "nll_last": nll[-1] if nll else None,
+                "minutes": round((time.perf_counter() - started) / 60, 3),  # training and its checkpoint
                 "checkpoint": str(ckpt)}
     if cfg.eval is not None:
         summary["eval_after"] = _evaluate(cfg, Path(ckpt), run_dir)
@@ -99,7 +101,8 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     lines = [f"rollouts: {s['rollouts_read']} read, {s['rollouts_kept']} kept by the filter",
              f"calls: {s['calls']} ok → {s['samples']} samples, {s['tokens_trained']} tokens trained",
              f"merge breaks: {s['merge_breaks'] or 'none'}", f"bad traces: {s['bad_traces'] or 'none'}",
-             f"NLL per token: {s['nll_first']:.4f} → {s['nll_last']:.4f} over {s['steps']} steps"]
+             f"NLL per token: {s['nll_first']:.4f} → {s['nll_last']:.4f} over {s['steps']} steps "
+             f"in {60 * s['minutes']:.0f} s"]
     if "eval_before" in s:
         b, a = s["eval_before"], s["eval_after"]
         lines.append(f"held-out eval: greedy {_f(b['greedy'])} → {_f(a['greedy'])}   "
