@@ -593,18 +593,13 @@ class Engine:
 
     # -- HTTP
 
-    def await_exit(self, seconds: float = DYING_S) -> bool:
-        """After a failed request: give an engine that may be dying ``seconds`` to be reaped (vLLM's
-        shutdown after a SIGTERM takes seconds and answers meanwhile); whether it died (:attr:`died`)."""
-        if seconds > 0 and self.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=seconds)
-        return self.died
-
     def _await_exit(self, seconds: float) -> None:
-        """``await_exit``, then raise if it is gone: the error names its exit rather than the symptom, and
-        a supervisor starts it again."""
-        self.await_exit(seconds)
+        """After a failed request: give a dying engine ``seconds`` to be reaped (vLLM's shutdown after a
+        SIGTERM takes seconds and answers meanwhile), so the error names its exit rather than the symptom
+        and a supervisor starts it again; then raise if it is gone."""
+        if seconds > 0:
+            with contextlib.suppress(subprocess.TimeoutExpired, AttributeError):
+                self.proc.wait(timeout=seconds)
         self.check_alive()
 
     def _request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
