@@ -65,7 +65,6 @@ LOAD_METHODS = {"file": LOAD_METHOD, "shm": "lgt_load_weights_shm", "ipc": "lgt_
 TRANSPORTS = ("auto", *LOAD_METHODS)
 PAUSE_MODES = ("wait", "keep", "abort")
 LOG_TAIL_LINES = 20
-DYING_S = 15.0  # how long a dropped connection waits for a dying engine's process to exit
 CPU_IDLE_SPIN_S = 0.05  # measured: 0.005-0.1 s gave the same speed-up; 0 was slower (see vllm_plugin)
 
 
@@ -593,15 +592,6 @@ class Engine:
 
     # -- HTTP
 
-    def _await_exit(self, seconds: float) -> None:
-        """After a failed request: give a dying engine ``seconds`` to be reaped (vLLM's shutdown after a
-        SIGTERM takes seconds and answers meanwhile), so the error names its exit rather than the symptom
-        and a supervisor starts it again; then raise if it is gone."""
-        if seconds > 0:
-            with contextlib.suppress(subprocess.TimeoutExpired, AttributeError):
-                self.proc.wait(timeout=seconds)
-        self.check_alive()
-
     def _request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
                  json: Any = None, timeout: float | None = 60.0) -> httpx.Response:
         self.check_alive()
@@ -610,12 +600,15 @@ class Engine:
         try:
             resp = self._client.request(method, path, params=params, json=json, timeout=timeout)
         except httpx.HTTPError as e:
-            # a timeout is only a slow answer; a refused or reset connection often means it is dying
-            self._await_exit(2.0 if isinstance(e, httpx.TimeoutException) else DYING_S)
+            # a refused or reset connection often means the engine is dying: give it a moment to be
+            # reaped, so the error names its exit rather than the symptom
+            with contextlib.suppress(subprocess.TimeoutExpired, AttributeError):
+                self.proc.wait(timeout=2.0)
+            self.check_alive()
             raise EngineError(f"the vLLM engine at {self.base_url} did not answer {method} {path}: "
                               f"{e}") from e
         if resp.status_code >= 400:
-            self._await_exit(DYING_S if resp.status_code >= 500 else 0.0)  # a shutting-down one answers 500
+            self.check_alive()
             raise EngineError(f"the vLLM engine answered {resp.status_code} to {method} {path}: "
                               f"{resp.text[:500]} (its log: {self.log_path})")
         return resp
