@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from lgt.proxy.dialects import as_chat, hosted
 from lgt.testing.fake_upstream import FakeUpstream
 from lgt.testing.proxy import ProxyProc
+from lgt.testing.threaded import serve_app
 from lgt.testing.tls import make_certs
 
 anthropic = pytest.importorskip("anthropic")
@@ -297,24 +298,8 @@ def stand_in(certs: tuple[Path, Path, Path]) -> Iterator[tuple[StandIn, int]]:
     provider = StandIn()
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(certs[1], certs[2])
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start() -> web.AppRunner:
-        runner = web.AppRunner(provider.app(), access_log=None, shutdown_timeout=0.5)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx).start()
-        return runner
-
-    runner = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-    try:
-        yield provider, runner.addresses[0][1]
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    with serve_app(provider.app(), ssl_context=ctx) as port:
+        yield provider, port
 
 
 @pytest.fixture(scope="module")

@@ -4,16 +4,13 @@ expert doing the write-a-word task."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
 from collections.abc import Iterator
 
 import anthropic
 import pytest
-from aiohttp import web
 
 from lgt.testing import hosted_teacher
+from lgt.testing.threaded import serve_app
 
 BASH = {"name": "Bash", "description": "Run a command.", "input_schema": {
     "type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}},
@@ -23,20 +20,8 @@ TASK = "Create fruit.txt in the current directory containing just the word GUAVA
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(hosted_teacher.app())
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.close()
+    with serve_app(hosted_teacher.app()) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def client(url: str) -> anthropic.Anthropic:
