@@ -153,17 +153,12 @@ def arm(name: str, seed: int, out: Path, distill_steps: int) -> dict:
 
 def harness(seed: int, out: Path, port: int = 8032) -> dict:
     """The harness path for one seed: record Claude Code on the stand-in hosted model, SFT, evaluate."""
-    import socket
-
     d = out / f"harness-s{seed}"
     teacher = subprocess.Popen([sys.executable, "-m", "lgt.testing.hosted_teacher", "--port", str(port)],
-                               env=_env(), start_new_session=True, stdout=subprocess.DEVNULL)
+                               env=_env(), start_new_session=True, stdout=subprocess.PIPE, text=True)
     try:
-        for _ in range(100):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
+        if "a stand-in hosted model" not in (teacher.stdout.readline() if teacher.stdout else ""):
+            raise SystemExit(f"the stand-in hosted model did not start on port {port}")  # it says when up
         lgt_train("record", str(HARNESS), "--eval", "--run-dir", str(d / "record"), "--set", f"seed={seed}",
                   "--set", f"agent.env.ANTHROPIC_BASE_URL=http://127.0.0.1:{port}")
     finally:

@@ -205,7 +205,6 @@ def test_record_claude_code_on_a_hosted_teacher_and_its_traces_render_as_samples
     on the stand-in hosted model (``python -m lgt.testing.hosted_teacher``, Anthropic Messages on
     loopback); every call is a row the student's template renders, each rollout one merged sample."""
     import subprocess
-    import time
 
     from lgt.testing import harnesses
     from lgt.trainer.demo import tiny
@@ -218,8 +217,7 @@ def test_record_claude_code_on_a_hosted_teacher_and_its_traces_render_as_samples
     teacher = subprocess.Popen([sys.executable, "-m", "lgt.testing.hosted_teacher", "--port", str(port)],
                                stdout=subprocess.PIPE, text=True)
     try:
-        assert "a stand-in hosted model" in (teacher.stdout.readline() if teacher.stdout else "")
-        time.sleep(0.2)
+        assert "a stand-in hosted model" in (teacher.stdout.readline() if teacher.stdout else "")  # it's up
         run_dir = tmp_path / "rec"
         out = invoke(ROOT / "examples/claude_code/distill.yaml", "--run-dir", run_dir, "--tasks", "3",
                      "--eval", "--set", f"agent.env.ANTHROPIC_BASE_URL=http://127.0.0.1:{port}",
