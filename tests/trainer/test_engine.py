@@ -206,6 +206,23 @@ def test_failed_load_then_killed_engine(tiny_model_dir: Path, tmp_path: Path) ->
         eng.stop()
 
 
+def test_an_engine_stopped_from_outside_mid_request_is_named_dead(tiny_model_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """SIGTERM to the engine's group (a user's kill, a node draining) while the trainer asks it something:
+    the request fails as the engine's exit, so a supervisor starts it again, not as a dropped connection
+    (which ended a demo run: vLLM's shutdown outlasted the two seconds it was given)."""
+    log = tmp_path / "vllm.log"
+    eng = Engine.start(EngineConfig(model=tiny_model_dir, max_model_len=256, log_path=log))
+    try:
+        pgid = eng.pid
+        os.killpg(pgid, signal.SIGTERM)
+        with pytest.raises(EngineError, match=rf"the vLLM engine \(pid {pgid}\) exited with code"):
+            eng.pause()
+        assert eng.died
+    finally:
+        eng.stop()
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     log = tmp_path_factory.mktemp("engine") / "vllm.log"

@@ -428,7 +428,7 @@ class Teacher:
         try:
             lps = self._score_once(seqs)
         except TeacherError:
-            if self.engine is None or not self.engine.died:
+            if self.engine is None or not self.engine.await_exit():  # a dying one exits in seconds
                 raise
             self.keep_alive()
             lps = self._score_once(seqs)
