@@ -218,6 +218,51 @@ def test_torch_backend_makes_a_token_with_positive_advantage_more_likely(tiny_mo
         backend.train_step(bad)
 
 
+def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_path: Path,
+                                                                          arith_model_dir: Path) -> None:
+    """The whole update, without the noise of a run: the student samples answers (seeded), the teacher
+    scores them, :func:`token_advantages` and three torch-backend steps on that batch; KL(student ‖ teacher)
+    summed over the vocabulary on those contexts goes down (a sign or alignment slip sends it up)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lgt.trainer.backends.torch_backend import TorchBackend, TorchConfig
+    from lgt.trainer.demo import tiny
+    from lgt.trainer.rl.algorithm import LossConfig
+
+    teacher = tiny.make_model(tmp_path / "teacher", preset="tiny", warm_start_task="arith", steps=150,
+                              correct_fraction=1.0, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(arith_model_dir), local_files_only=True)
+    student = AutoModelForCausalLM.from_pretrained(str(arith_model_dir), dtype=torch.float32,
+                                                   local_files_only=True).eval()
+    tasks = [json.loads(line) for line in (ROOT / "examples/arith/tasks.jsonl").read_text().splitlines()]
+    torch.manual_seed(0)
+    calls = []
+    for task in tasks[:48]:
+        prompt = tok.apply_chat_template([{"role": "user", "content": task["question"]}],
+                                         add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        with torch.no_grad():
+            out = student.generate(torch.tensor([prompt]), do_sample=True, temperature=1.0, top_k=0,
+                                   max_new_tokens=16, pad_token_id=tok.eos_token_id)
+        calls.append((prompt, out[0, len(prompt):].tolist()))
+    seqs = [[*p, *g] for p, g in calls]
+    student_lps = _hf_logprobs(arith_model_dir, seqs)
+    samples = _samples([{"id": f"s{i}", "ids": s, "mask": [0] * len(p) + [1] * len(g),
+                         "blp": lp.tolist(), "adv": 0.0}
+                        for i, ((p, g), s, lp) in enumerate(zip(calls, seqs, student_lps))])
+    samples, metrics = token_advantages(samples, _hf_logprobs(teacher, seqs), 0.0)
+    assert metrics["opd/reverse_kl"] > 0
+    backend = TorchBackend.load(arith_model_dir, TorchConfig(lr=3e-4, loss=LossConfig(agg="token-mean")))
+    for _ in range(3):
+        assert backend.train_step(samples)["skipped"] == 0.0
+    after = backend.save_checkpoint(tmp_path / "ckpt")
+    before_kl = _exact_reverse_kl(arith_model_dir, teacher, calls)
+    after_kl = _exact_reverse_kl(after, teacher, calls)
+    # measured: 3-4% down in 3 steps at 3e-4 on two arith models; with the advantage's sign flipped, 39% up
+    assert after_kl < before_kl, (before_kl, after_kl)
+
+
 # --- (d) the config's rules -----------------------------------------------------------------------
 
 BASE = "agent: {command: [python, agent.py]}\ntasks: tasks.jsonl\nmodel: {path: m}\n"
@@ -338,9 +383,11 @@ def test_opd_run_scores_every_step_and_moves_the_student_towards_the_teacher(
     summary = json.loads((run_dir / "summary.json").read_text())  # the teacher's cost, added up
     assert summary["teacher"]["tokens"] == sum(r["teacher/tokens"] for r in rows)
     assert summary["teacher"]["requests"] == sum(r["teacher/requests"] for r in rows)
-    # the student moved towards the teacher: the exact reverse KL on the contexts it visited went down
+    # the student did not move away from the teacher: the exact reverse KL on the contexts it visited
+    # did not rise past the noise of 3 steps of 8 rollouts (one run measured +3%; with the advantage's sign
+    # flipped it rises ~40%); that it goes down is the test above's, on one seeded batch
     calls = connect(run_dir / "store").execute(
         "SELECT prompt_token_ids, response_token_ids FROM calls WHERE len(response_token_ids) > 0").fetchall()
     before = _exact_reverse_kl(arith_model_dir, tmp_path / "teacher", calls)
     after = _exact_reverse_kl(run_dir / "checkpoints" / "step-00000003", tmp_path / "teacher", calls)
-    assert after < before
+    assert after < 1.1 * before, (before, after)
