@@ -223,7 +223,12 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['arm']:>7} {r['seed']:>4} {steps:>16} "
                      f"{_f(r['seconds'], '.0f'):>8} {r['teacher_calls']:>14} "
                      f"{_f(g[0]):>7} → {_f(g[1]):<6} {_f(s[0]):>8} → {_f(s[1]):<6}")
+    from lgt.trainer.run.runlog import TARGET_WINDOW
+
     rl = {r["seed"]: r for r in rows if r["arm"] == "rl"}
+    if rl:
+        lines.append(f"(the target is the mean training reward of {TARGET_WINDOW} steps: no run reaches it "
+                     f"before step {TARGET_WINDOW})")
     for name in ARMS[1:]:
         ratios = []
         for r in rows:
