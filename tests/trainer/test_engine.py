@@ -8,6 +8,7 @@ load, then SIGKILL), and one start that dies on a bad command-line flag.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -218,6 +219,52 @@ def test_an_engine_stopped_from_outside_mid_request_is_named_dead(tiny_model_dir
         os.killpg(pgid, signal.SIGTERM)
         with pytest.raises(EngineError, match=rf"the vLLM engine \(pid {pgid}\) exited with code"):
             eng.pause()
+        assert eng.died
+    finally:
+        eng.stop()
+
+
+def test_an_engine_stopped_while_a_pause_drains_is_named_dead_not_waited_on(tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    """SIGTERM while ``pause("wait")`` drains a long generation: vLLM stops answering /health but waits
+    for its open connections before it exits, and the pause it accepted is never answered; the trainer
+    must not wait forever on it (it did, in CI) but name the engine's exit."""
+    eng = Engine.start(EngineConfig(model=tiny_model_dir, max_model_len=512, log_path=tmp_path / "vllm.log"))
+    try:
+        def generate() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{eng.url}/completions", trust_env=False, timeout=300,
+                           json={"model": "policy", "prompt": [5, 6, 7], "max_tokens": 500,
+                                 "ignore_eos": True, "temperature": 1.0})
+
+        for _ in range(16):
+            threading.Thread(target=generate, daemon=True).start()
+        time.sleep(0.5)  # generating
+        pgid = eng.pid
+        stop = threading.Timer(0.3, os.killpg, (pgid, signal.SIGTERM))  # while the pause drains
+        stop.start()
+        outcome: list[BaseException | None] = []
+
+        def pause() -> None:
+            try:
+                eng.pause("wait")
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - examined below
+                outcome.append(e)
+
+        waiter = threading.Thread(target=pause, daemon=True)
+        waiter.start()
+        waiter.join(120)
+        assert not waiter.is_alive(), "pause() still waits on an engine that was stopped"
+        # the drain may also have finished before the SIGTERM landed: then the next request names the exit
+        if outcome[0] is None:
+            stop.join()
+            eng.await_exit()
+            with pytest.raises(EngineError, match=rf"the vLLM engine \(pid {pgid}\) exited with code"):
+                eng.resume()
+        else:
+            assert isinstance(outcome[0], EngineError), outcome[0]
+            assert f"the vLLM engine (pid {pgid}) exited with code" in str(outcome[0])
         assert eng.died
     finally:
         eng.stop()

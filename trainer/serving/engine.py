@@ -25,6 +25,7 @@ process), then SIGKILL; it is idempotent and also runs at interpreter exit for e
 from __future__ import annotations
 
 import atexit
+import contextlib
 import getpass
 import importlib.metadata
 import importlib.util
@@ -64,6 +65,8 @@ LOAD_METHODS = {"file": LOAD_METHOD, "shm": "lgt_load_weights_shm", "ipc": "lgt_
 TRANSPORTS = ("auto", *LOAD_METHODS)
 PAUSE_MODES = ("wait", "keep", "abort")
 LOG_TAIL_LINES = 20
+WATCH_S = 2.0  # how often a request without a time limit looks at the engine's /health
+HEALTH_MISSES = 3  # misses in a row after which an engine that we started is taken for dying
 DYING_S = 15.0  # the most a failed request waits for an engine that stopped answering /health to exit
 CPU_IDLE_SPIN_S = 0.05  # measured: 0.005-0.1 s gave the same speed-up; 0 was slower (see vllm_plugin)
 
@@ -595,15 +598,60 @@ class Engine:
     def await_exit(self, seconds: float = DYING_S) -> bool:
         """After a failed request: whether the engine is dying. It is not while it answers ``/health``
         (returns at once); else its process is given up to ``seconds`` to exit, since vLLM's shutdown
-        after a SIGTERM takes seconds and answers 500 or drops connections meanwhile. True once it
+        after a SIGTERM takes seconds and answers 500 or drops connections meanwhile; one of ours still
+        running then is killed (its clients' open connections can hold it up forever). True once it
         exited (:attr:`died`)."""
         deadline = time.monotonic() + seconds
         while True:
             if self.proc is not None and self.proc.poll() is not None:
                 return self.died
-            if self.proc is None or self._healthy(timeout=1.0) or time.monotonic() > deadline:
+            if self.proc is None or self._healthy(timeout=1.0):
+                return self.died
+            if time.monotonic() > deadline:  # dying, but held up by open connections: end it
+                self._kill(f"still running {seconds:.0f} s after it stopped answering /health")
                 return self.died
             time.sleep(0.2)
+
+    def _kill(self, why: str) -> None:
+        """SIGKILL the group of an engine we started that no longer answers: a vLLM server whose engine
+        core is gone can wait forever for its clients' connections to close before it exits."""
+        log.warning("the vLLM engine (pid %s) %s: killing it", self.pid, why)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def _watched(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """A request without a time limit (a drain takes what it takes), sent from a thread while this one
+        watches the engine: one shutting down (after a SIGTERM) stops answering ``/health`` but waits for
+        open connections to close before it exits, while the request it accepted never gets its answer;
+        after :data:`HEALTH_MISSES` misses in a row the engine we started is killed, which ends both."""
+        import threading
+
+        out: dict[str, Any] = {}
+
+        def send() -> None:
+            try:
+                out["resp"] = self._client.request(method, path, timeout=None, **kw)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+                out["error"] = e
+
+        sender = threading.Thread(target=send, name=f"lgt-engine-{path.strip('/')}", daemon=True)
+        sender.start()
+        misses = 0
+        while sender.is_alive():
+            sender.join(WATCH_S)
+            if not sender.is_alive() or self.proc is None or self.proc.poll() is not None:
+                continue
+            misses = 0 if self._healthy(timeout=5.0) else misses + 1
+            if misses >= HEALTH_MISSES:
+                self._kill(f"stopped answering /health during {method} {path}")
+                sender.join(30.0)
+                break
+        if "resp" in out:
+            return out["resp"]
+        if "error" in out:
+            raise out["error"]
+        raise EngineError(f"the vLLM engine at {self.base_url} did not answer {method} {path}")
 
     def _request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
                  json: Any = None, timeout: float | None = 60.0) -> httpx.Response:
@@ -611,7 +659,10 @@ class Engine:
         import httpx
 
         try:
-            resp = self._client.request(method, path, params=params, json=json, timeout=timeout)
+            if timeout is None:
+                resp = self._watched(method, path, params=params, json=json)
+            else:
+                resp = self._client.request(method, path, params=params, json=json, timeout=timeout)
         except httpx.HTTPError as e:
             # a refused or reset connection often means the engine is dying: wait for its exit, so the
             # error names it rather than the symptom and a supervisor starts it again
