@@ -218,8 +218,7 @@ def test_torch_backend_makes_a_token_with_positive_advantage_more_likely(tiny_mo
         backend.train_step(bad)
 
 
-def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_path: Path,
-                                                                          arith_model_dir: Path) -> None:
+def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_path: Path) -> None:
     """The whole update, without the noise of a run: the student samples answers (seeded), the teacher
     scores them, :func:`token_advantages` and three torch-backend steps on that batch; KL(student ‖ teacher)
     summed over the vocabulary on those contexts goes down (a sign or alignment slip sends it up)."""
@@ -230,6 +229,9 @@ def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_
     from lgt.trainer.demo import tiny
     from lgt.trainer.rl.algorithm import LossConfig
 
+    # made by steps, not seconds: the same student on every machine (the session's arith model is not)
+    arith_model_dir = tiny.make_model(tmp_path / "student", preset="tiny", warm_start_task="arith", steps=40,
+                                      progress=False)
     teacher = tiny.make_model(tmp_path / "teacher", preset="tiny", warm_start_task="arith", steps=150,
                               correct_fraction=1.0, progress=False)
     tok = AutoTokenizer.from_pretrained(str(arith_model_dir), local_files_only=True)
@@ -253,13 +255,13 @@ def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_
                         for i, ((p, g), s, lp) in enumerate(zip(calls, seqs, student_lps))])
     samples, metrics = token_advantages(samples, _hf_logprobs(teacher, seqs), 0.0)
     assert metrics["opd/reverse_kl"] > 0
-    backend = TorchBackend.load(arith_model_dir, TorchConfig(lr=3e-4, loss=LossConfig(agg="token-mean")))
+    backend = TorchBackend.load(arith_model_dir, TorchConfig(lr=1e-4, loss=LossConfig(agg="token-mean")))
     for _ in range(3):
         assert backend.train_step(samples)["skipped"] == 0.0
     after = backend.save_checkpoint(tmp_path / "ckpt")
     before_kl = _exact_reverse_kl(arith_model_dir, teacher, calls)
     after_kl = _exact_reverse_kl(after, teacher, calls)
-    # measured: 2-4% down in 3 steps at 3e-4 on two arith models; with the advantage's sign flipped, 39% up
+    # one sampled log-ratio per token is a weak signal (bench/opd_signal.py): a few % in 3 steps
     assert after_kl < before_kl, (before_kl, after_kl)
 
 
