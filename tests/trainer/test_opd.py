@@ -230,12 +230,12 @@ def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_
     from lgt.trainer.rl.algorithm import LossConfig
 
     # made by steps, not seconds: the same student on every machine (the session's arith model is not)
-    arith_model_dir = tiny.make_model(tmp_path / "student", preset="tiny", warm_start_task="arith", steps=40,
-                                      progress=False)
+    student_dir = tiny.make_model(tmp_path / "student", preset="tiny", warm_start_task="arith", steps=40,
+                                  progress=False)
     teacher = tiny.make_model(tmp_path / "teacher", preset="tiny", warm_start_task="arith", steps=150,
                               correct_fraction=1.0, progress=False)
-    tok = AutoTokenizer.from_pretrained(str(arith_model_dir), local_files_only=True)
-    student = AutoModelForCausalLM.from_pretrained(str(arith_model_dir), dtype=torch.float32,
+    tok = AutoTokenizer.from_pretrained(str(student_dir), local_files_only=True)
+    student = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32,
                                                    local_files_only=True).eval()
     tasks = [json.loads(line) for line in (ROOT / "examples/arith/tasks.jsonl").read_text().splitlines()]
     torch.manual_seed(0)
@@ -249,17 +249,17 @@ def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_
                                    max_new_tokens=16, pad_token_id=tok.eos_token_id)
         calls.append((prompt, out[0, len(prompt):].tolist()))
     seqs = [[*p, *g] for p, g in calls]
-    student_lps = _hf_logprobs(arith_model_dir, seqs)
+    student_lps = _hf_logprobs(student_dir, seqs)
     samples = _samples([{"id": f"s{i}", "ids": s, "mask": [0] * len(p) + [1] * len(g),
                          "blp": lp.tolist(), "adv": 0.0}
                         for i, ((p, g), s, lp) in enumerate(zip(calls, seqs, student_lps))])
     samples, metrics = token_advantages(samples, _hf_logprobs(teacher, seqs), 0.0)
     assert metrics["opd/reverse_kl"] > 0
-    backend = TorchBackend.load(arith_model_dir, TorchConfig(lr=1e-4, loss=LossConfig(agg="token-mean")))
+    backend = TorchBackend.load(student_dir, TorchConfig(lr=1e-4, loss=LossConfig(agg="token-mean")))
     for _ in range(3):
         assert backend.train_step(samples)["skipped"] == 0.0
     after = backend.save_checkpoint(tmp_path / "ckpt")
-    before_kl = _exact_reverse_kl(arith_model_dir, teacher, calls)
+    before_kl = _exact_reverse_kl(student_dir, teacher, calls)
     after_kl = _exact_reverse_kl(after, teacher, calls)
     # one sampled log-ratio per token is a weak signal (bench/opd_signal.py): a few % in 3 steps
     assert after_kl < before_kl, (before_kl, after_kl)
@@ -358,7 +358,7 @@ def _exact_reverse_kl(student: Path, teacher: Path, calls: list[tuple[list[int],
 
 
 @pytest.mark.slow
-def test_opd_run_scores_every_step_and_moves_the_student_towards_the_teacher(
+def test_opd_run_scores_every_step_and_keeps_the_student_near_the_teacher(
         tmp_path: Path, arith_model_dir: Path, engines: Callable[[Path], Engine]) -> None:
     from lgt.store.query import connect
     from lgt.testing.runs import lgt_train, metrics, write_config

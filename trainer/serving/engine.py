@@ -25,7 +25,6 @@ process), then SIGKILL; it is idempotent and also runs at interpreter exit for e
 from __future__ import annotations
 
 import atexit
-import contextlib
 import getpass
 import importlib.metadata
 import importlib.util
@@ -603,9 +602,7 @@ class Engine:
         exited (:attr:`died`)."""
         deadline = time.monotonic() + seconds
         while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                return self.died
-            if self.proc is None or self._healthy(timeout=1.0):
+            if self.proc is None or self.proc.poll() is not None or self._healthy(timeout=1.0):
                 return self.died
             if time.monotonic() > deadline:  # dying, but held up by open connections: end it
                 self._kill(f"still running {seconds:.0f} s after it stopped answering /health")
@@ -616,9 +613,8 @@ class Engine:
         """SIGKILL the group of an engine we started that no longer answers: a vLLM server whose engine
         core is gone can wait forever for its clients' connections to close before it exits."""
         log.warning("the vLLM engine (pid %s) %s: killing it", self.pid, why)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        _wait_group(self.proc, self.proc.pid, 10.0)
 
     def _watched(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """A request without a time limit (a drain takes what it takes), sent from a thread while this one
