@@ -40,6 +40,17 @@ def arith_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def arith_student_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset after 40 steps of the arith warm start: the same student on every machine (the
+    seconds-made ``arith_model_dir`` is not), for tests whose assertion depends on where it starts.
+    Knows the format, rarely the answer (greedy 1 of 64)."""
+    from lgt.trainer.demo import tiny
+
+    return tiny.make_model(tmp_path_factory.mktemp("arith-student") / "m", preset="tiny",
+                           warm_start_task="arith", steps=40, seconds=None, progress=False)
+
+
+@pytest.fixture(scope="session")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[Path], Engine]]:
     """``engines(model_dir)``: a vLLM engine serving ``model_dir``, started on first use and shared by
     every test of the session that only needs *an* engine running (a run given ``engine.url`` loads its

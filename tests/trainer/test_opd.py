@@ -218,7 +218,8 @@ def test_torch_backend_makes_a_token_with_positive_advantage_more_likely(tiny_mo
         backend.train_step(bad)
 
 
-def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_path: Path) -> None:
+def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_path: Path,
+                                                                            arith_student_dir: Path) -> None:
     """The whole update, without the noise of a run: the student samples answers (seeded), the teacher
     scores them, :func:`token_advantages` and three torch-backend steps on that batch; KL(student ‖ teacher)
     summed over the vocabulary on those contexts goes down (a sign or alignment slip sends it up)."""
@@ -229,9 +230,7 @@ def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_
     from lgt.trainer.demo import tiny
     from lgt.trainer.rl.algorithm import LossConfig
 
-    # made by steps, not seconds: the same student on every machine (the session's arith model is not)
-    student_dir = tiny.make_model(tmp_path / "student", preset="tiny", warm_start_task="arith", steps=40,
-                                  progress=False)
+    student_dir = arith_student_dir  # made by steps: the same student on every machine
     teacher = tiny.make_model(tmp_path / "teacher", preset="tiny", warm_start_task="arith", steps=150,
                               correct_fraction=1.0, progress=False)
     tok = AutoTokenizer.from_pretrained(str(student_dir), local_files_only=True)

@@ -166,7 +166,7 @@ def _teacher_store(root: Path, n: int) -> Path:
 
 
 def test_lgt_train_sft_on_a_teachers_right_answers_lowers_the_nll_and_raises_accuracy(
-        tmp_path: Path, arith_model_dir: Path) -> None:
+        tmp_path: Path, arith_student_dir: Path) -> None:
     import shutil
 
     import torch
@@ -177,12 +177,12 @@ def test_lgt_train_sft_on_a_teachers_right_answers_lowers_the_nll_and_raises_acc
     from lgt.trainer.demo import tiny
 
     student = tmp_path / "student"
-    shutil.copytree(arith_model_dir, student)
+    shutil.copytree(arith_student_dir, student)
     store = _teacher_store(tmp_path / "traces", 200)
     (tmp_path / "tasks.jsonl").write_text('{"task_id": "a", "question": "q"}\n')
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"agent: {{command: [python, agent.py]}}\ntasks: tasks.jsonl\nmodel: {{path: {student}}}\n"
-                   "backend: {lr: 0.003}\nsft: {min_reward: 1, epochs: 3, batch_rollouts: 20}\n")
+                   "backend: {lr: 0.001}\nsft: {min_reward: 1, epochs: 20, batch_rollouts: 20}\n")
 
     def accuracy(d: Path) -> float:
         model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
@@ -195,9 +195,11 @@ def test_lgt_train_sft_on_a_teachers_right_answers_lowers_the_nll_and_raises_acc
     assert summary["rollouts_kept"] == 200 and summary["samples"] == 200 and not summary["bad_traces"]
     assert summary["nll_last"] < summary["nll_first"] * 0.7
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 30 and all(r["tokens"] > 0 for r in rows)
+    assert len(rows) == 200 and all(r["tokens"] > 0 for r in rows)
     after = accuracy(Path(summary["checkpoint"]))
-    assert after > before, (before, after)  # measured: 0.016 -> 0.062 (greedy, 64 problems)
+    # measured: 0.016 -> 0.547 (greedy, 64 problems; NLL of the right answers 1.31 -> 0.18). At lr 3e-3
+    # for 3 epochs it moved by one problem either way: noise, and a failure in a fresh clone
+    assert after >= before + 0.25, (before, after)
     assert "NLL per token" in res.output
 
 
