@@ -452,7 +452,8 @@ class Recipe:
         samples = prepared.samples
         scored = self.teacher.score(samples.column("input_ids").to_pylist())
         recomputed = self.backend.sample_logprobs(samples) if opd.needs_recompute(samples) else None
-        samples, metrics = opd.token_advantages(samples, scored.logprobs, self.opd_reward_coef, recomputed)
+        samples, metrics = opd.token_advantages(samples, scored.logprobs, self.opd_reward_coef, recomputed,
+                                                scored.top)
         return dataclasses.replace(prepared, samples=samples), {**scored.metrics(), **metrics}
 
     def train_on(self, samples: pa.Table) -> dict[str, float]:

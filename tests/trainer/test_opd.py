@@ -75,6 +75,19 @@ def test_teacher_logprobs_equal_what_transformers_computes(arith_model_dir: Path
     for got, want in zip(scored.logprobs, _hf_logprobs(arith_model_dir, seqs)):
         assert got.shape == want.shape and got[0] == 0.0
         np.testing.assert_allclose(got, want, atol=2e-3)
+    # teacher.top_k: the engine's top 4 at every position, ranked, as transformers ranks them
+    top4 = opd.Teacher(TeacherSection(url=engine.url, top_k=4), engine.url, engine.cfg.served_model_name)
+    try:
+        ranked = top4.score(seqs)
+    finally:
+        top4.stop()
+    assert ranked.top is not None
+    for lp, got_ids, got_lps, want, (want_ids, want_lps) in zip(ranked.logprobs, *ranked.top, scored.logprobs,
+                                                                _hf_top_k(arith_model_dir, seqs, 4)):
+        np.testing.assert_array_equal(lp, want)  # the sampled token's logprob is unchanged by asking k
+        np.testing.assert_allclose(got_lps, want_lps, atol=2e-3)
+        clear = np.abs(np.diff(want_lps, axis=1)).min(1) > 1e-2  # positions without near-ties
+        np.testing.assert_array_equal(got_ids[clear], want_ids[clear])
     # teacher.url: the engine's one model is the teacher's
     attached = opd.Teacher.attach(TeacherSection(url=engine.url), log=lambda line: None)
     try:
@@ -172,6 +185,28 @@ def test_token_advantage_is_teacher_minus_student_on_generated_tokens_only() -> 
     np.testing.assert_allclose(b, [0.0, -0.5, 1.5], atol=1e-6)
 
 
+def test_the_teachers_top_k_is_ranked_padded_and_kept_on_generated_tokens_only() -> None:
+    # vLLM's entries: the top k and the prompt's own token (here 9 at position 2, outside the top 2)
+    entries = [None, {"5": {"logprob": -0.1, "rank": 1}, "6": {"logprob": -2.5, "rank": 2}},
+               {"7": {"logprob": -0.3, "rank": 1}, "8": {"logprob": -1.6, "rank": 2},
+                "9": {"logprob": -4.0, "rank": 5}},
+               {"3": {"logprob": 0.0, "rank": 1}}]  # a vocabulary of one: padded
+    ids, lps = opd.prompt_top_k_of(entries, [1, 5, 9, 3], 2)
+    assert ids.tolist() == [[0, 0], [5, 6], [7, 8], [3, 3]]
+    np.testing.assert_allclose(lps, [[0, 0], [-0.1, -2.5], [-0.3, -1.6], [0.0, opd.PAD_LOGPROB]])
+    samples = _samples([{"id": "a", "ids": [1, 5, 9, 3], "mask": [0, 1, 0, 1], "blp": [0.0, -0.2, 0, -0.1],
+                         "adv": 0.0}])
+    out, m = token_advantages(samples, [np.array([0, -0.1, -4.0, 0.0])], 0.0, top=([ids], [lps]))
+    assert out["teacher_top_k_ids"].to_pylist() == [[0, 0, 5, 6, 0, 0, 3, 3]]  # off the mask: zeros
+    np.testing.assert_allclose(out["teacher_top_k_logprobs"].to_pylist()[0],
+                               [0, 0, -0.1, -2.5, 0, 0, 0, opd.PAD_LOGPROB], rtol=1e-6)
+    # top-1 agrees at both generated tokens (5 and 3); mass: (e^-0.1 + e^-2.5 + e^0) / 2
+    assert m["opd/top1_agree"] == 1.0
+    assert m["opd/top_k_mass"] == pytest.approx((math.exp(-0.1) + math.exp(-2.5) + 1.0) / 2)
+    with pytest.raises(ValueError, match="teacher top-k of shape"):
+        token_advantages(samples, [np.array([0, -0.1, -4.0, 0.0])], 0.0, top=([ids[:2]], [lps[:2]]))
+
+
 def test_missing_behaviour_logprobs_use_the_recomputed_ones() -> None:
     samples = _samples([{"id": "a", "ids": [1, 2, 3], "mask": [0, 1, 1], "blp": [0.0, math.nan, -1.0],
                          "adv": 0.0}])
@@ -218,23 +253,19 @@ def test_torch_backend_makes_a_token_with_positive_advantage_more_likely(tiny_mo
         backend.train_step(bad)
 
 
-def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_path: Path,
-                                                                            arith_student_dir: Path) -> None:
-    """The whole update, without the noise of a run: the student samples answers (seeded), the teacher
-    scores them, :func:`token_advantages` and three torch-backend steps on that batch; KL(student ‖ teacher)
-    summed over the vocabulary on those contexts goes down (a sign or alignment slip sends it up)."""
+@pytest.fixture(scope="module")
+def seeded_batch(tmp_path_factory: pytest.TempPathFactory, arith_student_dir: Path):
+    """(student dir, teacher dir, calls): 48 answers the 40-step student sampled (seeded) to arith
+    questions, as (prompt ids, generated ids), and a teacher of its family trained on right answers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lgt.trainer.backends.torch_backend import TorchBackend, TorchConfig
     from lgt.trainer.demo import tiny
-    from lgt.trainer.rl.algorithm import LossConfig
 
-    student_dir = arith_student_dir  # made by steps: the same student on every machine
-    teacher = tiny.make_model(tmp_path / "teacher", preset="tiny", warm_start_task="arith", steps=150,
-                              correct_fraction=1.0, progress=False)
-    tok = AutoTokenizer.from_pretrained(str(student_dir), local_files_only=True)
-    student = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32,
+    teacher = tiny.make_model(tmp_path_factory.mktemp("opd-teacher") / "t", preset="tiny",
+                              warm_start_task="arith", steps=150, correct_fraction=1.0, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(arith_student_dir), local_files_only=True)
+    student = AutoModelForCausalLM.from_pretrained(str(arith_student_dir), dtype=torch.float32,
                                                    local_files_only=True).eval()
     tasks = [json.loads(line) for line in (ROOT / "examples/arith/tasks.jsonl").read_text().splitlines()]
     torch.manual_seed(0)
@@ -247,21 +278,115 @@ def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_
             out = student.generate(torch.tensor([prompt]), do_sample=True, temperature=1.0, top_k=0,
                                    max_new_tokens=16, pad_token_id=tok.eos_token_id)
         calls.append((prompt, out[0, len(prompt):].tolist()))
+    return arith_student_dir, teacher, calls
+
+
+def _hf_top_k(model_dir: Path, seqs: list[list[int]], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """What the teacher engine's top-k prompt logprobs should be: (ids, logprobs), (L, k) each, row 0
+    zeros."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            lp = torch.log_softmax(model(input_ids=torch.tensor([s])).logits[0, :-1].float(), -1)
+            top, idx = lp.topk(k, -1)
+            out.append((np.concatenate([np.zeros((1, k), np.int32), idx.numpy().astype(np.int32)]),
+                        np.concatenate([np.zeros((1, k), np.float32), top.numpy()])))
+    return out
+
+
+def _update_on_seeded_batch(seeded_batch, tmp_path: Path, top_k: int,
+                            coef: float = 1.0) -> tuple[float, float]:
+    """Exact KL(student ‖ teacher) on the batch's contexts before and after three torch-backend steps
+    (lr 1e-4) on the batch's OPD samples, with the teacher's top ``top_k`` (0: the sampled ratio only)."""
+    from lgt.trainer.backends.torch_backend import TorchBackend, TorchConfig
+    from lgt.trainer.rl.algorithm import LossConfig
+
+    student_dir, teacher, calls = seeded_batch
     seqs = [[*p, *g] for p, g in calls]
     student_lps = _hf_logprobs(student_dir, seqs)
     samples = _samples([{"id": f"s{i}", "ids": s, "mask": [0] * len(p) + [1] * len(g),
                          "blp": lp.tolist(), "adv": 0.0}
                         for i, ((p, g), s, lp) in enumerate(zip(calls, seqs, student_lps))])
-    samples, metrics = token_advantages(samples, _hf_logprobs(teacher, seqs), 0.0)
+    top = None
+    if top_k:
+        pairs = _hf_top_k(teacher, seqs, top_k)
+        top = ([i for i, _ in pairs], [lp for _, lp in pairs])
+    samples, metrics = token_advantages(samples, _hf_logprobs(teacher, seqs), 0.0, top=top)
     assert metrics["opd/reverse_kl"] > 0
-    backend = TorchBackend.load(student_dir, TorchConfig(lr=1e-4, loss=LossConfig(agg="token-mean")))
+    backend = TorchBackend.load(student_dir, TorchConfig(lr=1e-4, loss=LossConfig(agg="token-mean",
+                                                                                   opd_top_k_coef=coef)))
     for _ in range(3):
-        assert backend.train_step(samples)["skipped"] == 0.0
+        step = backend.train_step(samples)
+        assert step["skipped"] == 0.0 and (("loss/top_k_kl" in step) == bool(top_k))
     after = backend.save_checkpoint(tmp_path / "ckpt")
-    before_kl = _exact_reverse_kl(student_dir, teacher, calls)
-    after_kl = _exact_reverse_kl(after, teacher, calls)
+    backend.close()
+    return _exact_reverse_kl(student_dir, teacher, calls), _exact_reverse_kl(after, teacher, calls)
+
+
+def test_the_top_k_term_is_the_teachers_cross_entropy_in_a_padded_batch(tiny_model_dir: Path) -> None:
+    """Two samples of different lengths in one micro-batch, advantages 0 (no policy gradient): the
+    backend's gradient is that of Σ_j t_j (log t_j - log s_j) over the teacher's top 3 (renormalised),
+    the student's whole-vocabulary log-probs, token-mean over the generated tokens, computed by hand."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lgt.trainer.backends.torch_backend import TorchBackend, TorchConfig
+    from lgt.trainer.rl.algorithm import LossConfig
+
+    rng = np.random.default_rng(0)
+    rows = [([5, 17, 42, 99, 7, 23], [0, 0, 1, 1, 0, 1]), ([8, 9, 10, 11], [0, 1, 1, 1])]
+    top_ids = [rng.integers(0, 200, size=(len(i), 3)) for i, _ in rows]
+    top_lps = [np.log(rng.dirichlet([1, 1, 1], size=len(i))).astype(np.float32) for i, _ in rows]
+    samples = _samples([{"id": f"s{n}", "ids": i, "mask": m, "blp": [0.0] * len(i), "adv": 0.0}
+                        for n, (i, m) in enumerate(rows)])
+    samples, _ = token_advantages(samples, [np.zeros(len(i)) for i, _ in rows], 0.0, top=(top_ids, top_lps))
+    backend = TorchBackend.load(tiny_model_dir, TorchConfig(loss=LossConfig(agg="token-mean",
+                                                                            opd_top_k_coef=2.0)))
+    backend.optimizer.zero_grad(set_to_none=True)
+    metrics = backend.accumulate(samples)
+    got = {n: p.grad.detach().clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+    backend.close()
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    total, tokens = 0.0, 0
+    for (ids, mask), t_ids, t_lps in zip(rows, top_ids, top_lps):
+        s = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+        for pos in range(1, len(ids)):
+            if mask[pos]:
+                t = torch.log_softmax(torch.tensor(t_lps[pos]), -1)
+                total = total + (t.exp() * (t - s[pos - 1, torch.tensor(t_ids[pos])])).sum()
+                tokens += 1
+    (2.0 * total / tokens).backward()
+    assert metrics["loss/top_k_kl"] == pytest.approx(float(total.detach()) / tokens, rel=1e-4)
+    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    for n in want:  # float32 kernels differ (padding, a batch of two): within 1% of the norm (measured
+        # 0.1%; a position off by one or the student renormalised to the k tokens is off by tens of %)
+        assert (got[n] - want[n]).norm() <= 1e-2 * want[n].norm() + 1e-8, n
+
+
+def test_opd_updates_lower_the_exact_reverse_kl_on_the_students_own_samples(tmp_path: Path,
+                                                                            seeded_batch) -> None:
+    """The whole update, without the noise of a run: the student samples answers (seeded), the teacher
+    scores them, :func:`token_advantages` and three torch-backend steps on that batch; KL(student ‖ teacher)
+    summed over the vocabulary on those contexts goes down (a sign or alignment slip sends it up)."""
+    before, after = _update_on_seeded_batch(seeded_batch, tmp_path, top_k=0)
     # one sampled log-ratio per token is a weak signal (bench/opd_signal.py): a few % in 3 steps
-    assert after_kl < before_kl, (before_kl, after_kl)
+    assert after < before, (before, after)
+
+
+def test_the_teachers_top_k_moves_the_student_several_times_further_per_step(tmp_path: Path,
+                                                                            seeded_batch) -> None:
+    """``teacher.top_k``: the same batch and steps with the teacher's top 8 per position in the loss lower
+    the exact reverse KL several times more than the sampled log-ratio alone."""
+    before, sampled = _update_on_seeded_batch(seeded_batch, tmp_path / "sampled", top_k=0)
+    _, top8 = _update_on_seeded_batch(seeded_batch, tmp_path / "top8", top_k=8)
+    print(f"exact KL {before:.4f}: sampled -> {sampled:.4f}, top-8 -> {top8:.4f}")
+    assert before - top8 > 2 * (before - sampled) > 0, (before, sampled, top8)
 
 
 # --- (d) the config's rules -----------------------------------------------------------------------
@@ -294,6 +419,10 @@ def _write(tmp_path: Path, text: str) -> Path:
     ("algorithm: {estimator: opd}\nteacher: {path: t, make: {correct_fraction: 2}}\n",
      "correct_fraction must be between 0 and 1"),
     ("algorithm: {estimator: opd}\nteacher: {path: t, engine: {model: x}}\n", "teacher.engine.model is set"),
+    ("algorithm: {estimator: opd}\nteacher: {path: t, top_k: 101}\n",
+     "teacher.top_k must be a whole number from 0 (the sampled log-ratio only) to 100, not 101"),
+    ("algorithm: {estimator: opd, opd_top_k_coef: -1}\nteacher: {path: t}\n",
+     "opd_top_k_coef must be a finite number >= 0"),
 ])
 def test_bad_teacher_configs_are_one_sentence(tmp_path: Path, extra: str, message: str) -> None:
     with pytest.raises(config.ConfigError) as e:
@@ -365,7 +494,8 @@ def test_opd_run_scores_every_step_and_keeps_the_student_near_the_teacher(
     student = engines(arith_model_dir)  # the session's engine serves the student; the run starts a teacher
     run_dir = tmp_path / "run"
     teacher = {"path": str(tmp_path / "teacher"),  # the same family, trained longer on right answers only
-               "make": {"preset": "tiny", "warm_start": "arith", "steps": 150, "correct_fraction": 1.0}}
+               "make": {"preset": "tiny", "warm_start": "arith", "steps": 150, "correct_fraction": 1.0},
+               "top_k": 4}
     # lr 3e-4: Adam's first step at 1e-3 overshoots on this model (measured on one batch, exact reverse
     # KL 1.16 -> 1.42 after it, -> 1.06 at 3e-4)
     cfg = write_config(tmp_path, arith_model_dir, engine_url=student.url, steps=3, mode="sync",
@@ -379,6 +509,7 @@ def test_opd_run_scores_every_step_and_keeps_the_student_near_the_teacher(
         assert r["teacher/seconds"] > 0 and r["teacher/requests"] >= 1
         assert r["teacher/tokens"] >= r["opd/tokens"] > 0
         assert math.isfinite(r["opd/reverse_kl"]) and r["opd/teacher_logprob_mean"] < 0
+        assert 0 < r["opd/top_k_mass"] <= 1.0001 and 0 <= r["opd/top1_agree"] <= 1 and r["loss/top_k_kl"] > 0
     assert "reverse KL" in out.stderr + out.stdout
     assert (run_dir / "logs" / "teacher-engine.log").stat().st_size > 0
     summary = json.loads((run_dir / "summary.json").read_text())  # the teacher's cost, added up

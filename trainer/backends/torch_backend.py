@@ -25,7 +25,9 @@ Departures from a textbook loop, each on purpose:
   the engine sampled from.
 * A ``token_advantage`` column (list<float32> aligned with ``input_ids``: on-policy distillation's
   per-token advantages, :mod:`lgt.trainer.distill.opd`) replaces the per-sample ``advantage`` in the
-  loss: the advantages become (B, T) like the log-probs.
+  loss: the advantages become (B, T) like the log-probs. With ``teacher_top_k_ids`` and
+  ``teacher_top_k_logprobs`` (k per token, flattened) the student's log-probs of the teacher's top k
+  are gathered from the same logits and the loss adds the top-k KL term (:func:`rl.policy_loss`).
 * ``dtype="bfloat16"`` keeps float32 master weights and AdamW state and runs the forward under autocast.
 
 Samples are read straight from the Arrow list buffers (numpy views over the offsets), never via Python
@@ -102,6 +104,8 @@ class TokenBatch:
     advantage: np.ndarray  # (N,) float32
     loss_weight: np.ndarray  # (N,) float32
     token_advantage: np.ndarray | None = None  # (total tokens,) float32: per-token advantages (OPD)
+    top_k_ids: np.ndarray | None = None  # (total tokens, k) int64: the teacher's top k (OPD, top_k > 0)
+    top_k_logprobs: np.ndarray | None = None  # (total tokens, k) float32: their teacher log-probs
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -185,6 +189,9 @@ def read_samples(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) 
             raise SampleError(f"sample {table.column('sample_id')[i].as_py()} has a non-finite "
                               "token_advantage")
     starts = ids_off[:-1] - ids_off[0]
+    top_ids = top_lps = None
+    if "teacher_top_k_ids" in table.column_names:
+        top_ids, top_lps = _top_k_columns(table, lengths, len(ids))
     if len(mask) and (mask.min() < 0 or mask.max() > 1):
         bad = int(np.flatnonzero((mask < 0) | (mask > 1))[0])
         i = int(np.searchsorted(starts, bad, side="right") - 1)
@@ -195,7 +202,28 @@ def read_samples(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) 
     return TokenBatch(sample_ids=table.column("sample_id").combine_chunks(), input_ids=ids, loss_mask=mask,
                       behaviour_logprobs=blp, starts=starts, lengths=lengths, masked=masked,
                       advantage=_scalar_column(table, "advantage"),
-                      loss_weight=_scalar_column(table, "loss_weight"), token_advantage=token_advantage)
+                      loss_weight=_scalar_column(table, "loss_weight"), token_advantage=token_advantage,
+                      top_k_ids=top_ids, top_k_logprobs=top_lps)
+
+
+def _top_k_columns(table: pa.Table, lengths: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """``teacher_top_k_ids`` / ``teacher_top_k_logprobs`` as (total tokens, k) arrays: each row holds k
+    entries per token, the same k in every row."""
+    if "teacher_top_k_logprobs" not in table.column_names:
+        raise SampleError("the samples have teacher_top_k_ids but no teacher_top_k_logprobs")
+    ids, ids_off = _list_column(table, "teacher_top_k_ids")
+    lps, lps_off = _list_column(table, "teacher_top_k_logprobs")
+    per_row = np.diff(ids_off)
+    k = int(per_row[0] // max(int(lengths[0]), 1))
+    bad = np.flatnonzero((per_row != k * lengths) | (np.diff(lps_off) != per_row))
+    if k < 1 or len(bad):
+        i = int(bad[0]) if len(bad) else 0
+        raise SampleError(f"sample {table.column('sample_id')[i].as_py()} has {np.diff(ids_off)[i]} teacher "
+                          f"top-k ids and {np.diff(lps_off)[i]} logprobs for {lengths[i]} tokens: each "
+                          "token needs the same k of both")
+    ids = ids[ids_off[0]:ids_off[-1]].astype(np.int64).reshape(total, k)
+    lps = lps[lps_off[0]:lps_off[-1]].astype(np.float32, copy=False).reshape(total, k)
+    return ids, lps
 
 
 def pack_micro_batches(lengths: Sequence[int] | np.ndarray, budget: int) -> list[list[int]]:
@@ -256,6 +284,14 @@ def pad_micro_batch(batch: TokenBatch, rows: Sequence[int], device: torch.device
         adv = np.zeros(b * width, np.float32)
         adv[flat] = batch.token_advantage[src]
         adv = adv.reshape(b, width)
+    top: dict[str, np.ndarray] = {}
+    if batch.top_k_ids is not None and batch.top_k_logprobs is not None:
+        k = batch.top_k_ids.shape[1]
+        for name, values, dtype in (("teacher_top_k_ids", batch.top_k_ids, np.int64),
+                                    ("teacher_top_k_logprobs", batch.top_k_logprobs, np.float32)):
+            block = np.zeros((b * width, k), dtype)
+            block[flat] = values[src]
+            top[name] = block.reshape(b, width, k)
     positions = np.arange(width)
     targets = ids
     if trained_only:
@@ -267,13 +303,17 @@ def pad_micro_batch(batch: TokenBatch, rows: Sequence[int], device: torch.device
         if adv.ndim == 2:
             adv = adv[:, pick]
             adv[:, 0] = 0.0
+        for name in top:
+            top[name] = top[name][:, pick]
+            top[name][:, 0] = 0
 
     def put(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
     return {"input_ids": put(ids), "positions": put(positions), "target_ids": put(targets),
             "loss_mask": put(mask), "behaviour_logprobs": put(blp),
-            "advantages": put(adv), "loss_weight": put(batch.loss_weight[idx])}
+            "advantages": put(adv), "loss_weight": put(batch.loss_weight[idx]),
+            **{name: put(a) for name, a in top.items()}}
 
 
 def _entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> float:
@@ -286,6 +326,22 @@ def _entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> float:
             lse = torch.logsumexp(chunk, -1, keepdim=True)
             total += float((lse.squeeze(-1) - (torch.softmax(chunk, -1) * chunk).sum(-1)).sum())
         return total
+
+
+def _top_k_logprobs(logits: torch.Tensor, top_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, K, k) float32 log-probs, with gradient, of the tokens ``top_ids`` names at each target
+    column (aligned like :func:`rl.token_logprobs`: column j from the logits at column j - 1), computed
+    on trained columns only (0 elsewhere)."""
+    out = torch.zeros(top_ids.shape, dtype=torch.float32, device=logits.device)
+    on = mask[:, 1:] > 0
+    if not bool(on.any()):
+        return out
+    rows = logits[:, :-1][on].float()  # (M, V): the distributions predicting trained tokens
+    picked = rows.gather(-1, top_ids[:, 1:][on]) - torch.logsumexp(rows, -1, keepdim=True)
+    shifted = torch.zeros((top_ids.shape[0], top_ids.shape[1] - 1, top_ids.shape[2]), dtype=torch.float32,
+                          device=logits.device)
+    shifted = shifted.masked_scatter(on[..., None].expand_as(shifted), picked)
+    return torch.cat([out[:, :1], shifted], 1)
 
 
 def _merge_metrics(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
@@ -446,6 +502,9 @@ class TorchBackend:
                     old.append(logp.detach())
             if self.cfg.entropy:
                 entropy_total += _entropy_sum(logits.detach(), mb["loss_mask"])
+            if "teacher_top_k_ids" in mb:
+                mb["student_top_k_logprobs"] = _top_k_logprobs(logits, mb["teacher_top_k_ids"],
+                                                               mb["loss_mask"])
             del logits
             neg_logp_total -= float((logp.detach() * mb["loss_mask"]).sum())
             loss, metrics = rl.policy_loss(logp, mb, self.cfg.loss, num_tokens=num_tokens,

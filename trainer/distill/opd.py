@@ -51,6 +51,10 @@ from lgt.trainer.models import MakeModel
 from lgt.trainer.serving.engine import EngineConfig
 
 SERVED_NAME = "teacher"  # the name a started teacher engine serves under
+MAX_TOP_K = 100  # teacher.top_k's bound: each position's k logprobs travel as JSON
+VLLM_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+PAD_LOGPROB = -1e9  # a missing top-k entry (a vocabulary smaller than k): probability 0 after softmax
+TopK = tuple[np.ndarray, np.ndarray]  # a sequence's teacher top-k: ids (L, k) int32, logprobs (L, k) float32
 
 
 class TeacherError(RuntimeError):
@@ -68,6 +72,12 @@ class TeacherSection:
     settings (default: the run's ``engine`` section, with one more position of context, since the
     teacher is asked for one token after the longest sample). ``concurrency``: requests in flight at
     once; ``batch_sequences``: samples per request; ``timeout_s``: per request.
+
+    ``top_k``: also ask for the teacher's ``top_k`` most likely tokens at every position (vLLM's
+    ``prompt_logprobs: k``); the loss then adds, at each generated position, the cross-entropy from the
+    teacher's top-k distribution (renormalised) to the student (weight ``algorithm.opd_top_k_coef``,
+    :func:`lgt.trainer.rl.loss.top_k_kl`). 0: the
+    sampled log-ratio only. More than vLLM's default of 20 starts the teacher with ``--max-logprobs``.
     """
 
     path: Path | None = None
@@ -78,6 +88,7 @@ class TeacherSection:
     concurrency: int = 4
     batch_sequences: int = 8
     timeout_s: float = 600.0
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         if self.path is not None and self.url is not None:
@@ -99,6 +110,10 @@ class TeacherSection:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"teacher.{name} must be a whole number >= 1, not {v!r}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_K:
+            raise ValueError(f"teacher.top_k must be a whole number from 0 (the sampled log-ratio only) to "
+                             f"{MAX_TOP_K}, not {k!r}")
         t = self.timeout_s
         if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
             raise ValueError(f"teacher.timeout_s must be a positive number of seconds, not {t!r}")
@@ -213,6 +228,24 @@ def prompt_logprobs_of(entries: Sequence[dict[str, Any] | None], ids: Sequence[i
     return out
 
 
+def prompt_top_k_of(entries: Sequence[dict[str, Any] | None], ids: Sequence[int], k: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The teacher's ``k`` most likely tokens at every position of ``ids`` from vLLM's ``prompt_logprobs``
+    (asked with ``k``: each entry holds the top k and the prompt's own token): ``(ids (L, k) int32,
+    logprobs (L, k) float32)``, most likely first; row 0 (nothing before it) is zeros. An entry with
+    fewer than k tokens is padded with :data:`PAD_LOGPROB`. Call after :func:`prompt_logprobs_of`."""
+    top_ids = np.zeros((len(ids), k), np.int32)
+    top_lps = np.zeros((len(ids), k), np.float32)
+    for i in range(1, len(ids)):
+        ranked = sorted(((float(v["logprob"] if isinstance(v, dict) else v), int(t))
+                         for t, v in (entries[i] or {}).items()), key=lambda x: -x[0])[:k]
+        top_lps[i] = PAD_LOGPROB
+        top_ids[i] = ids[i]
+        for j, (lp, t) in enumerate(ranked):
+            top_ids[i, j], top_lps[i, j] = t, lp
+    return top_ids, top_lps
+
+
 def _lists(samples: pa.Table, name: str) -> list[np.ndarray]:
     col = samples.column(name).combine_chunks()
     offsets = col.offsets.to_numpy()
@@ -221,25 +254,35 @@ def _lists(samples: pa.Table, name: str) -> list[np.ndarray]:
 
 
 def token_advantages(samples: pa.Table, teacher: Sequence[np.ndarray], coef: float,
-                     recomputed: Sequence[np.ndarray] | None = None) -> tuple[pa.Table, dict[str, float]]:
+                     recomputed: Sequence[np.ndarray] | None = None,
+                     top: tuple[Sequence[np.ndarray], Sequence[np.ndarray]] | None = None
+                     ) -> tuple[pa.Table, dict[str, float]]:
     """``samples`` (with ``advantage``: the group's, from :func:`lgt.trainer.rl.algorithm.assign`) with
     ``teacher_logprobs`` and ``token_advantage`` (list<float32>, aligned with ``input_ids``) set:
     ``token_advantage = (teacher − student) + coef · advantage`` on the loss mask, 0 elsewhere. The
     student's logprob is ``behaviour_logprobs``; where that is NaN (not recorded) ``recomputed`` (the
     trainer's own, same alignment) stands in, and without it ValueError names the sample.
 
+    ``top``: the teacher's top-k ids and logprobs per sample ((L, k) each, :func:`prompt_top_k_of`); they
+    become ``teacher_top_k_ids`` (list<int32>) and ``teacher_top_k_logprobs`` (list<float32>), k per
+    token flattened row-major, zeros off the loss mask (the torch backend's top-k KL term).
+
     Metrics, over the generated (loss-mask) tokens of the batch: ``opd/reverse_kl`` (mean of student −
     teacher: the sampled estimate of KL(student ‖ teacher) per token), ``opd/teacher_logprob_mean``,
-    ``opd/student_logprob_mean``, ``opd/tokens``."""
+    ``opd/student_logprob_mean``, ``opd/tokens``; with ``top``: ``opd/top_k_mass`` (the teacher's
+    probability inside its top k, mean) and ``opd/top1_agree`` (the fraction of generated tokens that
+    are the teacher's most likely one)."""
     ids, masks, behaviour = _lists(samples, "input_ids"), _lists(samples, "loss_mask"), \
         _lists(samples, "behaviour_logprobs")
     if len(teacher) != samples.num_rows:
         raise ValueError(f"{len(teacher)} teacher logprob lists for {samples.num_rows} samples")
     group_adv = samples.column("advantage").to_numpy(zero_copy_only=False).astype(np.float64)
     sample_ids = samples.column("sample_id").to_pylist()
-    adv_rows, teacher_rows = [], []
-    kl_sum = t_sum = s_sum = 0.0
+    adv_rows, teacher_rows, top_id_rows, top_lp_rows = [], [], [], []
+    kl_sum = t_sum = s_sum = mass_sum = agree_sum = 0.0
     n = 0
+    if top is not None and not (len(top[0]) == len(top[1]) == samples.num_rows):
+        raise ValueError(f"{len(top[0])} teacher top-k lists for {samples.num_rows} samples")
     for i, (tok, mask, blp, tlp) in enumerate(zip(ids, masks, behaviour, teacher)):
         tlp = np.asarray(tlp, np.float64)
         if len(tlp) != len(tok):
@@ -259,18 +302,35 @@ def token_advantages(samples: pa.Table, teacher: Sequence[np.ndarray], coef: flo
                              "logprob not finite)")
         adv_rows.append(adv.astype(np.float32))
         teacher_rows.append(np.where(on, tlp, 0.0).astype(np.float32))
+        if top is not None:
+            t_ids, t_lps = np.asarray(top[0][i]), np.asarray(top[1][i])
+            if t_ids.shape != t_lps.shape or t_ids.ndim != 2 or len(t_ids) != len(tok):
+                raise ValueError(f"sample {sample_ids[i]}: teacher top-k of shape {t_ids.shape} for "
+                                 f"{len(tok)} tokens")
+            top_id_rows.append(np.where(on[:, None], t_ids, 0).astype(np.int32).ravel())
+            top_lp_rows.append(np.where(on[:, None], t_lps, 0.0).astype(np.float32).ravel())
+            mass_sum += float(np.exp(t_lps[on].astype(np.float64)).sum())
+            agree_sum += float((t_ids[on, 0] == np.asarray(tok)[on]).sum())
         kl_sum -= float(diff.sum())
         t_sum += float(tlp[on].sum())
         s_sum += float(student[on].sum())
         n += int(on.sum())
     out = samples
-    for name, rows in (("teacher_logprobs", teacher_rows), ("token_advantage", adv_rows)):
+    columns = [("teacher_logprobs", teacher_rows, pa.float32()), ("token_advantage", adv_rows, pa.float32())]
+    if top is not None:
+        columns += [("teacher_top_k_ids", top_id_rows, pa.int32()),
+                    ("teacher_top_k_logprobs", top_lp_rows, pa.float32())]
+    for name, rows, kind in columns:
         if name in out.column_names:
             out = out.drop_columns([name])
-        out = out.append_column(name, pa.array(rows, pa.list_(pa.float32())))
-    metrics = {"opd/reverse_kl": kl_sum / n if n else float("nan"),
-               "opd/teacher_logprob_mean": t_sum / n if n else float("nan"),
-               "opd/student_logprob_mean": s_sum / n if n else float("nan"), "opd/tokens": float(n)}
+        out = out.append_column(name, pa.array(rows, pa.list_(kind)))
+    nan = float("nan")
+    metrics = {"opd/reverse_kl": kl_sum / n if n else nan,
+               "opd/teacher_logprob_mean": t_sum / n if n else nan,
+               "opd/student_logprob_mean": s_sum / n if n else nan, "opd/tokens": float(n)}
+    if top is not None:
+        metrics.update({"opd/top_k_mass": mass_sum / n if n else nan,
+                        "opd/top1_agree": agree_sum / n if n else nan})
     return out, metrics
 
 
@@ -292,12 +352,14 @@ def chunks(n: int, size: int) -> list[range]:
 @dataclass
 class Scored:
     """One batch scored: each sequence's logprobs (aligned with its ids, entry 0 is 0), the wall time,
-    the tokens sent and the requests made."""
+    the tokens sent and the requests made; with ``top_k``, each sequence's top-k ids and logprobs
+    ((L, k) each, :func:`prompt_top_k_of`)."""
 
     logprobs: list[np.ndarray]
     seconds: float
     tokens: int
     requests: int
+    top: tuple[list[np.ndarray], list[np.ndarray]] | None = None
 
     def metrics(self) -> dict[str, float]:
         return {"teacher/seconds": round(self.seconds, 4), "teacher/tokens": float(self.tokens),
@@ -336,6 +398,8 @@ class Teacher:
             engine, max_model_len=engine.max_model_len + 1 if engine.max_model_len else None)
         cfg = dataclasses.replace(cfg, model=model_dir, served_model_name=SERVED_NAME, log_path=log_path,
                                   seed=seed, url=None, port=0)
+        if section.top_k > VLLM_MAX_LOGPROBS and "--max-logprobs" not in cfg.extra_args:
+            cfg = dataclasses.replace(cfg, extra_args=(*cfg.extra_args, "--max-logprobs", str(section.top_k)))
         log(f"starting the teacher's vLLM engine on {model_dir.name} ...")
         eng = Engine.start(cfg)
         teacher = cls(section, eng.url, SERVED_NAME, engine=eng, restarts=restarts, log=log)
@@ -387,10 +451,11 @@ class Teacher:
 
     # -- scoring
 
-    def _request(self, seqs: list[list[int]]) -> list[np.ndarray]:
+    def _request(self, seqs: list[list[int]]) -> list[tuple[np.ndarray, TopK | None]]:
         import httpx
 
-        body = {"model": self.model_name, "prompt": seqs, "max_tokens": 1, "prompt_logprobs": 0,
+        k = self.section.top_k
+        body = {"model": self.model_name, "prompt": seqs, "max_tokens": 1, "prompt_logprobs": k,
                 "temperature": 1.0}
         try:
             resp = self._client.post(f"{self.base_url}/completions", json=body)
@@ -402,20 +467,24 @@ class Teacher:
         choices = sorted(resp.json().get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != len(seqs):
             raise TeacherError(f"the teacher answered {len(choices)} choices for {len(seqs)} sequences")
-        return [prompt_logprobs_of(c.get("prompt_logprobs") or [], s) for c, s in zip(choices, seqs)]
+        out = []
+        for c, s in zip(choices, seqs):
+            entries = c.get("prompt_logprobs") or []
+            out.append((prompt_logprobs_of(entries, s), prompt_top_k_of(entries, s, k) if k else None))
+        return out
 
     def _log_hint(self) -> str:
         path = getattr(self.engine, "log_path", None)
         return f" (its log: {path})" if path else ""
 
-    def _score_once(self, seqs: list[list[int]]) -> list[np.ndarray]:
+    def _score_once(self, seqs: list[list[int]]) -> list[tuple[np.ndarray, TopK | None]]:
         parts = chunks(len(seqs), self.section.batch_sequences)
-        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(seqs)
+        out: list[tuple[np.ndarray, TopK | None]] = [(np.zeros(0, np.float32), None)] * len(seqs)
         with concurrent.futures.ThreadPoolExecutor(self.section.concurrency) as pool:
             futures = {pool.submit(self._request, [seqs[i] for i in r]): r for r in parts}
             for fut in concurrent.futures.as_completed(futures):
-                for i, lp in zip(futures[fut], fut.result()):
-                    out[i] = lp
+                for i, scored in zip(futures[fut], fut.result()):
+                    out[i] = scored
         return out
 
     def score(self, seqs: Sequence[Sequence[int]]) -> Scored:
@@ -432,8 +501,9 @@ class Teacher:
                 raise
             self.keep_alive()
             lps = self._score_once(seqs)
-        scored = Scored(lps, time.monotonic() - t0, sum(len(s) for s in seqs),
-                        len(chunks(len(seqs), self.section.batch_sequences)))
+        top = ([t[0] for _, t in lps], [t[1] for _, t in lps]) if self.section.top_k else None
+        scored = Scored([lp for lp, _ in lps], time.monotonic() - t0, sum(len(s) for s in seqs),
+                        len(chunks(len(seqs), self.section.batch_sequences)), top)
         self.total_seconds += scored.seconds
         self.total_tokens += scored.tokens
         self.total_requests += scored.requests

@@ -57,7 +57,9 @@ class LossConfig:
     ``clip_low`` / ``clip_high``: the PPO ratio's clip range ``[1 - low, 1 + high]``; ``dual_clip``: cap
     on the loss of negative advantages (None: off); ``is_mode`` / ``is_cap``: the importance weights
     against the behaviour logprobs; ``kl_coef`` / ``kl_kind``: a KL penalty against the starting
-    policy; ``agg``: how per-token losses become one (``rollout``: each rollout counts once).
+    policy; ``agg``: how per-token losses become one (``rollout``: each rollout counts once);
+    ``opd_top_k_coef``: the weight of on-policy distillation's top-k KL term, used when the samples
+    carry the teacher's top-k (``teacher.top_k`` > 0).
     """
 
     clip_low: float = 0.2
@@ -68,6 +70,7 @@ class LossConfig:
     kl_kind: str = "k3"
     agg: str = "rollout"
     dual_clip: float | None = None
+    opd_top_k_coef: float = 1.0
 
     def __post_init__(self) -> None:
         if not (0.0 <= _number("clip_low", self.clip_low) < 1.0):
@@ -87,6 +90,8 @@ class LossConfig:
             raise _unknown("KL estimator", self.kl_kind, KL_KINDS)
         if self.agg not in AGG_MODES:
             raise _unknown("loss aggregation", self.agg, AGG_MODES)
+        if _number("opd_top_k_coef", self.opd_top_k_coef) < 0.0:
+            raise ValueError(f"opd_top_k_coef must be a finite number >= 0, not {self.opd_top_k_coef!r}")
 
 
 @dataclass(frozen=True)

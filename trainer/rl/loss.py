@@ -443,6 +443,19 @@ def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str, *, sample_weights
     return AGG_MODES[mode](per_token, mask, sample_weights, num_tokens, num_samples)
 
 
+def top_k_kl(teacher_top: Tensor, student_top: Tensor) -> Tensor:
+    """(B, T) per token, ``Σ_j t_j (log t_j − log s_j)`` over the teacher's top k tokens, ``t`` the
+    teacher's probabilities renormalised to them and ``log s_j`` the student's own (whole-vocabulary)
+    log-probs. ``teacher_top`` / ``student_top``: (B, T, k) log-probs of the same k tokens (a padded
+    entry with teacher log-prob -1e9 weighs 0). It is >= 0 (the student's k probabilities sum to at most
+    1), 0 only where the student puts all its mass on the k tokens as the teacher does; its gradient is
+    the cross-entropy's: it raises the tokens the teacher prefers, in proportion, at the states the
+    student reached."""
+    _check_same_shape(teacher_top=teacher_top, student_top=student_top)
+    t = torch.log_softmax(_upcast(teacher_top), -1)
+    return (t.exp() * (t - _upcast(student_top))).sum(-1)
+
+
 # --- the loss of one (micro-)batch ----------------------------------------------------------------
 
 def _batch_tensor(batch: Mapping[str, Tensor], key: str, why: str) -> Tensor:
@@ -460,7 +473,9 @@ def policy_loss(logp: Tensor, batch: Mapping[str, Tensor], cfg: LossConfig, *,
     "loss_mask" (B, T); "advantages" (B,) or (B, T); "behaviour_logprobs" (B, T) (engine's, 0 off the
     mask, NaN where not recorded: recomputed, see :func:`fill_behaviour`); optional "old_logprobs"
     (B, T) (default ``logp.detach()``: ratio 1), "loss_weight" (B,) (needed by agg "rollout"),
-    "ref_logprobs" (B, T) (needed when ``kl_coef`` > 0). ``num_tokens`` / ``num_samples``: whole-batch
+    "ref_logprobs" (B, T) (needed when ``kl_coef`` > 0); "teacher_top_k_logprobs" and
+    "student_top_k_logprobs" (B, T, k) (on-policy distillation's top-k: adds ``opd_top_k_coef`` ·
+    :func:`top_k_kl`, aggregated like the rest). ``num_tokens`` / ``num_samples``: whole-batch
     totals when this is a micro-batch (see ``aggregate_loss``).
     Returns (scalar loss, metrics). "loss/*" metrics are this micro-batch's contributions (they sum
     over micro-batches to the batch's value; "loss/kl" is before ``kl_coef``); "actor/*" are means
@@ -494,6 +509,10 @@ def policy_loss(logp: Tensor, batch: Mapping[str, Tensor], cfg: LossConfig, *,
         kl_loss = agg(kl_penalty(logp, ref, cfg.kl_kind))
         loss = loss + cfg.kl_coef * kl_loss
         metrics["loss/kl"] = float(kl_loss.detach())
+    if "teacher_top_k_logprobs" in batch and "student_top_k_logprobs" in batch:
+        top_kl = agg(top_k_kl(batch["teacher_top_k_logprobs"], batch["student_top_k_logprobs"]))
+        loss = loss + cfg.opd_top_k_coef * top_kl
+        metrics["loss/top_k_kl"] = float(top_kl.detach())
     metrics["loss/total"] = float(loss.detach())
     ratio = _is_ratio(old, behaviour)
     kept = is_w if cfg.is_mode != "truncate" else (ratio <= cfg.is_cap).to(ratio.dtype)
