@@ -386,7 +386,8 @@ def test_the_teachers_top_k_moves_the_student_several_times_further_per_step(tmp
     before, sampled = _update_on_seeded_batch(seeded_batch, tmp_path / "sampled", top_k=0)
     _, top8 = _update_on_seeded_batch(seeded_batch, tmp_path / "top8", top_k=8)
     print(f"exact KL {before:.4f}: sampled -> {sampled:.4f}, top-8 -> {top8:.4f}")
-    assert before - top8 > 2 * (before - sampled) > 0, (before, sampled, top8)
+    # measured: 1.531 -> sampled 1.493, top-8 1.429 (2.7x the drop); without the term it is 1x
+    assert before - top8 > 1.5 * (before - sampled) > 0, (before, sampled, top8)
 
 
 # --- (d) the config's rules -----------------------------------------------------------------------
