@@ -647,6 +647,7 @@ class Engine:
             return out["resp"]
         if "error" in out:
             raise out["error"]
+        self.check_alive()  # killed above and its request still not back: the error names the exit
         raise EngineError(f"the vLLM engine at {self.base_url} did not answer {method} {path}")
 
     def _request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
