@@ -9,9 +9,12 @@ Every arm starts from the same warm start (examples/carry: the model forgets the
 problems) and stops at the same target (the mean training reward of 10 steps ≥ 0.9) or limits:
 
 - ``rl``: ``lgt-train run examples/carry/run.yaml``;
-- ``opd``: ``lgt-train run examples/distill/opd.yaml`` — the teacher (the same warm start trained on
-  right answers, built by ``teacher.make``) scores every token the student generates;
-- ``opd+rl``: ``--distill-steps`` steps of OPD, then RL from its checkpoint;
+- ``opd``: ``lgt-train run examples/distill/opd.yaml --set teacher.top_k=0`` — the teacher (the same
+  warm start trained on right answers, built by ``teacher.make``) scores every token the student
+  generates: the sampled log-ratio only;
+- ``opd-top8``: the example as it is, with the teacher's top 8 tokens at every generated position in
+  the loss (``teacher.top_k: 8``) beside the sampled log-ratio;
+- ``opd+rl``: ``--distill-steps`` steps of ``opd-top8``, then RL from its checkpoint;
 - ``sft+rl``: the teacher, served by ``lgt-train engine`` as if it were a hosted model, answers the
   unchanged agent on the training tasks (``lgt-train record``), ``lgt-train sft`` trains the student on
   the traces that earned reward 1, then RL from that checkpoint.
@@ -45,7 +48,7 @@ CARRY = ROOT / "examples" / "carry" / "run.yaml"
 OPD = ROOT / "examples" / "distill" / "opd.yaml"
 SFT = ROOT / "examples" / "distill" / "sft.yaml"
 HARNESS = ROOT / "examples" / "claude_code" / "distill.yaml"
-ARMS = ("rl", "sft+rl", "opd", "opd+rl")
+ARMS = ("rl", "sft+rl", "opd", "opd-top8", "opd+rl")
 
 
 def _env() -> dict[str, str]:
@@ -129,9 +132,11 @@ def arm(name: str, seed: int, out: Path, distill_steps: int) -> dict:
     if name == "rl":
         return row(name, seed, [run(CARRY, d / "rl", seed)])
     if name == "opd":
-        return row(name, seed, [run(OPD, d / "opd", seed)])
+        return row(name, seed, [run(OPD, d / "opd", seed, "teacher.top_k=0")])
+    if name == "opd-top8":
+        return row(name, seed, [run(OPD, d / "opd", seed, "teacher.top_k=8")])
     if name == "opd+rl":
-        first = run(OPD, d / "opd", seed, f"steps={distill_steps}", "target_reward=null")
+        first = run(OPD, d / "opd", seed, f"steps={distill_steps}", "target_reward=null", "teacher.top_k=8")
         then = run(CARRY, d / "rl", seed, *from_checkpoint(final_checkpoint(d / "opd")))
         return row(name, seed, [first, then])
     if name == "sft+rl":
@@ -214,13 +219,13 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'arm':>7} {'seed':>4} {'steps to target':>16} {'seconds':>8} {'teacher calls':>14} "
+    head = (f"{'arm':>8} {'seed':>4} {'steps to target':>16} {'seconds':>8} {'teacher calls':>14} "
             f"{'held-out greedy':>16} {'held-out sampled':>17}")
     lines = [head, "-" * len(head)]
     for r in rows:
         g, s = r["greedy"], r["sampled"]
         steps = "not reached" if r["steps"] is None else str(r["steps"])
-        lines.append(f"{r['arm']:>7} {r['seed']:>4} {steps:>16} "
+        lines.append(f"{r['arm']:>8} {r['seed']:>4} {steps:>16} "
                      f"{_f(r['seconds'], '.0f'):>8} {r['teacher_calls']:>14} "
                      f"{_f(g[0]):>7} → {_f(g[1]):<6} {_f(s[0]):>8} → {_f(s[1]):<6}")
     from lgt.trainer.run.runlog import TARGET_WINDOW
@@ -229,17 +234,18 @@ def table(rows: list[dict]) -> str:
     if rl:
         lines.append(f"(the target is the mean training reward of {TARGET_WINDOW} steps: no run reaches it "
                      f"before step {TARGET_WINDOW})")
-    for name in ARMS[1:]:
-        ratios = []
-        for r in rows:
-            base = rl.get(r["seed"])
-            if r["arm"] == name and base and base["steps"] and r["steps"] is not None:
-                ratios.append((r["seed"], r["steps"] / base["steps"]))
-        if ratios:
-            within = sum(1 for _, x in ratios if x <= 1 / 3)
-            lines.append(f"{name}: steps to target / RL's: "
-                         + ", ".join(f"seed {s} {x:.2f}" for s, x in ratios)
-                         + f"  (≤ 1/3 on {within} of {len(ratios)})")
+    for what in ("steps", "seconds"):
+        for name in ARMS[1:]:
+            ratios = []
+            for r in rows:
+                base = rl.get(r["seed"])
+                if r["arm"] == name and base and base[what] and r[what] is not None:
+                    ratios.append((r["seed"], r[what] / base[what]))
+            if ratios:
+                within = sum(1 for _, x in ratios if x <= 1 / 3)
+                lines.append(f"{name}: {what} to target / RL's: "
+                             + ", ".join(f"seed {s} {x:.2f}" for s, x in ratios)
+                             + f"  (≤ 1/3 on {within} of {len(ratios)})")
     return "\n".join(lines)
 
 
