@@ -214,7 +214,7 @@ def _top_k_columns(table: pa.Table, lengths: np.ndarray, total: int) -> tuple[np
     ids, ids_off = _list_column(table, "teacher_top_k_ids")
     lps, lps_off = _list_column(table, "teacher_top_k_logprobs")
     per_row = np.diff(ids_off)
-    k = int(per_row[0] // max(int(lengths[0]), 1))
+    k = int(per_row[0] // lengths[0])  # every sample has a token (checked before)
     bad = np.flatnonzero((per_row != k * lengths) | (np.diff(lps_off) != per_row))
     if k < 1 or len(bad):
         i = int(bad[0]) if len(bad) else 0
@@ -272,48 +272,43 @@ def pad_micro_batch(batch: TokenBatch, rows: Sequence[int], device: torch.device
     col = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
     src = np.repeat(batch.starts[idx], lens) + col
     flat = row_of * width + col
-    ids = np.zeros(b * width, np.int64)
-    ids[flat] = batch.input_ids[src]
-    mask = np.zeros(b * width, np.float32)
-    mask[flat] = batch.loss_mask[src]
-    blp = np.zeros(b * width, np.float32)
-    blp[flat] = batch.behaviour_logprobs[src]
-    ids, mask, blp = ids.reshape(b, width), mask.reshape(b, width), blp.reshape(b, width)
-    adv = batch.advantage[idx]
+
+    def spread(values: np.ndarray, dtype: type) -> np.ndarray:
+        """Per-token ``values`` (total tokens, ...) of the rows as a zero-padded (B, T, ...) block."""
+        out = np.zeros((b * width, *values.shape[1:]), dtype)
+        out[flat] = values[src]
+        return out.reshape(b, width, *values.shape[1:])
+
+    ids = spread(batch.input_ids, np.int64)
+    # what the loss reads per token, aligned with the targets
+    per_token = {"loss_mask": spread(batch.loss_mask, np.float32),
+                 "behaviour_logprobs": spread(batch.behaviour_logprobs, np.float32)}
     if batch.token_advantage is not None:
-        adv = np.zeros(b * width, np.float32)
-        adv[flat] = batch.token_advantage[src]
-        adv = adv.reshape(b, width)
-    top: dict[str, np.ndarray] = {}
+        per_token["advantages"] = spread(batch.token_advantage, np.float32)
     if batch.top_k_ids is not None and batch.top_k_logprobs is not None:
-        k = batch.top_k_ids.shape[1]
-        for name, values, dtype in (("teacher_top_k_ids", batch.top_k_ids, np.int64),
-                                    ("teacher_top_k_logprobs", batch.top_k_logprobs, np.float32)):
-            block = np.zeros((b * width, k), dtype)
-            block[flat] = values[src]
-            top[name] = block.reshape(b, width, k)
+        per_token["teacher_top_k_ids"] = spread(batch.top_k_ids, np.int64)
+        per_token["teacher_top_k_logprobs"] = spread(batch.top_k_logprobs, np.float32)
     positions = np.arange(width)
     targets = ids
     if trained_only:
-        predicting = np.flatnonzero(mask[:, 1:].any(0))  # position p predicts token p + 1
+        predicting = np.flatnonzero(per_token["loss_mask"][:, 1:].any(0))  # position p predicts token p + 1
         positions = np.append(predicting, width - 1)
         pick = np.concatenate([[0], predicting + 1])
-        targets, mask, blp = ids[:, pick], mask[:, pick], blp[:, pick]
-        targets[:, 0], mask[:, 0], blp[:, 0] = 0, 0.0, 0.0
-        if adv.ndim == 2:
-            adv = adv[:, pick]
-            adv[:, 0] = 0.0
-        for name in top:
-            top[name] = top[name][:, pick]
-            top[name][:, 0] = 0
+        for name, a in [("target_ids", ids), *per_token.items()]:
+            a = a[:, pick]  # a copy: the column cleared below is the picked one
+            a[:, 0] = 0
+            if name == "target_ids":
+                targets = a
+            else:
+                per_token[name] = a
 
     def put(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
+    # per-token advantages, when the batch has them, replace the per-sample ones
     return {"input_ids": put(ids), "positions": put(positions), "target_ids": put(targets),
-            "loss_mask": put(mask), "behaviour_logprobs": put(blp),
-            "advantages": put(adv), "loss_weight": put(batch.loss_weight[idx]),
-            **{name: put(a) for name, a in top.items()}}
+            "advantages": put(batch.advantage[idx]), "loss_weight": put(batch.loss_weight[idx]),
+            **{name: put(a) for name, a in per_token.items()}}
 
 
 def _entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> float:
@@ -334,14 +329,9 @@ def _top_k_logprobs(logits: torch.Tensor, top_ids: torch.Tensor, mask: torch.Ten
     on trained columns only (0 elsewhere)."""
     out = torch.zeros(top_ids.shape, dtype=torch.float32, device=logits.device)
     on = mask[:, 1:] > 0
-    if not bool(on.any()):
-        return out
     rows = logits[:, :-1][on].float()  # (M, V): the distributions predicting trained tokens
-    picked = rows.gather(-1, top_ids[:, 1:][on]) - torch.logsumexp(rows, -1, keepdim=True)
-    shifted = torch.zeros((top_ids.shape[0], top_ids.shape[1] - 1, top_ids.shape[2]), dtype=torch.float32,
-                          device=logits.device)
-    shifted = shifted.masked_scatter(on[..., None].expand_as(shifted), picked)
-    return torch.cat([out[:, :1], shifted], 1)
+    out[:, 1:][on] = rows.gather(-1, top_ids[:, 1:][on]) - torch.logsumexp(rows, -1, keepdim=True)
+    return out
 
 
 def _merge_metrics(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
