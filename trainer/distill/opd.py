@@ -76,8 +76,8 @@ class TeacherSection:
     ``top_k``: also ask for the teacher's ``top_k`` most likely tokens at every position (vLLM's
     ``prompt_logprobs: k``); the loss then adds, at each generated position, the cross-entropy from the
     teacher's top-k distribution (renormalised) to the student (weight ``algorithm.opd_top_k_coef``,
-    :func:`lgt.trainer.rl.loss.top_k_kl`). 0: the
-    sampled log-ratio only. More than vLLM's default of 20 starts the teacher with ``--max-logprobs``.
+    :func:`lgt.trainer.rl.loss.top_k_kl`). 0: the sampled log-ratio only. More than vLLM's default of
+    20 starts the teacher with ``--max-logprobs``.
     """
 
     path: Path | None = None
