@@ -382,7 +382,8 @@ def _reexec(python: str, cfg: Any) -> None:
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--preset", type=click.Choice(["tiny", "demo", "10m", "0.5b"]), default="demo",
               show_default=True)
-@click.option("--warm-start", type=click.Choice(["none", "arith", "carry", "calc", "both"]), default="arith",
+@click.option("--warm-start", type=click.Choice(["none", "arith", "carry", "calc", "both", "words"]),
+              default="arith",
               show_default=True, help="A short SFT on synthetic task data, so RL has something to amplify.")
 @click.option("--seconds", type=click.FloatRange(min=0), default=90.0, show_default=True,
               help="CPU seconds of warm start.")

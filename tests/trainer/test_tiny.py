@@ -14,6 +14,7 @@ import pytest
 
 from lgt.trainer.demo.tiny import (
     CALC_TOOL,
+    WORD_VOCAB,
     DialogueEncoder,
     TinyModelError,
     arith_error,
@@ -35,6 +36,9 @@ from lgt.trainer.demo.tiny import (
     read_marker,
     tool_call_text,
     warm_start,
+    words_example,
+    words_reward,
+    words_tasks,
 )
 from lgt.trainer.models import ModelError, ModelInfo, check_model_dir
 
@@ -295,6 +299,42 @@ def test_dialogue_encoder_matches_the_template(tok) -> None:
         == "The answer is 12.<|im_end|>"
 
 
+def test_words_tasks_and_dialogues(tok) -> None:
+    import random
+
+    from lgt.trainer.demo.tiny import filler, words_call
+
+    tasks = words_tasks(60, seed=3)
+    assert tasks == words_tasks(60, seed=3) and tasks != words_tasks(60, seed=4)
+    assert len({t["word"] for t in tasks}) > 20 and all(t["word"] in WORD_VOCAB for t in tasks)
+    assert len({t["question"].replace(t["word"], "W").replace(t["file"], "F") for t in tasks}) > 30
+    assert {t["tool"] for t in tasks} == {"write_file", "shell"}
+    for t in tasks[:10]:
+        assert t["word"] in t["question"] and t["file"] in t["question"]
+        for system in (None, filler(random.Random(0), 200)):
+            ids, mask = words_example(tok, t, system)
+            text = tok.decode(ids, skip_special_tokens=False)
+            assert t["question"] in text and (system is None) == ("<|im_start|>system\n# Tools" in text)
+            assert f'{{"name": "{t["tool"]}", "description"' in text  # the one tool it offers
+            call = tool_call_text(*words_call(t))
+            assert t["word"] in call and t["file"] in call
+            assert tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) \
+                == f"{call}<|im_end|>Done.<|im_end|>"  # both replies trained, nothing else
+            assert tok.encode(text, add_special_tokens=False) == ids  # what vLLM sees for the 2nd call
+            assert words_reward(call, t) == (1.0, 1.0)
+    for tool in ("write_file", "shell"):
+        t = next(t for t in tasks if t["tool"] == tool)
+        other = dict(t, word=next(w for w in WORD_VOCAB if w != t["word"]))
+        assert words_reward(tool_call_text(*words_call(other)), t) == (0.0, 1.0)  # the wrong word
+        assert words_reward(tool_call_text(*words_call(dict(t, file="x.txt"))), t) == (0.0, 1.0)
+        twin = dict(t, tool="shell" if tool == "write_file" else "write_file")
+        assert words_reward(tool_call_text(*words_call(twin)), t) == (0.0, 0.0)  # the tool not offered
+    t = tasks[0]
+    bash = tool_call_text("Bash", {"command": f"echo {t['word']} > {t['file']}"})
+    assert words_reward(bash, t) == (0.0, 0.0)
+    assert words_reward(f"I wrote {t['word']} to {t['file']}.", t) == (0.0, 0.0)
+
+
 # --- models -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("preset, low, high", [("tiny", 100_000, 400_000), ("demo", 1_200_000, 1_700_000),
@@ -328,7 +368,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> P
     return build_model(d, preset="tiny", seed=1)
 
 
-@pytest.mark.parametrize("task", ["arith", "calc", "both"])
+@pytest.mark.parametrize("task", ["arith", "calc", "both", "words"])
 def test_warm_start_lowers_the_loss_and_saves(tmp_path: Path, tiny_dir: Path, task: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -347,7 +387,7 @@ def test_warm_start_lowers_the_loss_and_saves(tmp_path: Path, tiny_dir: Path, ta
 
 
 def test_warm_start_bad_input(tiny_dir: Path) -> None:
-    with pytest.raises(TinyModelError, match="task 'chess' is not one of arith, carry, calc, both"):
+    with pytest.raises(TinyModelError, match="task 'chess' is not one of arith, carry, calc, both, words"):
         warm_start(tiny_dir, task="chess", steps=1)
     with pytest.raises(TinyModelError, match="correct_fraction 1.5 is not between 0 and 1"):
         warm_start(tiny_dir, correct_fraction=1.5, steps=1)

@@ -5,7 +5,7 @@ ChatML chat template that renders tools, tool calls and tool results the way vLL
 reads them, a randomly initialised ``Qwen2ForCausalLM`` (head_dim 64: vLLM's CPU attention needs it), and a
 short supervised warm start on synthetic dialogues so that RL has something to amplify.
 
-Three tasks, each matching an example agent:
+Three tasks, each matching an example agent, and a fourth for a student's warm start:
 
 * ``arith``: ``What is 7+5?`` answered ``The answer is 12.`` (single digits, ``+`` and ``*``).
 * ``carry``: ``What is 47+38?`` answered ``The answer is 85.``: two-digit additions whose ones digits
@@ -13,6 +13,11 @@ Three tasks, each matching an example agent:
   habit shared by all 3,645 problems, so what RL corrects on some carries over to problems never seen.
 * ``calc``: ``What is 23*47?`` (two-digit operands: too hard to do in the model's head); the model calls the
   ``calculator`` tool, reads its result from a ``tool`` message and answers ``The answer is 1081.``
+* ``words`` (a warm start only, no agent): ``Save the word TIGER in log.md here.``, answered with the one
+  tool offered, ``write_file`` (path, content) or ``shell`` (``echo TIGER > log.md``), then ``Done.`` after
+  its result; half the steps behind a long filler system prompt. It gives the demo model what any
+  pretrained model brings to an agent: putting what the user named into a tool call, with an agent's
+  long prompt in front. (Learning that from a harness's traces alone, in minutes, it did not.)
 
 The warm start trains on answers that are right only ``correct_fraction`` of the time; otherwise the answer
 (or the calculator expression) is a *fixed* plausible error per prompt (carry: the answer without the
@@ -45,7 +50,7 @@ TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 MARKER = "lgt-model.json"  # written last by make_model: its presence means the directory is finished
 MARKER_VERSION = 2  # 2: max_position_embeddings 32768 (was 1024)
-TASKS = ("arith", "carry", "calc", "both")
+TASKS = ("arith", "carry", "calc", "both", "words")
 # two-digit a + b (10..99) whose ones digits add up to 10 or more: the carry task's problems
 CARRY_SPACE = tuple((a, b) for a in range(10, 100) for b in range(10, 100) if a % 10 + b % 10 >= 10)
 
@@ -185,6 +190,123 @@ def calc_tasks(n: int, *, seed: int = 0, ops: str = "+*") -> list[dict[str, Any]
         out.append({"task_id": f"calc-{i}", "question": f"What is {expr}?", "answer": _apply(a, op, b),
                     "expression": expr})
     return out
+
+
+WRITE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "write_file",
+        "description": "Write text into a file.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"},
+                                                        "content": {"type": "string"}},
+                       "required": ["path", "content"]},
+    },
+}
+SHELL_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "shell",
+        "description": "Run a shell command.",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+    },
+}
+WORDS_TOOLS = {"write_file": WRITE_TOOL, "shell": SHELL_TOOL}
+# the words the words task copies: fruit, animals, colours, things (the demo model's "vocabulary")
+WORD_VOCAB = tuple(
+    "APPLE APRICOT BANANA CHERRY DAMSON ELDERBERRY FIG GRAPE GUAVA KIWI LEMON LIME LYCHEE MANGO MELON "
+    "NECTARINE ORANGE PAPAYA PEACH PEAR PINEAPPLE PLUM QUINCE RAISIN SATSUMA TANGERINE "
+    "BADGER BEAVER CAMEL DONKEY EAGLE FALCON GIRAFFE HORSE JAGUAR KOALA LION MONKEY OTTER PANDA RABBIT "
+    "SALMON TIGER TURTLE WALRUS ZEBRA "
+    "AMBER BLUE CRIMSON GREEN INDIGO MAGENTA OLIVE PURPLE SCARLET SILVER VIOLET YELLOW "
+    "ANCHOR BASKET CANDLE HAMMER KETTLE LADDER MIRROR PENCIL ROCKET SADDLE TABLE WAGON".split())
+FILE_STEMS = ("answer", "out", "word", "result", "note", "fruit", "notes", "data", "output", "todo", "list",
+              "log", "draft", "memo", "info", "text", "temp", "report", "summary", "value")
+FILE_EXTENSIONS = (".txt", ".md", ".log", ".csv")
+# words for the filler that stands in for an agent's long system prompt (the words task)
+FILLER_WORDS = tuple(
+    "the a an of to in for on with by from as is are be can will use when you your this that it each tool "
+    "file files read write run command output user task code agent answer must should never always only "
+    "before after then if not do does make sure keep short project folder current directory shell bash "
+    "note important example result error test tests change edit line lines path string text value name "
+    "list call calls message messages reply system model help work done new old first last one two"
+    .split())
+# the words task's requests, made from parts: "{verb} {the word }{W} {into} {the file }{F}{ here}." or
+# "{Create} {F}{ here} {containing} {just }{the word }{W}."
+_PUT = ("Write", "Put", "Save", "Store", "Place", "Please write", "Please put")
+_WORD = ("the word ", "the text ", "")
+_INTO = ("into", "in", "to")
+_FILE = ("the file ", "a file named ", "a file called ", "")
+_WHERE = ("", " here", " in the current directory", " in this folder", " now")
+_CREATE = ("Create", "Make", "Please create", "Write")
+_HOLDING = ("containing", "holding", "with")
+_JUST = ("just ", "only ", "")
+
+
+def _word_request(rng: random.Random, word: str, file: str) -> str:
+    where = rng.choice(_WHERE)
+    if rng.random() < 0.5:
+        return (f"{rng.choice(_PUT)} {rng.choice(_WORD)}{word} {rng.choice(_INTO)} {rng.choice(_FILE)}{file}"
+                f"{where}.")
+    holding = f"{rng.choice(_HOLDING)} {rng.choice(_JUST)}{rng.choice(_WORD)}{word}"
+    return f"{rng.choice(_CREATE)} {file}{where} {holding}."
+
+
+def words_tasks(n: int, *, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` copy tasks ``{"task_id": "words-<i>", "question": "Save the word TIGER in log.md here.",
+    "word": "TIGER", "file": "log.md", "tool": "shell"}``: a word of WORD_VOCAB and a file name of
+    FILE_STEMS and FILE_EXTENSIONS in a request made of parts (_word_request), and the one tool offered,
+    write_file or shell. The skill a pretrained model brings to any agent (put what the user named into
+    the tool call the offered tool takes) and the demo model does not have unless taught."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        word, file = rng.choice(WORD_VOCAB), rng.choice(FILE_STEMS) + rng.choice(FILE_EXTENSIONS)
+        out.append({"task_id": f"words-{i}", "question": _word_request(rng, word, file), "word": word,
+                    "file": file, "tool": rng.choice(sorted(WORDS_TOOLS))})
+    return out
+
+
+def words_call(task: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """(tool name, arguments) that do a words task with its tool."""
+    if task["tool"] == "shell":
+        return "shell", {"cmd": f"echo {task['word']} > {task['file']}"}
+    return "write_file", {"path": task["file"], "content": task["word"]}
+
+
+def words_messages(task: dict[str, Any], system: str | None = None) -> list[dict[str, Any]]:
+    """A words task's whole dialogue: (system,) user, the tool call, its result, ``Done.``."""
+    name, args = words_call(task)
+    call = {"name": name, "arguments": json.dumps(args)}
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user", "content": task["question"]},
+                   {"role": "assistant", "content": None,
+                    "tool_calls": [{"id": "call_0", "type": "function", "function": call}]},
+                   {"role": "tool", "tool_call_id": "call_0", "content": "ok"},
+                   {"role": "assistant", "content": "Done."}]
+
+
+def words_reward(text: str, task: dict[str, Any]) -> tuple[float, float]:
+    """(accuracy, format) of a words task's first reply: accuracy 1.0 iff it is the call of the task's
+    tool that does exactly the task (words_call); format 1.0 iff it calls that tool with its arguments'
+    names, whatever their values."""
+    name, args = words_call(task)
+    call = parse_tool_call(text)
+    got = call["arguments"] if call and call["name"] == name else {}
+    fmt = sorted(got) == sorted(args) and all(isinstance(v, str) for v in got.values())
+    return float(got == args), float(fmt)
+
+
+def filler(rng: random.Random, words: int) -> str:
+    """``words`` random words of FILLER_WORDS in sentences: the stand-in for a long system prompt."""
+    out, sentence = [], []
+    for _ in range(words):
+        sentence.append(rng.choice(FILLER_WORDS))
+        if len(sentence) >= rng.randint(6, 16):
+            out.append(" ".join(sentence).capitalize() + ".")
+            sentence = []
+    if sentence:
+        out.append(" ".join(sentence).capitalize() + ".")
+    return " ".join(out)
 
 
 def arith_reward(text: str, answer: int | str) -> float:
@@ -437,6 +559,39 @@ def calc_example(tokenizer, question: str, expression: str) -> tuple[list[int], 
     return ids, mask
 
 
+def words_example(tokenizer, task: dict[str, Any], system: str | None = None) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one words dialogue (words_messages): both assistant turns in the loss."""
+    msgs = words_messages(task, system)
+    first = len(msgs) - 3  # the assistant's tool call
+    tools = [WORDS_TOOLS[task["tool"]]]
+    prompt1 = _render(tokenizer, msgs[:first], tools)
+    reply1 = tool_call_text(*words_call(task)) + IM_END
+    prompt2 = _render(tokenizer, msgs[:first + 2], tools)
+    if not prompt2.startswith(prompt1 + reply1):
+        raise AssertionError("the chat template does not extend the first turn; the words dialogue is off")
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, m in [(prompt1, 0), (reply1, 1), (prompt2[len(prompt1 + reply1):], 0), (f"Done.{IM_END}", 1)]:
+        t = _encode(tokenizer, text)
+        ids += t
+        mask += [m] * len(t)
+    return ids, mask
+
+
+WORDS_EVAL_N = 64  # the most words dialogues warm_start evaluates
+WORDS_FILLER_SHARE = 0.5  # warm-start steps whose words dialogues have a filler system prompt
+WORDS_FILLER_MEAN = 80  # its mean length in words (exponential, capped at WORDS_FILLER_MAX)
+WORDS_FILLER_MAX = 350
+
+
+def _filler_words(rng: random.Random) -> int:
+    """How long a words dialogue's filler system prompt is (0: none). Drawn once per warm-start step, so
+    that a batch's dialogues are about as long as each other (padding to the longest costs the rest)."""
+    if rng.random() >= WORDS_FILLER_SHARE:
+        return 0
+    return min(WORDS_FILLER_MAX, 1 + int(rng.expovariate(1.0 / WORDS_FILLER_MEAN)))
+
+
 class DialogueEncoder:
     """Fast token ids + loss masks of the warm-start dialogues (same ids as arith_example/calc_example).
 
@@ -496,10 +651,15 @@ class DialogueEncoder:
 
 def _draw_example(enc: DialogueEncoder, task: str, rng: random.Random, correct_fraction: float,
                   pool: Sequence[dict[str, Any]],
-                  exclude: frozenset[str] = frozenset()) -> tuple[list[int], list[int]]:
+                  exclude: frozenset[str] = frozenset(),
+                  filler_words: int = 0) -> tuple[list[int], list[int]]:
     """One training dialogue: right with probability correct_fraction, else the prompt's fixed error;
-    never one of the ``exclude`` questions (held-out tasks). ``pool``: the arith or carry problems."""
+    never one of the ``exclude`` questions (held-out tasks). ``pool``: the arith or carry problems.
+    ``filler_words``: a words dialogue's filler system prompt (0: none)."""
     kind = rng.choice(["arith", "calc"]) if task == "both" else task
+    if kind == "words":  # always right: the copying skill, not a habit for RL to correct
+        t = words_tasks(1, seed=rng.getrandbits(32))[0]
+        return words_example(enc.tokenizer, t, filler(rng, filler_words) if filler_words else None)
     right = rng.random() < correct_fraction
     if kind in ("arith", "carry"):
         t = rng.choice(pool)
@@ -565,6 +725,8 @@ def evaluate(model, tokenizer, task: str, *, sample: bool, n: int = 64, seed: in
         a = evaluate(model, tokenizer, "arith", sample=sample, n=n // 2, seed=seed)
         c = evaluate(model, tokenizer, "calc", sample=sample, n=n - n // 2, seed=seed)
         return {k: (a[k] + c[k]) / 2 for k in a}
+    if task == "words":
+        return _evaluate_words(model, tokenizer, sample=sample, n=n, seed=seed)
     fmt = re.compile(r"The answer is -?\d+\.")
     if task in ("arith", "carry"):
         tasks = (arith_tasks if task == "arith" else carry_tasks)(n, seed=seed + 7919)
@@ -596,6 +758,23 @@ def evaluate(model, tokenizer, task: str, *, sample: bool, n: int = 64, seed: in
     return {"accuracy": sum(ok) / len(ok), "format": sum(good_format) / len(good_format)}
 
 
+def _evaluate_words(model, tokenizer, *, sample: bool, n: int, seed: int,
+                    filler_words: int | None = None) -> dict[str, float]:
+    """The words task's first turn on ``n`` fresh tasks: accuracy (the write_file call names the task's
+    file and word exactly) and format (a write_file call with a path and a content). System prompts are
+    drawn like the warm start's, or all ``filler_words`` long when given."""
+    rng = random.Random(seed + 1)
+    tasks = words_tasks(n, seed=seed + 7919)
+    prompts = []
+    for t in tasks:
+        words = _filler_words(rng) if filler_words is None else filler_words
+        system = filler(rng, words) if words else None
+        prompts.append(_render(tokenizer, words_messages(t, system)[:-3], [WORDS_TOOLS[t["tool"]]]))
+    replies = _generate(model, tokenizer, prompts, sample=sample, max_new_tokens=96, seed=seed)
+    scores = [words_reward(text, t) if stopped else (0.0, 0.0) for t, (text, stopped) in zip(tasks, replies)]
+    return {"accuracy": sum(ok for ok, _ in scores) / n, "format": sum(fmt for _, fmt in scores) / n}
+
+
 def _save_weights(model, model_dir: Path) -> None:
     """Replace model_dir's weights atomically (save beside it, then rename the one weights file over)."""
     with tempfile.TemporaryDirectory(dir=model_dir.parent, prefix=f".{model_dir.name}.") as tmp:
@@ -622,13 +801,16 @@ def warm_start(model_dir: str | Path, *, task: str = "arith", seconds: float | N
     ``first_loss``/``final_loss`` (mean of the first/last 10 steps),
     ``greedy_accuracy``, ``sampled_accuracy`` (temperature 1), ``sampled_format``.
 
-    ``batch``: dialogues per step; default 64 for arith and carry, 16 when calc dialogues (~6x longer) are
-    in the mix (measured on the demo preset in 90 CPU-s: batch 16 copied the calculator's expression,
-    batch 64 had too few steps to learn it).
+    ``batch``: dialogues per step; default 64 for arith and carry, 16 when calc or words dialogues
+    (~6x longer) are in the mix (measured on the demo preset in 90 CPU-s: batch 16 copied the
+    calculator's expression, batch 64 had too few steps to learn it).
 
     ``threads``: torch CPU threads while it runs (restored after). One is the default: these models are
     too small to gain from more, and on a shared machine extra threads spin-wait (measured: a batch of 64
     took 0.18 s of CPU on one thread, 0.5-2.4 s on two, under load).
+
+    ``words`` trains on right calls only (``correct_fraction`` does not apply): a skill to build on, not a
+    habit for RL to correct.
 
     ``exclude``: questions never shown (the run's held-out tasks, so that evaluating on them measures
     what the model never saw, in the warm start or in RL).
@@ -678,7 +860,8 @@ def _warm_start(model_dir: Path, *, task: str, seconds: float | None, steps: int
     while (done := _progress_fraction(len(losses), steps, time.process_time() - start, seconds)) < 1.0:
         for group in opt.param_groups:  # cosine decay to lr/10 over the budget (steps or seconds)
             group["lr"] = lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * done)))
-        ids, attn, labels = _batch([_draw_example(enc, task, rng, correct_fraction, pool, exclude)
+        words = _filler_words(rng) if task == "words" else 0
+        ids, attn, labels = _batch([_draw_example(enc, task, rng, correct_fraction, pool, exclude, words)
                                     for _ in range(batch)], tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
@@ -690,6 +873,8 @@ def _warm_start(model_dir: Path, *, task: str, seconds: float | None, steps: int
     elapsed, wall = time.process_time() - start, time.monotonic() - wall_start
     bar.close()
     model.eval()
+    if task == "words":  # its dialogues are ~20x longer: 200 of them took 4 min on one thread
+        eval_n = min(eval_n, WORDS_EVAL_N)
     greedy = evaluate(model, tokenizer, task, sample=False, n=eval_n, seed=seed)
     sampled = evaluate(model, tokenizer, task, sample=True, n=eval_n, seed=seed)
     _save_weights(model, model_dir)
