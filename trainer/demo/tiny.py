@@ -541,18 +541,23 @@ def calc_example(tokenizer, question: str, expression: str) -> tuple[list[int], 
     """(token ids, loss mask) of one two-turn calc dialogue: the tool call for ``expression``, the tool's
     result, and the answer that repeats the result. Both replies are in the loss; the ids equal what vLLM
     sees (each prompt's tokens extend the previous prompt + reply exactly)."""
-    msgs = calc_messages(question, expression)
-    tools = [CALC_TOOL]
-    prompt1 = _render(tokenizer, msgs[:1], tools)
-    reply1 = tool_call_text("calculator", {"expression": expression}) + IM_END
-    prompt2 = _render(tokenizer, msgs, tools)
-    if not prompt2.startswith(prompt1 + reply1):
-        raise AssertionError("the chat template does not extend the first turn; the calc dialogue is off")
-    reply2 = f"The answer is {calculate(expression)}.{IM_END}"
-    parts = [(prompt1, 0), (reply1, 1), (prompt2[len(prompt1 + reply1):], 0), (reply2, 1)]
+    return _two_turns(tokenizer, calc_messages(question, expression), [CALC_TOOL],
+                      tool_call_text("calculator", {"expression": expression}) + IM_END,
+                      f"The answer is {calculate(expression)}.{IM_END}", "calc")
+
+
+def _two_turns(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]], call: str,
+               answer: str, what: str) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a dialogue whose ``messages`` end with an assistant tool call (``call``,
+    as rendered) and its result, followed by ``answer``: both replies in the loss, and the ids equal
+    what vLLM sees (the second prompt extends the first prompt + ``call`` exactly)."""
+    prompt1 = _render(tokenizer, messages[:-2], tools)
+    prompt2 = _render(tokenizer, messages, tools)
+    if not prompt2.startswith(prompt1 + call):
+        raise AssertionError(f"the chat template does not extend the first turn; the {what} dialogue is off")
     ids: list[int] = []
     mask: list[int] = []
-    for text, m in parts:
+    for text, m in [(prompt1, 0), (call, 1), (prompt2[len(prompt1 + call):], 0), (answer, 1)]:
         t = _encode(tokenizer, text)
         ids += t
         mask += [m] * len(t)
@@ -561,21 +566,8 @@ def calc_example(tokenizer, question: str, expression: str) -> tuple[list[int], 
 
 def words_example(tokenizer, task: dict[str, Any], system: str | None = None) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of one words dialogue (words_messages): both assistant turns in the loss."""
-    msgs = words_messages(task, system)
-    first = len(msgs) - 3  # the assistant's tool call
-    tools = [WORDS_TOOLS[task["tool"]]]
-    prompt1 = _render(tokenizer, msgs[:first], tools)
-    reply1 = tool_call_text(*words_call(task)) + IM_END
-    prompt2 = _render(tokenizer, msgs[:first + 2], tools)
-    if not prompt2.startswith(prompt1 + reply1):
-        raise AssertionError("the chat template does not extend the first turn; the words dialogue is off")
-    ids: list[int] = []
-    mask: list[int] = []
-    for text, m in [(prompt1, 0), (reply1, 1), (prompt2[len(prompt1 + reply1):], 0), (f"Done.{IM_END}", 1)]:
-        t = _encode(tokenizer, text)
-        ids += t
-        mask += [m] * len(t)
-    return ids, mask
+    return _two_turns(tokenizer, words_messages(task, system)[:-1], [WORDS_TOOLS[task["tool"]]],
+                      tool_call_text(*words_call(task)) + IM_END, f"Done.{IM_END}", "words")
 
 
 WORDS_EVAL_N = 64  # the most words dialogues warm_start evaluates
@@ -758,16 +750,15 @@ def evaluate(model, tokenizer, task: str, *, sample: bool, n: int = 64, seed: in
     return {"accuracy": sum(ok) / len(ok), "format": sum(good_format) / len(good_format)}
 
 
-def _evaluate_words(model, tokenizer, *, sample: bool, n: int, seed: int,
-                    filler_words: int | None = None) -> dict[str, float]:
-    """The words task's first turn on ``n`` fresh tasks: accuracy (the write_file call names the task's
-    file and word exactly) and format (a write_file call with a path and a content). System prompts are
-    drawn like the warm start's, or all ``filler_words`` long when given."""
+def _evaluate_words(model, tokenizer, *, sample: bool, n: int, seed: int) -> dict[str, float]:
+    """The words task's first turn on ``n`` fresh tasks, scored by words_reward (accuracy: the offered
+    tool's call does exactly the task; format: it calls that tool with its arguments). System prompts
+    are drawn like the warm start's."""
     rng = random.Random(seed + 1)
     tasks = words_tasks(n, seed=seed + 7919)
     prompts = []
     for t in tasks:
-        words = _filler_words(rng) if filler_words is None else filler_words
+        words = _filler_words(rng)
         system = filler(rng, words) if words else None
         prompts.append(_render(tokenizer, words_messages(t, system)[:-3], [WORDS_TOOLS[t["tool"]]]))
     replies = _generate(model, tokenizer, prompts, sample=sample, max_new_tokens=96, seed=seed)
