@@ -399,9 +399,10 @@ def validate_teacher(cfg: RunConfig) -> None:
     if cfg.teacher is not None and not opd:
         raise ConfigError(f"the teacher section is used only by algorithm.estimator: opd, not "
                           f"{cfg.algorithm.estimator!r}: set estimator: opd or leave the teacher out")
-    if opd and cfg.backend.name != "torch":
-        raise ConfigError(f"algorithm.estimator: opd trains with per-token advantages, which the "
-                          f"{cfg.backend.name} backend does not take yet: use backend: {{name: torch}}")
+    if opd and cfg.backend.name != "torch" and cfg.teacher is not None and cfg.teacher.top_k:
+        raise ConfigError(f"teacher.top_k adds a term over the student's whole vocabulary to the torch "
+                          f"backend's loss, which the {cfg.backend.name} backend does not compute: set "
+                          f"teacher.top_k: 0 (the sampled log-ratio only) or use backend: {{name: torch}}")
     if cfg.teacher is not None and cfg.teacher.path is not None:
         mismatch = teacher_tokenizer_problem(cfg.model.path, cfg.teacher.path)
         if mismatch:

@@ -405,8 +405,9 @@ def _write(tmp_path: Path, text: str) -> Path:
 @pytest.mark.parametrize("extra, message", [
     ("algorithm: {estimator: opd}\n", "algorithm.estimator: opd needs a teacher section"),
     ("teacher: {path: t}\n", "the teacher section is used only by algorithm.estimator: opd, not 'grpo'"),
-    ("algorithm: {estimator: opd}\nteacher: {path: t}\nbackend: {name: verl}\n",
-     "algorithm.estimator: opd trains with per-token advantages, which the verl backend does not take yet"),
+    ("algorithm: {estimator: opd}\nteacher: {path: t, top_k: 4}\nbackend: {name: verl}\n",
+     "teacher.top_k adds a term over the student's whole vocabulary to the torch backend's loss, which the "
+     "verl backend does not compute: set teacher.top_k: 0"),
     ("algorithm: {estimator: opd}\nteacher: {}\n", "teacher.path (a model directory, optionally built with "
      "teacher.make) or teacher.url (a running vLLM engine serving the teacher) is needed"),
     ("algorithm: {estimator: opd}\nteacher: {path: t, url: 'http://h:1/v1'}\n",
@@ -429,6 +430,12 @@ def test_bad_teacher_configs_are_one_sentence(tmp_path: Path, extra: str, messag
     with pytest.raises(config.ConfigError) as e:
         config.load(_write(tmp_path, extra))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_opd_on_the_verl_backend_loads_with_the_sampled_log_ratio_only(tmp_path: Path) -> None:
+    cfg = config.load(_write(tmp_path, "algorithm: {estimator: opd}\nteacher: {url: 'http://h:1/v1'}\n"
+                                       "backend: {name: verl}\n"))
+    assert cfg.backend.name == "verl" and cfg.teacher is not None and cfg.teacher.top_k == 0
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_at_load(tmp_path: Path, tiny_model_dir: Path,

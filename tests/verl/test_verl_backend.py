@@ -117,6 +117,27 @@ def test_loss_weight_is_folded_into_advantages_only_when_asked():
     assert folded.batch["advantages"].tolist() == [[-0.375, -0.375]]
 
 
+def with_token_advantages(samples: pa.Table, rows: list[list[float]]) -> pa.Table:
+    """``samples`` with on-policy distillation's ``token_advantage`` column (one list per sample)."""
+    return samples.append_column("token_advantage", pa.array(rows, pa.list_(pa.float32())))
+
+
+def test_per_token_advantages_replace_the_samples_and_are_folded_like_it():
+    rows = [sample("a", [("ctx", [1, 2]), ("gen", [3, 4]), ("ctx", [5]), ("gen", [6])], advantage=9.0,
+                   loss_weight=0.5)]
+    samples = with_token_advantages(table(rows), [[math.nan, 7.0, 0.5, -2.0, math.nan, 1.0]])  # off the mask
+    plain = samples_to_dataproto(samples, pad_token_id=PAD)
+    assert plain.batch["advantages"].tolist() == [[0.5, -2.0, 0.0, 1.0]]
+    folded = samples_to_dataproto(samples, pad_token_id=PAD, fold_loss_weight=True)
+    assert folded.batch["advantages"].tolist() == [[0.25, -1.0, 0.0, 0.5]]
+    bad = with_token_advantages(table(rows), [[0.0, 0.0, math.inf, 0.0, 0.0, 0.0]])
+    with pytest.raises(SampleConversionError, match="'a' has a non-finite token_advantage on a generated"):
+        samples_to_dataproto(bad, pad_token_id=PAD)
+    short = with_token_advantages(table(rows), [[0.0, 1.0]])
+    with pytest.raises(SampleConversionError, match="'a': token_advantage and input_ids differ in length"):
+        samples_to_dataproto(short, pad_token_id=PAD)
+
+
 def test_behaviour_logprobs_off_the_mask_are_zeroed():
     row = sample("a", [("ctx", [1]), ("gen", [2]), ("ctx", [3]), ("gen", [4])])
     row["behaviour_logprobs"] = [-9.0, -0.5, -9.0, -0.25]  # junk where the mask is 0
@@ -415,3 +436,49 @@ def test_the_verl_backend_checkpoints_as_an_hf_model_and_resumes_exactly(tiny_mo
         resumed.close()
     assert again["loss/pg"] == continued["loss/pg"]  # the same second step, bit for bit
     assert again["actor/grad_norm"] == continued["actor/grad_norm"]
+
+
+@pytest.mark.slow
+def test_on_policy_distillation_trains_each_token_by_its_own_advantage(tiny_model_dir):
+    # OPD on verl (the sampled log-ratio): each generated token carries its own advantage. Here every
+    # sample's advantage is +1 and every other generated token's is -1, so a backend that used the
+    # sample's advantage would raise those tokens too. sample_logprobs (what OPD takes where a call
+    # recorded no logprobs) is aligned with input_ids: the recorded (transformers) logprobs.
+    if torch.cuda.is_available():
+        pytest.skip("CPU check")
+    from lgt.trainer.backends.base import entry
+
+    rows = on_policy_samples(tiny_model_dir).to_pylist()
+    for row in rows:
+        row["advantage"] = 1.0
+    recorded = table(rows)
+    signs = []
+    for mask in recorded.column("loss_mask").to_pylist():
+        k = 0
+        row = []
+        for m in mask:
+            row.append((1.0 if k % 2 == 0 else -1.0) if m else 0.0)
+            k += m
+        signs.append(row)
+    samples = with_token_advantages(recorded, signs)
+    trainer = entry("verl").load_class().load(tiny_model_dir, VerlConfig(lr=2e-4, param_dtype="fp32",
+                                                                         ppo_micro_batch_size_per_gpu=2))
+    try:
+        before = trainer.sample_logprobs(samples)
+        for _ in range(3):
+            trainer.train_step(samples)
+        after = trainer.sample_logprobs(samples)
+    finally:
+        trainer.close()
+    up = down = 0.0
+    n_up = n_down = 0
+    for b, a, mask, blp, sign in zip(before, after, recorded.column("loss_mask").to_pylist(),
+                                     recorded.column("behaviour_logprobs").to_pylist(), signs):
+        m = np.asarray(mask) != 0
+        assert b.shape == a.shape == m.shape
+        assert np.allclose(b[m], np.asarray(blp)[m], atol=1e-4)
+        d, s = (a - b)[m], np.asarray(sign)[m]
+        up, down = up + d[s > 0].sum(), down + d[s < 0].sum()
+        n_up, n_down = n_up + (s > 0).sum(), n_down + (s < 0).sum()
+    assert n_up and n_down
+    assert up / n_up > 0 > down / n_down, (up / n_up, down / n_down)

@@ -20,7 +20,9 @@ How a store sample maps onto verl's row (``samples_to_dataproto``):
   trained (before the update) and corrects for the behaviour/old mismatch with importance weights
   (``lgt.trainer.rl.loss.importance_weights``: truncated or masked IS) passed as verl's
   ``rollout_is_weights``, which verl's PPO loss multiplies into the per-token loss.
-* ``advantages`` = the sample's (rollout's) advantage broadcast over ``response_mask``.
+* ``advantages`` = the sample's (rollout's) advantage broadcast over ``response_mask``; with a
+  ``token_advantage`` column (on-policy distillation's per-token advantages,
+  :mod:`lgt.trainer.distill.opd`) each response token's own instead.
 * Loss weights: lgt's ``rollout`` aggregation (each rollout counts once: ``Σ_i w_i Σ_t l_it`` with
   ``w_i = loss_weight``) maps EXACTLY onto verl's ``token-sum`` aggregation with ``w_i`` folded into
   the advantages: every term of verl's (dual-)clipped PPO loss is linear in the advantage and its
@@ -216,7 +218,8 @@ def samples_to_dataproto(
       ``old_log_probs`` (B, R) float32 = ``behaviour_logprobs`` there (0 off the mask; NaN where the
       proxy recorded none: ``VerlBackend.train_step`` recomputes those);
       ``advantages`` (B, R) float32 = advantage (× ``loss_weight`` when ``fold_loss_weight``) on the
-      mask, 0 elsewhere;
+      mask, 0 elsewhere; with a ``token_advantage`` column (list<float32> aligned with ``input_ids``)
+      each token's own advantage in place of the sample's;
     ``non_tensor_batch["uid"]`` the sample ids; ``meta_info``: ``temperature`` (the sampling temperature
     the behaviour logprobs were recorded at; verl divides the logits by it).
     """
@@ -235,6 +238,9 @@ def samples_to_dataproto(
     adv = samples.column("advantage").to_numpy(zero_copy_only=False).astype(np.float64)
     weight = samples.column("loss_weight").to_numpy(zero_copy_only=False).astype(np.float64)
 
+    per_token = "token_advantage" in samples.column_names
+    if per_token:
+        tadv, toff = _list_column(samples, "token_advantage", np.float64)
     lengths = np.diff(off)
     firsts = np.empty(len(lengths), dtype=np.int64)
     for i, sid in enumerate(sample_ids):
@@ -249,6 +255,13 @@ def samples_to_dataproto(
             raise SampleConversionError(f"sample {sid!r} starts with a generated token: it has no prompt.")
         if not (math.isfinite(adv[i]) and math.isfinite(weight[i])):
             raise SampleConversionError(f"sample {sid!r} has a non-finite advantage or loss_weight.")
+        if per_token:
+            if toff[i + 1] - toff[i] != lengths[i]:
+                raise SampleConversionError(
+                    f"sample {sid!r}: token_advantage and input_ids differ in length.")
+            if not np.isfinite(tadv[toff[i]:toff[i + 1]][row_mask != 0]).all():
+                raise SampleConversionError(f"sample {sid!r} has a non-finite token_advantage on a "
+                                            "generated token.")
         if fold_loss_weight and weight[i] <= 0:
             raise SampleConversionError(f"sample {sid!r} has loss_weight {weight[i]}, not > 0.")
         firsts[i] = hits[0]
@@ -269,6 +282,7 @@ def samples_to_dataproto(
     attention = np.zeros((n, width_p + width_r), dtype=np.int64)
     response_mask = np.zeros((n, width_r), dtype=np.int64)
     old_lp = np.zeros((n, width_r), dtype=np.float32)
+    token_adv = np.zeros((n, width_r), dtype=np.float64) if per_token else None
     for i in range(n):
         start, first, end, pl, rl = off[i], off[i] + firsts[i], off[i + 1], prompt_lens[i], response_lens[i]
         prompts[i, width_p - pl:] = ids[start:first]
@@ -276,9 +290,12 @@ def samples_to_dataproto(
         attention[i, width_p - pl:width_p + rl] = 1
         response_mask[i, :rl] = mask[moff[i] + firsts[i]:moff[i + 1]]
         old_lp[i, :rl] = blp[boff[i] + firsts[i]:boff[i + 1]]
+        if token_adv is not None:
+            token_adv[i, :rl] = tadv[toff[i] + firsts[i]:toff[i + 1]]
     old_lp = np.where(response_mask != 0, old_lp, np.float32(0))  # 0 off the mask, whatever was there
-    scale = adv * weight if fold_loss_weight else adv
-    advantages = (scale[:, None] * response_mask).astype(np.float32)
+    scale = weight if fold_loss_weight else np.ones_like(weight)
+    per_row = token_adv if token_adv is not None else adv[:, None]
+    advantages = np.where(response_mask != 0, scale[:, None] * per_row, 0.0).astype(np.float32)
     position = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
 
     tensors = {

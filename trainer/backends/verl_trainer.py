@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -69,6 +70,20 @@ class VerlTrainer:
 
     def train_step(self, samples: pa.Table) -> dict[str, float]:
         return self.actor.train_step(samples)
+
+    def sample_logprobs(self, samples: pa.Table) -> list[np.ndarray]:
+        """The policy's log-prob of each sample's tokens (float32 arrays aligned with ``input_ids``), as
+        the torch backend's :meth:`~lgt.trainer.backends.torch_backend.TorchBackend.sample_logprobs`,
+        from the first generated token on (verl scores the response part only; 0 before it)."""
+        response = self.actor.logprobs(samples).numpy()
+        out = []
+        for i, (ids, mask) in enumerate(zip(samples.column("input_ids").to_pylist(),
+                                            samples.column("loss_mask").to_pylist())):
+            first = int(np.flatnonzero(np.asarray(mask))[0])
+            row = np.zeros(len(ids), np.float32)
+            row[first:] = response[i, :len(ids) - first]
+            out.append(row)
+        return out
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.actor.named_weights()
