@@ -9,11 +9,14 @@ Every arm starts from the same warm start (examples/carry: the model forgets the
 problems) and stops at the same target (the mean training reward of 10 steps ≥ 0.9) or limits:
 
 - ``rl``: ``lgt-train run examples/carry/run.yaml``;
+- ``rl-same-updates``: the same, with the OPD example's optimizer updates per step
+  (``backend.updates_per_step`` x ``backend.epochs``): whether the updates, not the teacher, do the work;
 - ``opd``: ``lgt-train run examples/distill/opd.yaml --set teacher.top_k=0`` — the teacher (the same
   warm start trained on right answers, built by ``teacher.make``) scores every token the student
-  generates: the sampled log-ratio only;
+  generates: the sampled log-ratio only (with the example's 16 updates a batch, which it does not bear:
+  docs/distill.md);
 - ``opd-top8``: the example as it is, with the teacher's top 8 tokens at every generated position in
-  the loss (``teacher.top_k: 8``) beside the sampled log-ratio;
+  the loss (``teacher.top_k: 8``) beside the sampled log-ratio, 16 optimizer updates a batch;
 - ``opd+rl``: ``--distill-steps`` steps of ``opd-top8``, then RL from its checkpoint;
 - ``sft+rl``: the teacher, served by ``lgt-train engine`` as if it were a hosted model, answers the
   unchanged agent on the training tasks (``lgt-train record``), ``lgt-train sft`` trains the student on
@@ -48,7 +51,7 @@ CARRY = ROOT / "examples" / "carry" / "run.yaml"
 OPD = ROOT / "examples" / "distill" / "opd.yaml"
 SFT = ROOT / "examples" / "distill" / "sft.yaml"
 HARNESS = ROOT / "examples" / "claude_code" / "distill.yaml"
-ARMS = ("rl", "sft+rl", "opd", "opd-top8", "opd+rl")
+ARMS = ("rl", "rl-same-updates", "sft+rl", "opd", "opd-top8", "opd+rl")
 
 
 def _env() -> dict[str, str]:
@@ -78,6 +81,14 @@ def final_checkpoint(run_dir: Path) -> Path:
 
 def from_checkpoint(ckpt: Path) -> tuple[str, str]:
     return f"model.path={ckpt}", "model.make=null"
+
+
+def opd_updates() -> tuple[str, str]:
+    """The OPD example's optimizer updates per step, as ``--set`` overrides for another config."""
+    from lgt.trainer import config as cfgmod
+
+    b = cfgmod.load(OPD).backend
+    return f"backend.updates_per_step={b.updates_per_step}", f"backend.epochs={b.epochs}"
 
 
 def teacher_dir() -> Path:
@@ -131,6 +142,8 @@ def arm(name: str, seed: int, out: Path, distill_steps: int) -> dict:
     d = out / f"{name.replace('+', '-')}-s{seed}"
     if name == "rl":
         return row(name, seed, [run(CARRY, d / "rl", seed)])
+    if name == "rl-same-updates":
+        return row(name, seed, [run(CARRY, d / "rl", seed, *opd_updates())])
     if name == "opd":
         return row(name, seed, [run(OPD, d / "opd", seed, "teacher.top_k=0")])
     if name == "opd-top8":
@@ -219,13 +232,13 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'arm':>8} {'seed':>4} {'steps to target':>16} {'seconds':>8} {'teacher calls':>14} "
+    head = (f"{'arm':>15} {'seed':>4} {'steps to target':>16} {'seconds':>8} {'teacher calls':>14} "
             f"{'held-out greedy':>16} {'held-out sampled':>17}")
     lines = [head, "-" * len(head)]
     for r in rows:
         g, s = r["greedy"], r["sampled"]
         steps = "not reached" if r["steps"] is None else str(r["steps"])
-        lines.append(f"{r['arm']:>8} {r['seed']:>4} {steps:>16} "
+        lines.append(f"{r['arm']:>15} {r['seed']:>4} {steps:>16} "
                      f"{_f(r['seconds'], '.0f'):>8} {r['teacher_calls']:>14} "
                      f"{_f(g[0]):>7} → {_f(g[1]):<6} {_f(s[0]):>8} → {_f(s[1]):<6}")
     from lgt.trainer.run.runlog import TARGET_WINDOW
@@ -246,6 +259,19 @@ def table(rows: list[dict]) -> str:
                 lines.append(f"{name}: {what} to target / RL's: "
                              + ", ".join(f"seed {s} {x:.2f}" for s, x in ratios)
                              + f"  (≤ 1/3 on {within} of {len(ratios)})")
+    for name in ARMS[1:]:
+        pairs = [(r, rl[r["seed"]]) for r in rows if r["arm"] == name and r["seed"] in rl]
+        if pairs:
+            def after(r: dict) -> str:
+                return f"{_f(r['greedy'][1])}/{_f(r['sampled'][1])}"
+
+            def as_high(r: dict, base: dict) -> bool:
+                return all(r[k][1] is not None and base[k][1] is not None and r[k][1] >= base[k][1]
+                           for k in ("greedy", "sampled"))
+
+            lines.append(f"{name}: held-out greedy/sampled after, against RL's: "
+                         + ", ".join(f"seed {r['seed']} {after(r)} vs {after(b)}" for r, b in pairs)
+                         + f"  (at least as high on {sum(as_high(r, b) for r, b in pairs)} of {len(pairs)})")
     return "\n".join(lines)
 
 

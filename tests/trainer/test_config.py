@@ -12,10 +12,10 @@ import pytest
 from lgt.trainer import config
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted(ROOT.glob("examples/*/run.yaml"))
+EXAMPLES = sorted(ROOT.glob("examples/*/*.yaml"))  # run.yaml, and the distill configs beside them
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_examples_load(path: Path) -> None:
     cfg = config.load(path)
     assert cfg.agent.command and cfg.tasks.is_file()
@@ -205,7 +205,7 @@ def test_a_nameless_run_is_named_after_its_config(tmp_path: Path, monkeypatch: p
         config.load(Path("run.yaml"), {"name": "a/b"})
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_a_saved_config_loads_back_as_the_same_run(path: Path, tmp_path: Path) -> None:
     cfg = config.load(path)
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_json()))
