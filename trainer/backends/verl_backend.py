@@ -293,9 +293,10 @@ def samples_to_dataproto(
         if token_adv is not None:
             token_adv[i, :rl] = tadv[toff[i] + firsts[i]:toff[i + 1]]
     old_lp = np.where(response_mask != 0, old_lp, np.float32(0))  # 0 off the mask, whatever was there
-    scale = weight if fold_loss_weight else np.ones_like(weight)
-    per_row = token_adv if token_adv is not None else adv[:, None]
-    advantages = np.where(response_mask != 0, scale[:, None] * per_row, 0.0).astype(np.float32)
+    per_token_adv = token_adv if token_adv is not None else adv[:, None]
+    if fold_loss_weight:
+        per_token_adv = per_token_adv * weight[:, None]
+    advantages = np.where(response_mask != 0, per_token_adv, 0.0).astype(np.float32)
     position = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
 
     tensors = {
