@@ -259,16 +259,17 @@ def table(rows: list[dict]) -> str:
                 lines.append(f"{name}: {what} to target / RL's: "
                              + ", ".join(f"seed {s} {x:.2f}" for s, x in ratios)
                              + f"  (≤ 1/3 on {within} of {len(ratios)})")
+
+    def after(r: dict) -> str:
+        return f"{_f(r['greedy'][1])}/{_f(r['sampled'][1])}"
+
+    def as_high(r: dict, base: dict) -> bool:
+        return all(r[k][1] is not None and base[k][1] is not None and r[k][1] >= base[k][1]
+                   for k in ("greedy", "sampled"))
+
     for name in ARMS[1:]:
         pairs = [(r, rl[r["seed"]]) for r in rows if r["arm"] == name and r["seed"] in rl]
         if pairs:
-            def after(r: dict) -> str:
-                return f"{_f(r['greedy'][1])}/{_f(r['sampled'][1])}"
-
-            def as_high(r: dict, base: dict) -> bool:
-                return all(r[k][1] is not None and base[k][1] is not None and r[k][1] >= base[k][1]
-                           for k in ("greedy", "sampled"))
-
             lines.append(f"{name}: held-out greedy/sampled after, against RL's: "
                          + ", ".join(f"seed {r['seed']} {after(r)} vs {after(b)}" for r, b in pairs)
                          + f"  (at least as high on {sum(as_high(r, b) for r, b in pairs)} of {len(pairs)})")
