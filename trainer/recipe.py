@@ -266,7 +266,8 @@ class Recipe:
 
         self.prepare()
         if checkpoint is not None:
-            step, extra, _ = checkpoints.read_state(checkpoint)
+            updates, extra, _ = checkpoints.read_state(checkpoint)
+            step = int(extra.get("step", updates))  # the run's step; the backend may update more often
             self.progress = Progress(step=step, version=int(extra.get("version", step)))
         self.serve(checkpoint or self.ensure_model())
 
@@ -467,7 +468,9 @@ class Recipe:
         return {key: sum(m.get(key, 0.0) for m in runs) / len(runs) for key in keys}
 
     def save_checkpoint(self) -> None:
-        self.backend.save_checkpoint(self.run_dir / "checkpoints", self.progress.checkpoint())
+        # named by the run's step (backend.updates_per_step > 1 makes several updates in one)
+        self.backend.save_checkpoint(self.run_dir / "checkpoints", self.progress.checkpoint(),
+                                     name=self.progress.step)
 
     # ---------------------------------------------------------------------------------- cleanup
     async def close_rollouts(self) -> None:

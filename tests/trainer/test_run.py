@@ -33,8 +33,11 @@ pytestmark = pytest.mark.slow
 def test_async_run_trains_syncs_and_records_everything(tmp_path: Path, arith_model_dir: Path,
                                                         arith_engine: Engine) -> None:
     run_dir = tmp_path / "run"
+    # two optimizer updates a step (a share of the batch's groups each): checkpoints and evaluations
+    # still count the run's steps
     cfg = write_config(tmp_path, arith_model_dir, engine_url=arith_engine.url,
-                       eval={"split": 0.05, "every": 2, "samples": 1})
+                       eval={"split": 0.05, "every": 2, "samples": 1},
+                       backend={"lr": 1e-3, "updates_per_step": 2})
     out = lgt_train(str(cfg), "--run-dir", str(run_dir))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(run_dir)
@@ -43,8 +46,11 @@ def test_async_run_trains_syncs_and_records_everything(tmp_path: Path, arith_mod
     assert len(ids) == len(set(ids)) >= 3 * 2 * 4 * 0.75  # each sample once; most rollouts succeed
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
     assert all(r["perf/sync_s"] > 0 for r in rows)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step-{s:08d}" for s in (1, 2, 3)]
     for step in (1, 2, 3):
         assert (run_dir / "checkpoints" / f"step-{step:08d}" / "DONE").exists()
+        state = json.loads((run_dir / "checkpoints" / f"step-{step:08d}" / "trainer_state.json").read_text())
+        assert (state["step"], state["extra"]["step"]) == (2 * step, step)  # the backend's updates, the run's
     for f in ("metrics.csv", "report.html", "store-report.html", "plots/reward.svg",
               "plots/rollout_duration.svg", "plots/staleness.svg", "plots/drain_seconds.svg"):
         assert (run_dir / f).stat().st_size > 0, f

@@ -296,6 +296,11 @@ def test_resume_continues_exactly_and_ignores_unfinished(tiny_model_dir: Path, t
     with pytest.raises(CheckpointError, match="no DONE file"):
         TorchBackend.resume(unfinished, cfg)
 
+    # a run names the folder by its own step (one step may make several updates); resume restores the
+    # backend's update count all the same
+    named = resumed.save_checkpoint(tmp_path / "ckpt", {"step": 1}, name=1)
+    assert named.name == "step-00000001" and TorchBackend.resume(named, cfg)[0].step == 2
+
 
 def test_checkpoint_is_a_hugging_face_model_dir(tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer

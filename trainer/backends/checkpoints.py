@@ -1,11 +1,11 @@
 """Checkpoints every backend writes the same way: a Hugging Face model directory plus the trainer's state.
 
-``<root>/step-<N:08d>/`` holds the weights, ``config.json`` and the tokenizer files (so vLLM can serve it
-and ``--resume`` can start the engine on it), ``trainer_state.json`` (``step``, the run's ``extra``, the
-starting model), and whatever the backend needs to continue exactly (the torch backend's
-``optimizer.pt``, verl's own sharded state under ``verl/``). It is written in a temporary directory,
-renamed into place, and ``DONE`` is written last: a directory without ``DONE`` is unfinished and
-ignored by :func:`latest_checkpoint`. No torch here.
+``<root>/step-<N:08d>/`` (N: the run's step) holds the weights, ``config.json`` and the tokenizer files
+(so vLLM can serve it and ``--resume`` can start the engine on it), ``trainer_state.json`` (``step``:
+the backend's update count; the run's ``extra``; the starting model), and whatever the backend needs
+to continue exactly (the torch backend's ``optimizer.pt``, verl's own sharded state under ``verl/``).
+It is written in a temporary directory, renamed into place, and ``DONE`` is written last: a directory
+without ``DONE`` is unfinished and ignored by :func:`latest_checkpoint`. No torch here.
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ def tokenizer_files(model_dir: Path) -> list[Path]:
 
 
 def write_checkpoint(root: str | Path, step: int, extra: dict[str, Any] | None, base_model: Path,
-                     write: Callable[[Path], None]) -> Path:
-    """``root/step-<step:08d>``: ``write(tmp_dir)`` fills it (weights, config, tokenizer, backend
-    state), then ``trainer_state.json``, the rename, ``DONE``. ``extra`` must be JSON-serialisable
-    (TypeError before anything is written). The same step saved again replaces the old copy only once
-    the new one is complete."""
+                     write: Callable[[Path], None], *, name: int | None = None) -> Path:
+    """``root/step-<name:08d>``: ``write(tmp_dir)`` fills it (weights, config, tokenizer, backend
+    state), then ``trainer_state.json`` (``step``: the backend's own update count, which resume
+    restores), the rename, ``DONE``. ``name`` numbers the folder: a run passes its step (a step may make
+    several updates); default ``step``. ``extra`` must be JSON-serialisable (TypeError before anything
+    is written). The same name saved again replaces the old copy only once the new one is complete."""
     root = Path(root)
     state = {"step": step, "extra": extra or {}, "base_model": str(Path(base_model).resolve())}
     try:
@@ -49,7 +50,7 @@ def write_checkpoint(root: str | Path, step: int, extra: dict[str, Any] | None, 
     except (TypeError, ValueError) as e:
         raise TypeError(f"checkpoint extra must be JSON-serialisable ({e})") from None
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
+    final = root / f"step-{step if name is None else name:08d}"
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -577,18 +577,19 @@ class TorchBackend:
 
     # ------------------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Write ``root/step-<step:08d>`` (HF weights + config + tokenizer files, optimizer.pt,
-        trainer_state.json holding ``step`` and ``extra``; see :mod:`lgt.trainer.backends.checkpoints`) and
-        return it. ``extra`` must be JSON-serialisable (TypeError otherwise, before anything is written).
-        """
+    def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None, *,
+                        name: int | None = None) -> Path:
+        """Write ``root/step-<name:08d>`` (``name``: the run's step, default this backend's update count;
+        HF weights + config + tokenizer files, optimizer.pt, trainer_state.json holding ``step`` and
+        ``extra``; see :mod:`lgt.trainer.backends.checkpoints`) and return it. ``extra`` must be
+        JSON-serialisable (TypeError otherwise, before anything is written)."""
         def write(tmp: Path) -> None:
             self.model.save_pretrained(tmp)
             for src in tokenizer_files(self.model_dir):
                 shutil.copy2(src, tmp / src.name)
             torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
 
-        return write_checkpoint(root, self.step, extra, self.base_model_dir, write)
+        return write_checkpoint(root, self.step, extra, self.base_model_dir, write, name=name)
 
     @classmethod
     def resume(cls, ckpt_dir: str | Path, cfg: TorchConfig) -> tuple[TorchBackend, dict[str, Any]]:

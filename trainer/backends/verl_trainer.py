@@ -93,8 +93,10 @@ class VerlTrainer:
         """Hand the current weights to a running engine (``Engine.update_weights``)."""
         return engine.update_weights(self.named_weights())
 
-    def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """``root/step-<step:08d>``: the HF weights + config + tokenizer, verl's state, the run's state."""
+    def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None, *,
+                        name: int | None = None) -> Path:
+        """``root/step-<name:08d>`` (``name``: the run's step; default verl's update count): the HF weights
+        + config + tokenizer, verl's state, the run's state."""
         from safetensors.torch import save_file
 
         from lgt.trainer.serving.engine import collect_tensors
@@ -107,7 +109,7 @@ class VerlTrainer:
                     shutil.copy2(src, tmp / src.name)
             self.actor.save_state(tmp / VERL_STATE_DIR)
 
-        return write_checkpoint(root, self.step, extra, self.base_model, write)
+        return write_checkpoint(root, self.step, extra, self.base_model, write, name=name)
 
     def close(self) -> None:
         self.actor.close()
