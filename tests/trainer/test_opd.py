@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -111,6 +112,69 @@ def test_a_teacher_that_does_not_answer_is_one_clear_error() -> None:
     with pytest.raises(opd.TeacherError, match=f"the teacher at {url} did not answer"):
         teacher.score([[1, 2, 3]])
     teacher.stop()
+
+
+def _resetting_teacher(resets: int):
+    """A teacher on loopback that resets the first ``resets`` connections once it has read their request
+    (what a kept-alive connection closed under a request looks like), then answers each request with a
+    logprob of -0.5 for every token; returns (url, requests seen, stop)."""
+    import socket
+    import struct
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+                while len(body) < length:
+                    body += conn.recv(65536)
+                seen.append(body)
+                if len(seen) <= resets:  # RST instead of an answer
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    continue
+                prompt = json.loads(body)["prompt"]
+                choices = [{"index": i, "prompt_logprobs": [None, *({str(t): {"logprob": -0.5}}
+                                                                    for t in p[1:])]}
+                           for i, p in enumerate(prompt)]
+                out = json.dumps({"choices": choices}).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(out), out))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}/v1", seen, srv.close
+
+
+def test_a_reset_connection_is_asked_again_then_one_clear_error() -> None:
+    url, seen, stop = _resetting_teacher(resets=2)
+    teacher = opd.Teacher(TeacherSection(url=url), url, "teacher")
+    try:
+        np.testing.assert_array_equal(teacher.score([[1, 2, 3]]).logprobs[0], [0.0, -0.5, -0.5])
+        assert len(seen) == 3  # two resets, then the answer
+    finally:
+        teacher.stop()
+        stop()
+    url, seen, stop = _resetting_teacher(resets=10)
+    teacher = opd.Teacher(TeacherSection(url=url), url, "teacher")
+    try:
+        with pytest.raises(opd.TeacherError, match=f"the teacher at {url} did not answer: .*\\(3 tries\\)"):
+            teacher.score([[1, 2, 3]])
+        assert len(seen) == 3
+    finally:
+        teacher.stop()
+        stop()
 
 
 def test_prompt_logprobs_that_miss_the_token_are_one_error() -> None:

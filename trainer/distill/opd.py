@@ -366,6 +366,9 @@ class Scored:
                 "teacher/requests": float(self.requests)}
 
 
+REQUEST_TRIES = 3  # a scoring request dropped by the network (a reset connection) is sent again
+
+
 class Teacher:
     """The teacher: an engine this run started (``engine``, restarted when it dies, at most ``restarts``
     times) or one at a URL; :meth:`score` asks it for the logprobs of sequences of token ids."""
@@ -457,10 +460,20 @@ class Teacher:
         k = self.section.top_k
         body = {"model": self.model_name, "prompt": seqs, "max_tokens": 1, "prompt_logprobs": k,
                 "temperature": 1.0}
-        try:
-            resp = self._client.post(f"{self.base_url}/completions", json=body)
-        except httpx.HTTPError as e:
-            raise TeacherError(f"the teacher at {self.base_url} did not answer: {e}{self._log_hint()}") from e
+        for attempt in range(1, REQUEST_TRIES + 1):
+            try:
+                resp = self._client.post(f"{self.base_url}/completions", json=body)
+                break
+            except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
+                # a kept-alive connection the server closed as it was reused, a reset: asking again
+                # is safe (scoring changes nothing); a timeout is not asked again
+                if attempt == REQUEST_TRIES:
+                    raise TeacherError(f"the teacher at {self.base_url} did not answer: {e} ({attempt} "
+                                       f"tries){self._log_hint()}") from e
+                time.sleep(0.2 * attempt)
+            except httpx.HTTPError as e:
+                raise TeacherError(f"the teacher at {self.base_url} did not answer: {e}"
+                                   f"{self._log_hint()}") from e
         if resp.status_code >= 400:
             raise TeacherError(f"the teacher answered {resp.status_code}: {resp.text[:300]}"
                                f"{self._log_hint()}")
