@@ -145,7 +145,9 @@ def arm(name: str, seed: int, out: Path, distill_steps: int) -> dict:
     if name == "rl-same-updates":
         return row(name, seed, [run(CARRY, d / "rl", seed, *opd_updates())])
     if name == "opd":
-        return row(name, seed, [run(OPD, d / "opd", seed, "teacher.top_k=0")])
+        # the sampled log-ratio alone does not bear the example's 16 updates a batch (docs/distill.md)
+        return row(name, seed, [run(OPD, d / "opd", seed, "teacher.top_k=0", "backend.updates_per_step=1",
+                                    "backend.epochs=1")])
     if name == "opd-top8":
         return row(name, seed, [run(OPD, d / "opd", seed, "teacher.top_k=8")])
     if name == "opd+rl":
