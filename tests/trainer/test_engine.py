@@ -224,6 +224,45 @@ def test_an_engine_stopped_from_outside_mid_request_is_named_dead(tiny_model_dir
         eng.stop()
 
 
+_SHUTTING_DOWN = """
+import http.server, os, sys, threading
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def answer(self):
+        busy = b'{"error":"Failed to pause generation: cannot schedule new futures after shutdown"}'
+        code, body = (200, b"") if self.path == "/health" else (500, busy)
+        self.send_response(code); self.send_header("content-length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+        if code == 500:  # /health answers a moment longer, then the process exits
+            threading.Timer(1.5, lambda: os._exit(0)).start()
+    do_GET = do_POST = answer
+srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(srv.server_address[1], flush=True)
+srv.serve_forever()
+"""
+
+
+def test_a_500_after_shutdown_while_health_still_answers_is_named_dead(tmp_path: Path) -> None:
+    """vLLM shutting down can answer a request 500 ("cannot schedule new futures after shutdown") while
+    its /health still answers for a moment: the request fails as the engine's exit (seen in CI), not as
+    a 500 a supervisor would not restart."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _SHUTTING_DOWN], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    port = int(proc.stdout.readline())
+    eng = Engine(EngineConfig(max_model_len=64), proc, port, tmp_path / "vllm.log", cpu=True,
+                 weight_shapes={}, tied=False, base_url=f"http://127.0.0.1:{port}")
+    try:
+        with pytest.raises(EngineError, match=rf"the vLLM engine \(pid {proc.pid}\) exited with code 0"):
+            eng.pause()
+        assert eng.died
+    finally:
+        eng.stop()
+        proc.kill()
+
+
 def test_an_engine_stopped_while_a_pause_drains_is_named_dead_not_waited_on(tiny_model_dir: Path,
                                                                            tmp_path: Path) -> None:
     """SIGTERM while ``pause("wait")`` drains a long generation: vLLM stops answering /health but waits

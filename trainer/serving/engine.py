@@ -609,6 +609,18 @@ class Engine:
                 return self.died
             time.sleep(0.2)
 
+    def _await_shutdown(self, seconds: float = DYING_S) -> None:
+        """An engine that said it is shutting down: its process is given ``seconds`` to exit (killed
+        after that), whether or not ``/health`` still answers."""
+        if self.proc is None:
+            return
+        deadline = time.monotonic() + seconds
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                self._kill(f"still running {seconds:.0f} s after it said it was shutting down")
+                return
+            time.sleep(0.2)
+
     def _kill(self, why: str) -> None:
         """SIGKILL the group of an engine we started that no longer answers: a vLLM server whose engine
         core is gone can wait forever for its clients' connections to close before it exits."""
@@ -670,6 +682,8 @@ class Engine:
         if resp.status_code >= 400:
             if resp.status_code >= 500:  # one shutting down answers 500 ("cannot schedule new futures")
                 self.await_exit()
+                if "after shutdown" in resp.text and not self.died:
+                    self._await_shutdown()  # its /health may still answer for a moment: wait on the process
             self.check_alive()
             raise EngineError(f"the vLLM engine answered {resp.status_code} to {method} {path}: "
                               f"{resp.text[:500]} (its log: {self.log_path})")
