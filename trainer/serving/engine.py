@@ -594,31 +594,22 @@ class Engine:
 
     # -- HTTP
 
-    def await_exit(self, seconds: float = DYING_S) -> bool:
+    def await_exit(self, seconds: float = DYING_S, *, shutting_down: bool = False) -> bool:
         """After a failed request: whether the engine is dying. It is not while it answers ``/health``
         (returns at once); else its process is given up to ``seconds`` to exit, since vLLM's shutdown
         after a SIGTERM takes seconds and answers 500 or drops connections meanwhile; one of ours still
         running then is killed (its clients' open connections can hold it up forever). True once it
-        exited (:attr:`died`)."""
+        exited (:attr:`died`). ``shutting_down``: it said so (a 500 "… after shutdown"), and ``/health``
+        answering a moment longer does not count."""
         deadline = time.monotonic() + seconds
         while True:
-            if self.proc is None or self.proc.poll() is not None or self._healthy(timeout=1.0):
+            if (self.proc is None or self.proc.poll() is not None
+                    or (not shutting_down and self._healthy(timeout=1.0))):
                 return self.died
             if time.monotonic() > deadline:  # dying, but held up by open connections: end it
-                self._kill(f"still running {seconds:.0f} s after it stopped answering /health")
+                self._kill(f"still running {seconds:.0f} s after it "
+                           + ("said it was shutting down" if shutting_down else "stopped answering /health"))
                 return self.died
-            time.sleep(0.2)
-
-    def _await_shutdown(self, seconds: float = DYING_S) -> None:
-        """An engine that said it is shutting down: its process is given ``seconds`` to exit (killed
-        after that), whether or not ``/health`` still answers."""
-        if self.proc is None:
-            return
-        deadline = time.monotonic() + seconds
-        while self.proc.poll() is None:
-            if time.monotonic() > deadline:
-                self._kill(f"still running {seconds:.0f} s after it said it was shutting down")
-                return
             time.sleep(0.2)
 
     def _kill(self, why: str) -> None:
@@ -681,9 +672,7 @@ class Engine:
                               f"{e}") from e
         if resp.status_code >= 400:
             if resp.status_code >= 500:  # one shutting down answers 500 ("cannot schedule new futures")
-                self.await_exit()
-                if "after shutdown" in resp.text and not self.died:
-                    self._await_shutdown()  # its /health may still answer for a moment: wait on the process
+                self.await_exit(shutting_down="after shutdown" in resp.text)
             self.check_alive()
             raise EngineError(f"the vLLM engine answered {resp.status_code} to {method} {path}: "
                               f"{resp.text[:500]} (its log: {self.log_path})")
