@@ -59,6 +59,7 @@ class ProxyConfig:
     upstream_ca: Path | None = None
     upstream_insecure: bool = False
     upstream_timeout: float | None = None  # seconds of upstream silence before a call is ended
+    max_output_tokens: int = 0  # with an upstream: the most tokens a reply may generate (0: no cap)
     hosted_models: tuple[str, ...] = ()  # with an upstream: models whose calls go where the agent aimed
     resolve: tuple[str, ...] = ()  # HOST:PORT=ADDR:PORT, as curl's --resolve
     idle_timeout: int = 600  # seconds a connection may move no byte before it closes (tcp_timeout)
@@ -96,6 +97,11 @@ class ProxyConfig:
         if self.hosted_models and self.upstream is None:
             raise ConfigError("--hosted-model needs --upstream (without one, every LLM call already goes "
                               "where the agent sent it)")
+        if self.max_output_tokens < 0:
+            raise ConfigError(f"--max-output-tokens must be 0 (no cap) or more, not {self.max_output_tokens}")
+        if self.max_output_tokens and self.upstream is None:
+            raise ConfigError("--max-output-tokens needs --upstream (it caps the engine's replies; without "
+                              "one, every LLM call goes to the hosted model as the agent sent it)")
         try:
             parse_resolve(list(self.resolve))
         except ValueError as e:
@@ -322,6 +328,7 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         lgt_capture_tokens=capture,
         lgt_retry_after=cfg.retry_after_s,
         lgt_upstream_timeout=cfg.upstream_timeout,
+        lgt_max_output_tokens=cfg.max_output_tokens,
         lgt_egress=cfg.egress,
         lgt_allow_hosts=list(cfg.allow_hosts),
         mode=modes,

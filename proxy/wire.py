@@ -158,6 +158,30 @@ def fit_output(endpoint: str, req: dict[str, Any], context: int | None, notes: l
     return {k: v for k, v in req.items() if k not in over}
 
 
+def cap_output(endpoint: str, req: dict[str, Any], cap: int | None, notes: list[str]) -> dict[str, Any]:
+    """``req`` with its output limit at most ``cap`` tokens (``lgt-proxy --max-output-tokens``): a
+    harness asks for 32k–64k tokens, which an untrained policy spends to its timeout on a CPU. A limit
+    above the cap is lowered to it, a request without one gets it (``max_tokens``); a note says which,
+    so the call's record shows the reply was bounded by the run, not by the agent."""
+    keys = OUTPUT_LIMITS.get(endpoint, ())
+    if not cap or not keys:
+        return req
+    asked = {k: req[k] for k in keys if isinstance(req.get(k), int) and not isinstance(req.get(k), bool)}
+    if asked and all(v <= cap for v in asked.values()):
+        return req
+    out = dict(req)
+    if asked:
+        for k, v in asked.items():
+            if v > cap:
+                out[k] = cap
+                notes.append(f"{k} {v} lowered to {cap} by the proxy's output cap (--max-output-tokens)")
+    else:
+        out["max_tokens"] = cap
+        notes.append(f"no output limit asked: max_tokens {cap} set by the proxy's output cap "
+                     "(--max-output-tokens)")
+    return out
+
+
 def strip_response(endpoint: str, obj: Any, inj: Injected) -> Any:
     """Remove what ``inj`` says was injected from a response body or one stream chunk (in place)."""
     if not isinstance(obj, dict):

@@ -213,6 +213,22 @@ def test_translate_leaves_out_an_output_limit_past_the_engines_context(rt: Runti
         assert "more than the engine's context of 4096" in call.translation[0]
 
 
+def test_translate_caps_a_translated_calls_output_and_notes_it(rt: Runtime) -> None:
+    """A harness's Messages call asks for 64,000 tokens; with ``lgt_max_output_tokens`` the engine is
+    asked for the cap, and the call's record says the run bounded it."""
+    addon = Translate(rt)
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, lgt_max_output_tokens=256)
+        f = llm_flow({"model": "claude-x", "max_tokens": 64000,
+                      "messages": [{"role": "user", "content": "hi"}]}, path="/v1/messages")
+        asyncio.run(addon.request(f))
+        call = f.metadata[CALL]
+        assert call.request["max_tokens"] == 256 and call.agent_request["max_tokens"] == 64000
+        assert "max_tokens 64000 lowered to 256 by the proxy's output cap" in " ".join(call.translation)
+        with pytest.raises(Exception, match="output cap must be a number of tokens"):
+            tctx.configure(addon, lgt_max_output_tokens=-1)
+
+
 # -- Hold ----------------------------------------------------------------------------------------
 def test_hold_lets_calls_through_the_gate_and_release_ends_them(rt: Runtime) -> None:
     f, call = pending(rt)

@@ -697,6 +697,26 @@ def test_an_output_limit_past_the_engines_context_is_left_to_the_engine(
             proxy.stop()
 
 
+def test_the_output_cap_bounds_every_routed_reply_and_is_recorded(tmp_path: Path, rollout: str) -> None:
+    """``--max-output-tokens``: a call asking for more, or for no limit, is sent with the cap; one
+    asking for less as it asked; the record of a capped call says so."""
+    with FakeUpstream.in_thread(port=0, max_model_len=32768) as upstream:
+        proxy = ProxyProc(tmp_path / "store", upstream.url, "--max-output-tokens", "16").start()
+        try:
+            with client(proxy, rollout) as c:
+                for asked in (64000, None, 8):
+                    body = {**CHAT, **({"max_tokens": asked} if asked else {})}
+                    assert c.post(f"{HOSTED}/chat/completions", json=body).status_code == 200
+                    assert upstream.requests[-1].body["max_tokens"] == (8 if asked == 8 else 16)
+            rows = proxy.calls("rollout_id = ?", [rollout])
+        finally:
+            proxy.stop()
+    assert [r["translation"] for r in rows] == [
+        ["max_tokens 64000 lowered to 16 by the proxy's output cap (--max-output-tokens)"],
+        ["no output limit asked: max_tokens 16 set by the proxy's output cap (--max-output-tokens)"], None]
+    assert json.loads(rows[0]["request_json"])["max_tokens"] == 64000  # the agent's request, as sent
+
+
 def check_output_limit(proxy: ProxyProc, upstream: FakeUpstream, rollout: str, key: str) -> None:
     with client(proxy, rollout) as c:
         r = c.post(f"{HOSTED}/chat/completions", json={**CHAT, key: 128000})

@@ -338,6 +338,35 @@ def test_prepare_request_greedy_overrides_the_agents_sampling() -> None:
     assert plain.sampling is None
 
 
+def test_cap_output_lowers_a_larger_limit_and_gives_one_to_a_call_without() -> None:
+    notes: list[str] = []
+    req = {"messages": [], "max_tokens": 64000, "max_completion_tokens": 100}
+    assert wire.cap_output(wire.CHAT, req, 256, notes) == {"messages": [], "max_tokens": 256,
+                                                            "max_completion_tokens": 100}
+    assert notes == ["max_tokens 64000 lowered to 256 by the proxy's output cap (--max-output-tokens)"]
+    assert req["max_tokens"] == 64000  # the agent's request is not changed in place
+    notes.clear()
+    assert wire.cap_output(wire.COMPLETIONS, {"prompt": "x"}, 32, notes) == {"prompt": "x", "max_tokens": 32}
+    assert notes == ["no output limit asked: max_tokens 32 set by the proxy's output cap (--max-output-tokens)"]
+    notes.clear()
+    within = {"messages": [], "max_completion_tokens": 256}
+    assert wire.cap_output(wire.CHAT, within, 256, notes) is within and not notes  # asked for no more
+    assert wire.cap_output(wire.CHAT, req, None, notes) is req and not notes  # no cap
+    assert wire.cap_output("embeddings", req, 8, notes) is req  # not a generating endpoint
+
+
+@given(st.dictionaries(st.sampled_from(["max_tokens", "max_completion_tokens", "n"]),
+                       st.integers(0, 10**6) | st.booleans() | st.none(), max_size=3),
+       st.integers(1, 4096))
+def test_cap_output_never_lets_a_reply_past_the_cap(req: dict, cap: int) -> None:
+    notes: list[str] = []
+    out = wire.cap_output(wire.CHAT, req, cap, notes)
+    limits = [out[k] for k in ("max_tokens", "max_completion_tokens")
+              if isinstance(out.get(k), int) and not isinstance(out.get(k), bool)]
+    assert limits and min(limits) <= cap  # vLLM stops at the smaller of the two
+    assert (out is req) == (not notes)  # every change says so
+
+
 def test_fit_output_leaves_out_only_limits_the_context_cannot_hold() -> None:
     notes: list[str] = []
     req = {"messages": [], "max_tokens": 8193, "max_completion_tokens": 8192, "n": 1}

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
-from mitmproxy import ctx, http
+from mitmproxy import ctx, exceptions, http
 
 from .. import dialects, wire
 from ..auth import Identity
@@ -75,15 +75,24 @@ class Translate:
         self.rt = rt
         self.translates = rt.upstream is not None  # observe-only: other APIs are a hosted model's
         self.hosted: list[str] = []
+        self.max_output: int | None = None
 
     def load(self, loader: Any) -> None:
         loader.add_option("lgt_hosted_models", Sequence[str], [],
                           "With an upstream, calls whose requested model matches one of these patterns go "
                           "where the agent sent them, unchanged, and are recorded as a hosted model's.")
+        loader.add_option("lgt_max_output_tokens", int, 0,
+                          "With an upstream, the most tokens one reply may generate: a larger output limit "
+                          "is lowered to it, a call without one gets it (0: the agent's own limit).")
 
     def configure(self, updated: set[str]) -> None:
         if "lgt_hosted_models" in updated:
             self.hosted = list(ctx.options.lgt_hosted_models)
+        if "lgt_max_output_tokens" in updated:
+            cap = ctx.options.lgt_max_output_tokens
+            if cap < 0:
+                raise exceptions.OptionsError(f"the output cap must be a number of tokens (0: none), not {cap}")
+            self.max_output = cap or None
 
     def recognise(self, flow: http.HTTPFlow) -> tuple[str, str | None] | None:
         """(the engine's endpoint, the API translated from) when the request is an LLM call."""
@@ -156,8 +165,9 @@ class Translate:
             return
         call.requested_model = (call.agent_request or req).get("model")
         call.request = req
-        if self.translates:  # an output limit the engine's context cannot hold: left out
+        if self.translates:  # an output limit past the run's cap lowered; one the context cannot hold left out
+            capped = wire.cap_output(call.endpoint, req, self.max_output, call.translation)
             context = await self.rt.engine_context()
-            call.request = wire.fit_output(call.endpoint, req, context, call.translation)
+            call.request = wire.fit_output(call.endpoint, capped, context, call.translation)
         call.rewrite = call.api is not None or call.request is not req
         flow.metadata[CALL] = call
