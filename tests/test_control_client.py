@@ -19,7 +19,7 @@ from lgt.proxy.client import ControlClient, ControlError, resolve_token
 from lgt.store.query import connect
 from lgt.testing.fake_upstream import FakeUpstream
 from lgt.testing.proxy import ProxyProc
-from lgt.trainer.serving.proxy import ProxyClient
+from lgt.trainer.serving.proxy import ProxyClient, ProxyError, ProxyGroup
 
 CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "What is 6*7?"}]}
 
@@ -163,10 +163,17 @@ def test_the_trainers_proxy_client_delegates(proxy: ProxyProc, tmp_path: Path, c
 
 def test_the_trainers_proxy_client_starts_a_proxy(tmp_path: Path, upstream: FakeUpstream, clean_env) -> None:
     store = tmp_path / "store"
-    pc = ProxyClient.start(store, upstream.url, log_path=tmp_path / "proxy.log", policy_version=5)
+    pc = ProxyClient.start(store, upstream.url, log_path=tmp_path / "proxy.log", policy_version=5,
+                           served_model="qwen-named", max_output_tokens=64)
     try:
         assert pc.token == auth.control_token(auth.load_secret(store))
-        assert pc.state()["policy_version"] == 5
+        state = pc.state()
+        assert state["policy_version"] == 5 and state["served_model"] == "qwen-named"
+        assert pc.argv[pc.argv.index("--max-output-tokens") + 1] == "64"
+        ProxyGroup([pc]).check_served("qwen-named")
+        with pytest.raises(ProxyError, match=r"sends calls to model 'qwen-named', but the engine serves "
+                                             r"'policy' \(engine.served_model_name\)"):
+            ProxyGroup([pc]).check_served("policy")
     finally:
         pc.stop()
     assert pc.proc is not None and pc.proc.returncode is not None

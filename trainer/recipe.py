@@ -560,7 +560,7 @@ def optimize_prompt(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool
         val = list(r.eval_tasks)[:cfg.apo.val_size] or train[-cfg.apo.val_size:]
         if not r.eval_tasks:  # no held-out split: the last val_size tasks validate, the rest train
             train = train[:-cfg.apo.val_size] or train
-        critic = apo.Critic(cfg.apo.critic, f"{r.supervisor.engine.url}")
+        critic = apo.Critic(cfg.apo.critic, f"{r.supervisor.engine.url}", cfg.engine.served_model_name)
         run = apo.make_runner(r.controller, r.store, cfg.apo.samples)
 
         async def go() -> dict[str, Any]:

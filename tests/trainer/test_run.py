@@ -175,8 +175,11 @@ def _child(proc: subprocess.Popen, marker: str) -> psutil.Process:
 
 
 def test_engine_and_proxy_killed_mid_run_are_started_again(tmp_path: Path, arith_model_dir: Path) -> None:
+    """Also: a policy served under a name of the config's (``engine.served_model_name``), which the
+    started proxy, the warm-up and the restarted engine and proxy all use."""
     run_dir, log = tmp_path / "run", tmp_path / "lgt-train.log"
-    cfg = write_config(tmp_path, arith_model_dir, steps=4, restarts=2)
+    cfg = write_config(tmp_path, arith_model_dir, steps=4, restarts=2,
+                       engine={"max_model_len": 256, "served_model_name": "qwen-named"})
     proc = start_run(cfg, run_dir, log)
     try:
         _wait_for_step(run_dir, 1, proc, log)
@@ -200,8 +203,11 @@ def test_engine_and_proxy_killed_mid_run_are_started_again(tmp_path: Path, arith
     con = connect(run_dir / "store")
     calls = con.execute("SELECT status, policy_version, len(response_token_ids), len(response_logprobs) "
                         "FROM calls").fetchall()
+    served, = con.execute("SELECT list(DISTINCT served_model) FROM calls WHERE status = 'ok'").fetchone()
+    refused, = con.execute("SELECT count(*) FROM calls WHERE error LIKE '%does not exist%'").fetchone()
     con.close()
     assert calls and all(n > 0 and n == m for status, _, n, m in calls if status == "ok")  # none half-written
+    assert served == ["qwen-named"] and refused == 0
     assert max(v for _, v, _, _ in calls) >= 3  # the restarted engine and proxy served the later policies
 
 

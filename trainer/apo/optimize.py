@@ -59,7 +59,12 @@ such as {placeholders}, exactly as written. Answer with the new prompt only, bet
 @dataclass(frozen=True)
 class CriticConfig:
     base_url: str | None = None  # an OpenAI-compatible /v1 URL; null: the policy's own engine
-    model: str = "policy"
+    model: str | None = None  # null: the policy (engine.served_model_name) on its own engine
+
+    def __post_init__(self) -> None:
+        if self.base_url is not None and self.model is None:
+            raise ValueError("apo.critic.model is required with apo.critic.base_url: the model that "
+                             "endpoint serves")
     api_key_env: str | None = None  # the variable holding its API key
     timeout_s: float = 120.0
     max_tokens: int = 512
@@ -104,11 +109,13 @@ class Critic:
     """One chat call per question; None for an answer that cannot be used (an error, a timeout,
     nothing said), which costs the caller one candidate."""
 
-    def __init__(self, cfg: CriticConfig, default_base_url: str | None = None) -> None:
+    def __init__(self, cfg: CriticConfig, default_base_url: str | None = None,
+                 default_model: str = "policy") -> None:
         import os
 
         self.cfg = cfg
         self.base_url = (cfg.base_url or default_base_url or "").rstrip("/")
+        self.model = cfg.model or default_model  # the policy's served name on its own engine
         self.api_key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
         self.calls = self.failures = 0
 
@@ -120,7 +127,7 @@ class Critic:
         try:
             r = httpx.post(f"{self.base_url}/chat/completions", headers=headers, trust_env=False,
                            timeout=self.cfg.timeout_s,
-                           json={"model": self.cfg.model, "max_tokens": self.cfg.max_tokens,
+                           json={"model": self.model, "max_tokens": self.cfg.max_tokens,
                                  "temperature": self.cfg.temperature,
                                  "messages": [{"role": "user", "content": prompt}]})
             r.raise_for_status()

@@ -69,13 +69,15 @@ class Supervisor:
         p = self.proxy_cfg
         if p.url:  # running replicas, one or several, on the run's store
             self.proxy = ProxyGroup([ProxyClient.connect(self.store, url, p.port, p.token) for url in p.url])
+            self.proxy.check_served(cfg.served_model_name)
             self.proxy.resume(version)
         else:
             started = ProxyClient.start(
                 self.store_url, self.engine.url, log_path=self.logs_dir / "proxy.log",
                 policy_version=version, port=p.port, control_port=p.control_port,
                 command=list(p.command) if p.command else None,
-                upstream_timeout=p.upstream_timeout_s, listen_host=p.listen_host, egress=p.egress_args())
+                upstream_timeout=p.upstream_timeout_s, listen_host=p.listen_host, egress=p.egress_args(),
+                served_model=cfg.served_model_name, max_output_tokens=p.max_output_tokens)
             self.proxy = ProxyGroup([started])
         self.warm_up()
 
@@ -93,7 +95,7 @@ class Supervisor:
 
         with contextlib.suppress(httpx.HTTPError):
             httpx.post(f"{self.engine.url}/completions", trust_env=False, timeout=120,
-                       json={"model": "policy", "prompt": "hello", "max_tokens": 4})
+                       json={"model": self.engine.cfg.served_model_name, "prompt": "hello", "max_tokens": 4})
 
     # ------------------------------------------------------------------------------- restarts
     async def keep_alive(self, *, paused: bool = False) -> None:

@@ -44,10 +44,17 @@ class ProxySection:
     # of allow_hosts (none listed: nothing else), deny, or allow (anything, the internet included)
     egress: str = "allowlist"
     allow_hosts: tuple[str, ...] = ()
+    # the most tokens one reply of the policy may generate (lgt-proxy --max-output-tokens): a harness
+    # asks for tens of thousands, which an untrained policy spends to the agent's timeout; each capped
+    # call says so in its record (calls.translation). null: the agent's own limit
+    max_output_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.egress not in EGRESS_MODES:
             raise ValueError(f"proxy.egress must be one of {', '.join(EGRESS_MODES)}, not {self.egress!r}")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise ValueError(f"proxy.max_output_tokens must be a positive number of tokens (or null: the "
+                             f"agent's own limit), not {self.max_output_tokens}")
 
     def egress_args(self) -> list[str]:
         """The started proxy's egress options: ``allowlist`` with no hosts is ``deny``."""
@@ -117,16 +124,21 @@ class ProxyClient:
     def start(cls, store: Path | str, upstream: str | None, *, log_path: Path, policy_version: int = 0,
               port: int = 0, control_port: int = 0, command: list[str] | None = None,
               upstream_timeout: float | None = None, listen_host: str = "127.0.0.1",
-              egress: list[str] | None = None, timeout: float = 60) -> ProxyClient:
+              egress: list[str] | None = None, served_model: str = "policy",
+              max_output_tokens: int | None = None, timeout: float = 60) -> ProxyClient:
         """Start lgt-proxy on ``store`` (a folder, or ``s3://…``: the proxy uploads there and both
         work in its local mirror). ``upstream`` None: observe-only (calls go where the agent sent them,
-        and are recorded as a hosted model's: ``lgt-train record``)."""
+        and are recorded as a hosted model's: ``lgt-train record``). ``served_model``: the name the
+        upstream serves the policy under (``engine.served_model_name``), which every routed call asks
+        for; ``max_output_tokens``: the proxy's cap on a reply's length (``proxy.max_output_tokens``)."""
         from lgt.store.remote import resolve
 
         store_arg, store = str(store), resolve(store)[0]
         port = port or free_port()
         control_port = control_port or free_port()
-        route = ["--upstream", upstream, "--served-model", "policy"] if upstream is not None else []
+        route = ["--upstream", upstream, "--served-model", served_model] if upstream is not None else []
+        if upstream is not None and max_output_tokens:
+            route += ["--max-output-tokens", str(max_output_tokens)]
         cmd = [*(command or find_proxy_command()), "--store", store_arg, *route,
                "--listen-port", str(port), "--control-port", str(control_port),
                "--policy-version", str(policy_version), "--flush-seconds", "0.5"]
@@ -283,6 +295,16 @@ class ProxyGroup:
 
     def resume(self, policy_version: int) -> dict[str, Any]:
         return {"replicas": self._each(ProxyClient.resume, policy_version)}
+
+    def check_served(self, name: str) -> None:
+        """ProxyError unless every replica rewrites calls to ``name``, the model the engine serves
+        (``engine.served_model_name``): another name would have every routed call refused."""
+        for r, state in zip(self.replicas, self._each(ProxyClient.state)):
+            if state.get("served_model") != name:
+                raise ProxyError(f"the proxy at {r.control_url} sends calls to model "
+                                 f"{state.get('served_model')!r}, but the engine serves {name!r} "
+                                 "(engine.served_model_name): start it with --served-model "
+                                 f"{name}, or set engine.served_model_name to its name")
 
     def flush(self) -> dict[str, Any]:
         out = self._each(ProxyClient.flush)
