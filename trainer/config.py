@@ -165,10 +165,14 @@ def saved(run_dir: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} is not a run config")
     source = raw.pop("source", None)
+    teacher = raw.get("teacher")
     for (cls, key) in SET_BY_RUN:  # written by the run, not by the user: set again by from_dict
-        section = raw.get(_SECTION_OF[cls])
-        if isinstance(section, dict):
-            section.pop(key, None)
+        sections = [raw.get(_SECTION_OF[cls])]
+        if cls is EngineConfig and isinstance(teacher, dict):
+            sections.append(teacher.get("engine"))
+        for section in sections:
+            if isinstance(section, dict):
+                section.pop(key, None)
     was = from_dict(json.loads(json.dumps(raw)), run_dir)
     name = (overrides or {}).get("backend.name", was.backend.name)
     if name != was.backend.name:  # checked first: the other backend's keys would not even build
@@ -212,15 +216,24 @@ def differences(a: RunConfig, b: RunConfig) -> list[str]:
 
 def from_dict(raw: dict[str, Any], base: Path) -> RunConfig:
     cfg = build(RunConfig, dict(raw), "", base)
-    cfg = _derive(cfg, base)
+    cfg = _derive(cfg, base, raw)
     validate(cfg)
     return cfg
 
 
-def _derive(cfg: RunConfig, base: Path) -> RunConfig:
+def _derive(cfg: RunConfig, base: Path, raw: dict[str, Any] | None = None) -> RunConfig:
     """Fill in what one section takes from another: the backend's loss from ``algorithm``, the torch
-    backend's longest sample from the engine's context; the agent runs in the config's folder unless
-    ``agent.cwd`` says otherwise (its sandbox's relative mounts are relative to that folder)."""
+    backend's longest sample from the engine's context, the started teacher's engine from the run's
+    (keys ``teacher.engine`` leaves out: the run's, with one more position of context, since the
+    teacher is asked for one token after the longest sample); the agent runs in the config's folder
+    unless ``agent.cwd`` says otherwise (its sandbox's relative mounts are relative to that folder)."""
+    if cfg.teacher is not None and cfg.teacher.path is not None:
+        student = cfg.engine
+        start = dataclasses.replace(student, url=None, max_model_len=student.max_model_len + 1
+                                    if student.max_model_len else None)
+        written = ((raw or {}).get("teacher") or {}).get("engine")
+        engine = build(EngineConfig, written, "teacher.engine.", base, start) if written else start
+        cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, engine=engine))
     loss = LossConfig(**{f.name: getattr(cfg.algorithm, f.name) for f in dataclasses.fields(LossConfig)})
     changes: dict[str, Any] = {"loss": loss}
     if isinstance(cfg.backend, TorchConfig) and cfg.backend.max_seq_len is None:
@@ -245,8 +258,11 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
-def build(cls: type, raw: Any, prefix: str, base: Path) -> Any:
-    """``cls`` from a mapping, checking every key and type; paths resolved against ``base``."""
+def build(cls: type, raw: Any, prefix: str, base: Path, start: Any = None) -> Any:
+    """``cls`` from a mapping, checking every key and type; paths resolved against ``base``. ``start``:
+    the section's default (an instance of ``cls``), whose values stand for the keys the mapping leaves
+    out — a section written with one key changes that key only (``engine: {extra_args: …}`` keeps the
+    run's default ``max_model_len``), so a section has one default whether it is written or not."""
     name = prefix.rstrip(".") or "the run config"
     if not isinstance(raw, dict):
         raise ConfigError(f"{name} must be a mapping, not {type(raw).__name__}")
@@ -260,7 +276,10 @@ def build(cls: type, raw: Any, prefix: str, base: Path) -> Any:
     for key, value in raw.items():
         if (cls, key) in SET_BY_RUN:
             raise ConfigError(f"{prefix}{key} is set by {SET_BY_RUN[cls, key]}; leave it out")
-        kwargs[key] = convert(hints[key], value, prefix + key, base)
+        kwargs[key] = convert(hints[key], value, prefix + key, base, fields[key].default)
+    if start is not None:
+        kwargs = {**{f.name: getattr(start, f.name) for f in dataclasses.fields(cls) if f.init
+                     and f.name in fields}, **kwargs}
     missing = [k for k, f in fields.items() if k not in kwargs
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
@@ -272,7 +291,8 @@ def build(cls: type, raw: Any, prefix: str, base: Path) -> Any:
         raise ConfigError(text if not prefix or text.startswith(prefix) else f"{name}: {text}") from None
 
 
-def convert(tp: Any, value: Any, key: str, base: Path) -> Any:
+def convert(tp: Any, value: Any, key: str, base: Path, default: Any = None) -> Any:
+    """``value`` as type ``tp``; ``default``: the field's default (a section's, see :func:`build`)."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is BackendConfig or (origin in (typing.Union, types.UnionType)
@@ -282,7 +302,8 @@ def convert(tp: Any, value: Any, key: str, base: Path) -> Any:
         name = value.get("name", "torch")
         if name not in BACKENDS:
             raise ConfigError(f"{key}.name must be one of {', '.join(BACKENDS)}, not {name!r}")
-        return build(BACKENDS[name].config, value, key + ".", base)
+        cls = BACKENDS[name].config
+        return build(cls, value, key + ".", base, default if isinstance(default, cls) else None)
     if origin in (typing.Union, types.UnionType):
         if value is None:
             if type(None) in args:
@@ -295,7 +316,7 @@ def convert(tp: Any, value: Any, key: str, base: Path) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, str) and "kind" in {f.name for f in dataclasses.fields(tp)}:
             value = {"kind": value}  # e.g. agent.sandbox: none
-        return build(tp, value, key + ".", base)
+        return build(tp, value, key + ".", base, default if isinstance(default, tp) else None)
     if tp is Path:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{key} must be a path (a string), not {value!r}")
@@ -377,6 +398,8 @@ def validate(cfg: RunConfig) -> None:
         need(cfg.store is not None, "store is required with proxy.url: the running proxy's --store folder")
         need(cfg.proxy.upstream_timeout_s is None, "proxy.upstream_timeout_s sets a proxy the run starts; "
              "give the running proxy --upstream-timeout instead")
+        need(cfg.proxy.max_output_tokens is None, "proxy.max_output_tokens sets a proxy the run starts; "
+             "give the running proxy --max-output-tokens instead")
     if cfg.apo is not None:
         need(cfg.apo.resource in cfg.resources, f"apo.resource {cfg.apo.resource!r} is not one of the run's "
              f"resources ({', '.join(cfg.resources) or 'it has none: add a resources section'})")

@@ -23,6 +23,20 @@ def test_examples_load(path: Path) -> None:
     assert len(config.load_tasks(cfg.tasks)) >= 100
 
 
+def test_examples_that_share_a_model_build_it_the_same_way() -> None:
+    """A model folder two examples name is built by one recipe: another one would make each run
+    rebuild it (``tiny.is_made`` compares the settings) and the examples train different models."""
+    made: dict[Path, tuple] = {}
+    for path in EXAMPLES:
+        cfg = config.load(path)
+        for where, make in ((cfg.model.path, cfg.model.make),
+                            (cfg.teacher.path if cfg.teacher else None, cfg.teacher.make if cfg.teacher else None)):
+            if where is None or make is None:
+                continue
+            first = made.setdefault(where.resolve(), (make, path))
+            assert first[0] == make, f"{path} builds {where} unlike {first[1]}"
+
+
 def write(tmp_path: Path, text: str) -> Path:
     (tmp_path / "tasks.jsonl").write_text('{"task_id": "a", "question": "q"}\n')
     p = tmp_path / "run.yaml"
@@ -38,6 +52,49 @@ def test_minimal_defaults_and_paths(tmp_path: Path) -> None:
     assert cfg.mode == "async" and cfg.group_size == 8 and cfg.name == tmp_path.name
     assert cfg.tasks == tmp_path / "tasks.jsonl" and cfg.model.path == tmp_path / "m"
     assert json.loads(json.dumps(cfg.to_json()))["agent"]["command"] == ["python", "agent.py"]
+
+
+def test_a_section_written_in_part_keeps_the_runs_defaults_for_the_rest(tmp_path: Path) -> None:
+    """One default per key, whether its section is written or not: ``engine: {ready_timeout: 300}``
+    does not turn the run's 512-token context into the model's whole context (8k-32k for a real
+    model). Checked for every section whose default is an instance of its config."""
+    bare = config.load(write(tmp_path, BASE))
+    assert bare.engine.max_model_len == 512 and bare.backend.max_seq_len == 512
+    engine = config.load(write(tmp_path, BASE + "engine: {ready_timeout: 300}\n"))
+    assert engine.engine.max_model_len == 512 and engine.backend.max_seq_len == 512
+    assert engine.engine.ready_timeout == 300
+    whole = config.load(write(tmp_path, BASE + "engine: {max_model_len: null}\n"))
+    assert whole.engine.max_model_len is None  # the model's whole context, when asked for by name
+    for f in dataclasses.fields(config.RunConfig):
+        default = f.default
+        if not dataclasses.is_dataclass(default):
+            continue
+        key = next(k.name for k in dataclasses.fields(default) if k.name not in ("name", "loss", "model")
+                   and isinstance(getattr(default, k.name), (bool, int, float, str))
+                   and not isinstance(getattr(default, k.name), bool))
+        value = getattr(default, key)
+        written = config.load(write(tmp_path, BASE + f"{f.name}: {{{key}: {json.dumps(value)}}}\n"))
+        assert getattr(written, f.name) == getattr(bare, f.name), f.name
+
+
+def test_the_teachers_engine_is_the_runs_with_one_more_position_whatever_it_writes(tmp_path: Path) -> None:
+    teacher = BASE + "algorithm: {estimator: opd}\nteacher: {path: t%s}\n"
+    derived = config.load(write(tmp_path, teacher % ""))
+    assert derived.teacher.engine.max_model_len == 513 and derived.teacher.engine.url is None
+    written = config.load(write(tmp_path, teacher % ", engine: {ready_timeout: 300}"))
+    assert (written.teacher.engine.max_model_len, written.teacher.engine.ready_timeout) == (513, 300)
+    longer = config.load(write(tmp_path, teacher % ", engine: {max_model_len: 1024}"))
+    assert longer.teacher.engine.max_model_len == 1024
+
+
+def test_the_served_model_name_is_one_setting(tmp_path: Path) -> None:
+    cfg = config.load(write(tmp_path, BASE + "engine: {served_model_name: qwen-named}\n"))
+    assert cfg.engine.served_model_name == "qwen-named"
+    from lgt.trainer.apo.optimize import Critic, CriticConfig
+    assert Critic(CriticConfig(), "http://e/v1", cfg.engine.served_model_name).model == "qwen-named"
+    assert Critic(CriticConfig(base_url="http://c/v1", model="big"), "http://e/v1", "qwen-named").model == "big"
+    with pytest.raises(ValueError, match="apo.critic.model is required with apo.critic.base_url"):
+        CriticConfig(base_url="http://c/v1")
 
 
 def test_overrides(tmp_path: Path) -> None:
@@ -56,6 +113,9 @@ def test_overrides(tmp_path: Path) -> None:
                                        "none, truncate, mask"),
     ("algorithm: {estimator: ppo}\n", "algorithm: unknown advantage estimator 'ppo'"),
     ("backend: {name: jax}\n", "backend.name must be one of torch, verl, not 'jax'"),
+    ("proxy: {max_output_tokens: 0}\n", "proxy.max_output_tokens must be a positive number of tokens"),
+    ("proxy: {url: http://127.0.0.1:1, max_output_tokens: 64}\nstore: s\n",
+     "proxy.max_output_tokens sets a proxy the run starts; give the running proxy --max-output-tokens"),
     ("backend: {world_size: 2}\n", "unknown key backend.world_size"),
     ("backend: {name: verl, world_size: 0}\n", "backend.world_size must be a positive integer, not 0"),
     ("backend: {loss: {agg: rollout}}\n", "backend.loss is set by the algorithm section; leave it out"),
