@@ -382,3 +382,78 @@ def test_bfloat16_autocast_keeps_float32_weights(tiny_model_dir: Path) -> None:
     metrics = backend.train_step(make_samples(random_specs(11, 3, vocab(tiny_model_dir))))
     assert all(np.isfinite(v) for v in metrics.values()) and metrics["grad_norm"] > 0
     assert all(t.dtype == torch.float32 for _, t in backend.named_weights())
+
+
+AVX512_HOST = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\nmodel name\t: EPYC\n"
+AMX_HOST = "flags\t\t: fpu avx2 amx_tile amx_bf16 amx_int8\n"
+AVX2_HOST = "flags\t\t: fpu sse2 avx2 fma\nmodel name\t: something avx512_bf16-ish\n"
+
+
+def test_dtype_auto_is_bfloat16_only_where_the_cpu_has_it_natively() -> None:
+    from lgt.trainer.serving.engine import engine_dtype
+    from lgt.trainer.serving.hardware import resolve_dtype
+
+    assert resolve_dtype("auto", cpuinfo=AVX512_HOST) == ("bfloat16", "dtype auto: this CPU has avx512_bf16")
+    assert resolve_dtype("auto", cpuinfo=AMX_HOST)[0] == "bfloat16"
+    # only the flags line counts; without either flag bf16 is emulated: float32, and the line says why
+    dtype, why = resolve_dtype("auto", key="backend.dtype", cpuinfo=AVX2_HOST)
+    assert dtype == "float32" and why.startswith("backend.dtype auto: this CPU has neither avx512_bf16")
+    assert resolve_dtype("auto", cpuinfo="")[0] == "float32"  # no /proc/cpuinfo (macOS)
+    assert resolve_dtype("bfloat16", cpuinfo=AVX2_HOST) == ("bfloat16", "dtype bfloat16")  # asked for: kept
+    # the engine: unset stays float32 on CPU and the model's own on a GPU; auto as above
+    assert engine_dtype(None, cpu=True)[0] == "float32" and engine_dtype(None, cpu=False)[0] is None
+    assert engine_dtype("auto", cpu=True, cpuinfo=AVX512_HOST)[0] == "bfloat16"
+    assert engine_dtype("auto", cpu=True, cpuinfo=AVX2_HOST)[0] == "float32"
+    assert TorchConfig(dtype="auto").dtype == "auto" and TorchConfig().dtype == "float32"
+
+
+def test_backend_says_which_dtype_it_chose(tiny_model_dir: Path) -> None:
+    from lgt.trainer.serving.hardware import resolve_dtype
+
+    backend = TorchBackend.load(tiny_model_dir, TorchConfig(dtype="auto", device="cpu"))
+    assert backend.dtype == resolve_dtype("auto")[0]  # this machine's answer
+    assert f"({resolve_dtype('auto', key='backend.dtype')[1]})" in backend.summary
+    assert backend.summary.endswith("training every parameter")
+
+
+def test_train_layers_trains_only_the_top_layers_and_the_final_norm(tiny_model_dir: Path) -> None:
+    backend = TorchBackend.load(tiny_model_dir, TorchConfig(device="cpu", lr=1e-2, train_layers=1))
+    names = {n for n, _ in backend.model.named_parameters()}
+    trained = {n for n, p in backend.model.named_parameters() if p.requires_grad}
+    # the tiny model has 2 layers: layer 1 and the norm after it; the tied embedding stays frozen
+    assert trained == {n for n in names if n.startswith("model.layers.1.")} | {"model.norm.weight"}
+    assert backend.summary.endswith("parameters (the top 1 of 2 layers + final norm)")
+    assert sum(len(g["params"]) for g in backend.optimizer.param_groups) == len(trained)
+    before = weights(backend)
+    backend.train_step(make_samples(random_specs(12, 4, vocab(tiny_model_dir))))
+    changed = {n for n, t in backend.named_weights() if not torch.equal(t, before[n])}
+    assert changed <= trained and {"model.layers.1.mlp.down_proj.weight", "model.norm.weight"} <= changed
+    assert {id(p) for p in backend.optimizer.state} <= {id(p) for p in backend.model.parameters()
+                                                         if p.requires_grad}
+    assert len(dict(backend.named_weights())) == len(before)  # the engine still gets the whole model
+
+    with_emb = TorchBackend.load(tiny_model_dir, TorchConfig(device="cpu", train_layers=2,
+                                                             train_embeddings=True))
+    assert all(p.requires_grad for p in with_emb.model.parameters())
+    assert with_emb.summary.endswith("training every parameter (the top 2 of 2 layers + final norm + "
+                                     "embeddings)")
+
+
+def test_train_layers_refuses_what_it_cannot_freeze(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lgt.trainer.backends.torch_backend import freeze_below
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+    with pytest.raises(ValueError, match=r"^backend.train_layers needs a model whose decoder layers are "
+                                         r"model.model.layers .* this GPT2LMHeadModel has none"):
+        freeze_below(gpt2, 1)
+    with pytest.raises(ValueError, match="backend.train_layers is 3 but the model has 2 decoder layers"):
+        TorchBackend.load(tiny_model_dir, TorchConfig(device="cpu", train_layers=3))
+    with pytest.raises(ValueError, match="backend.train_layers must be a positive integer or null"):
+        TorchConfig(train_layers=0)
+    # a checkpoint resumed with other trained parameters: one sentence, not torch's
+    partial = TorchBackend.load(tiny_model_dir, TorchConfig(device="cpu", train_layers=1))
+    ckpt = partial.save_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="optimizer state is for another set of trained parameters"):
+        TorchBackend.resume(ckpt, TorchConfig(device="cpu"))

@@ -68,13 +68,19 @@ class TorchConfig:
     ``micro_batch_tokens``: budget of padded tokens (rows x longest row) per forward/backward.
     ``max_seq_len``: longest sample accepted (default: the model's ``max_position_embeddings``; a run
     sets the engine's ``max_model_len``). ``device``: ``auto`` (cuda when available, else cpu), ``cpu``,
-    ``cuda`` or ``cuda:N``. ``dtype``: ``float32``, or ``bfloat16`` (autocast compute; weights and
-    optimizer stay float32). ``ref_model``: load a frozen copy of the starting weights for the KL term;
-    ``None`` means "when ``loss.kl_coef > 0``". ``grad_clip``: max global gradient norm, ``None`` to not
-    clip. ``entropy``: also report the exact mean entropy over trained tokens (``actor/entropy``; one
-    more pass over the logits). ``updates_per_step``: optimizer steps per training step, each on its
-    share of the batch's groups. ``epochs``: passes over each share, each an optimizer step (PPO epochs:
-    the first pass's log-probs are the ratio's old policy, so later passes are clipped against it).
+    ``cuda`` or ``cuda:N``. ``dtype``: ``float32``, ``bfloat16`` (autocast compute; weights and
+    optimizer stay float32), or ``auto``: bfloat16 where the device computes in bf16 natively (a CPU
+    with avx512_bf16 or amx_bf16, a GPU with bf16), else float32 (:mod:`lgt.trainer.serving.hardware`).
+    ``train_layers``: train only the top N decoder layers and the final norm (``model.model.layers``:
+    llama, qwen2, mistral …), everything below frozen, out of AdamW and of backward; ``None`` trains
+    every parameter. ``train_embeddings``: with ``train_layers``, also train the input embedding and the
+    output head (one tensor when tied); frozen by default. ``ref_model``: load a frozen copy of the
+    starting weights for the KL term; ``None`` means "when ``loss.kl_coef > 0``". ``grad_clip``: max
+    global gradient norm, ``None`` to not clip. ``entropy``: also report the exact mean entropy over
+    trained tokens (``actor/entropy``; one more pass over the logits). ``updates_per_step``: optimizer
+    steps per training step, each on its share of the batch's groups. ``epochs``: passes over each
+    share, each an optimizer step (PPO epochs: the first pass's log-probs are the ratio's old policy,
+    so later passes are clipped against it).
     ``loss`` comes from the run's ``algorithm`` section.
     """
 
@@ -88,6 +94,8 @@ class TorchConfig:
     max_seq_len: int | None = None
     device: str = "auto"
     dtype: str = "float32"
+    train_layers: int | None = None
+    train_embeddings: bool = False
     seed: int = 0
     grad_checkpointing: bool = False
     ref_model: bool | None = None
@@ -111,6 +119,10 @@ class TorchConfig:
                                f"not {self.max_seq_len!r}")
         if self.dtype not in TORCH_DTYPES:
             raise BackendError(f"backend.dtype must be one of {', '.join(TORCH_DTYPES)}, not {self.dtype!r}")
+        _positive_int("backend.train_layers", self.train_layers, allow_none=True)
+        if not isinstance(self.train_embeddings, bool):
+            raise BackendError(f"backend.train_embeddings must be true or false, "
+                               f"not {self.train_embeddings!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise BackendError(f"backend.device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         _positive_int("backend.updates_per_step", self.updates_per_step)
@@ -127,7 +139,7 @@ class TorchConfig:
         return self.loss.kl_coef > 0 if self.ref_model is None else self.ref_model
 
 
-TORCH_DTYPES = ("float32", "bfloat16")
+TORCH_DTYPES = ("float32", "bfloat16", "auto")
 VERL_STRATEGIES = ("fsdp", "fsdp2")
 VERL_PARAM_DTYPES = ("auto", "bf16", "fp16", "fp32")
 VERL_OLD_LOGPROBS = ("behaviour", "recompute")

@@ -28,7 +28,13 @@ Departures from a textbook loop, each on purpose:
   loss: the advantages become (B, T) like the log-probs. With ``teacher_top_k_ids`` and
   ``teacher_top_k_logprobs`` (k per token, flattened) the student's log-probs of the teacher's top k
   are gathered from the same logits and the loss adds the top-k KL term (:func:`rl.policy_loss`).
-* ``dtype="bfloat16"`` keeps float32 master weights and AdamW state and runs the forward under autocast.
+* ``dtype="bfloat16"`` keeps float32 master weights and AdamW state and runs the forward under autocast;
+  ``dtype="auto"`` is bfloat16 where the device computes in bf16 natively, else float32
+  (:mod:`lgt.trainer.serving.hardware`). ``summary`` says in one line which it chose and why.
+* ``train_layers=N`` trains the top N decoder layers and the final norm only (:func:`freeze_below`):
+  the rest keeps ``requires_grad`` off, so AdamW holds no state for it and backward stops below the
+  lowest trained layer. Checkpoints and the weights pushed to the engine are still the whole model
+  (the engine takes a full state dict).
 
 Samples are read straight from the Arrow list buffers (numpy views over the offsets), never via Python
 lists of tokens. Checkpoints are Hugging Face directories (weights, config, tokenizer files) plus
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import shutil
 import time
@@ -52,7 +59,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from lgt.trainer.backends.base import TorchConfig
+from lgt.trainer.backends.base import BackendError, TorchConfig
 from lgt.trainer.backends.checkpoints import (
     CheckpointError,
     latest_checkpoint,
@@ -62,9 +69,12 @@ from lgt.trainer.backends.checkpoints import (
 )
 from lgt.trainer.models import ModelError, check_model_dir
 from lgt.trainer.rl import loss as rl
+from lgt.trainer.serving.hardware import resolve_dtype
 
 __all__ = ["CheckpointError", "SampleError", "SampleTooLongError", "TorchBackend", "TorchConfig",
-           "latest_checkpoint", "pack_micro_batches", "read_samples"]
+           "freeze_below", "latest_checkpoint", "pack_micro_batches", "read_samples"]
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 OPTIMIZER_FILE = "optimizer.pt"
@@ -372,6 +382,43 @@ def _load_model(model_dir: Path, device: torch.device) -> torch.nn.Module:
     return model.to(device)
 
 
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of a causal LM laid out as llama, qwen2, mistral … are (``model.model.layers``);
+    BackendError (one sentence) for any other layout."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise BackendError(f"backend.train_layers needs a model whose decoder layers are model.model.layers "
+                           f"(llama, qwen2, mistral …), and this {type(model).__name__} has none: leave "
+                           "train_layers unset to train the whole model")
+    return layers
+
+
+def freeze_below(model: torch.nn.Module, train_layers: int, train_embeddings: bool = False) -> str:
+    """Leave ``requires_grad`` on for the top ``train_layers`` decoder layers and the final norm
+    (``model.model.norm``) only, plus the input embedding and output head with ``train_embeddings``
+    (one tensor when they are tied); return what is trained, in words. BackendError for a model laid
+    out otherwise or with fewer layers."""
+    layers = decoder_layers(model)
+    if train_layers > len(layers):
+        raise BackendError(f"backend.train_layers is {train_layers} but the model has {len(layers)} decoder "
+                           f"layers: give at most {len(layers)}, or leave it unset to train every one")
+    model.requires_grad_(False)
+    for layer in layers[len(layers) - train_layers:]:
+        layer.requires_grad_(True)
+    what = f"the top {train_layers} of {len(layers)} layers"
+    norm = getattr(model.model, "norm", None)
+    if isinstance(norm, torch.nn.Module):
+        norm.requires_grad_(True)
+        what += " + final norm"
+    if train_embeddings:
+        model.get_input_embeddings().requires_grad_(True)
+        head = model.get_output_embeddings()
+        if head is not None:
+            head.requires_grad_(True)
+        what += " + embeddings"
+    return what
+
+
 class TorchBackend:
     """A policy (HF causal LM) and its AdamW optimizer; ``train_step`` applies one update per batch.
 
@@ -393,8 +440,14 @@ class TorchBackend:
         self.device = device
         self.step = 0
         self._keeps_positions = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._autocast = (torch.autocast(device.type, dtype=DTYPES[cfg.dtype])
-                          if cfg.dtype != "float32" else contextlib.nullcontext())
+        self.dtype, why = resolve_dtype(cfg.dtype, str(device), key="backend.dtype")
+        self._autocast = (torch.autocast(device.type, dtype=DTYPES[self.dtype])
+                          if self.dtype != "float32" else contextlib.nullcontext())
+        every = {id(p): p for p in model.parameters()}.values()
+        total, trained = sum(p.numel() for p in every), sum(p.numel() for p in every if p.requires_grad)
+        what = "every parameter" if trained == total else f"{trained:,} of {total:,} parameters"
+        compute = "float32" if self.dtype == "float32" else f"{self.dtype} autocast, float32 weights"
+        self.summary = f"torch backend on {device}: {compute} ({why}); training {what}"
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: TorchConfig, *, ref_model_dir: str | Path | None = None
@@ -414,6 +467,9 @@ class TorchBackend:
         device = _resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
         model = _load_model(model_dir, device)
+        trained = None
+        if cfg.train_layers is not None:
+            trained = freeze_below(model, cfg.train_layers, cfg.train_embeddings)
         if cfg.grad_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -421,10 +477,16 @@ class TorchBackend:
         if cfg.wants_ref_model:
             check_model_dir(base)
             ref = _load_model(base, device).eval().requires_grad_(False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+        params = [p for p in model.parameters() if p.requires_grad]  # frozen ones get no AdamW state
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                       weight_decay=cfg.weight_decay, fused=device.type == "cuda" or None)
-        return cls(model, optimizer, cfg, model_dir=model_dir, base_model_dir=base, max_seq_len=max_seq_len,
-                   vocab_size=int(model.get_input_embeddings().weight.shape[0]), ref=ref, device=device)
+        backend = cls(model, optimizer, cfg, model_dir=model_dir, base_model_dir=base,
+                      max_seq_len=max_seq_len, vocab_size=int(model.get_input_embeddings().weight.shape[0]),
+                      ref=ref, device=device)
+        if trained is not None:
+            backend.summary += f" ({trained})"
+        log.info("%s", backend.summary)
+        return backend
 
     # ------------------------------------------------------------------------------ training
 
@@ -570,7 +632,8 @@ class TorchBackend:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(Hugging Face parameter name, detached tensor)`` for every parameter, a tied tensor once
-        (under its first name, e.g. ``model.embed_tokens.weight``). Tensors live on the training device
+        (under its first name, e.g. ``model.embed_tokens.weight``), frozen ones too (``train_layers``):
+        the engine takes a whole state dict. Tensors live on the training device
         in float32; they are views of the live weights: copy them before the next ``train_step``."""
         for name, p in self.model.named_parameters():
             yield name, p.detach()
@@ -602,7 +665,12 @@ class TorchBackend:
         except ModelError as e:
             raise CheckpointError(f"{ckpt} does not hold a loadable model ({e})") from None
         opt_state = torch.load(ckpt / OPTIMIZER_FILE, map_location=backend.device, weights_only=True)
-        backend.optimizer.load_state_dict(opt_state)
+        try:
+            backend.optimizer.load_state_dict(opt_state)
+        except ValueError:  # another number of trained parameters
+            raise CheckpointError(f"{ckpt}'s optimizer state is for another set of trained parameters than "
+                                  "this config trains: resume with the backend.train_layers and "
+                                  "train_embeddings it was saved with") from None
         backend.step = step
         return backend, extra
 

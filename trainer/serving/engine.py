@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 from lgt.store.files import atomic_path
 from lgt.trainer.models import check_model_dir
 from lgt.trainer.serving import vllm_plugin
+from lgt.trainer.serving.hardware import resolve_dtype
 from lgt.trainer.serving.proxy import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -186,8 +187,20 @@ _CPU_PROBE = ("import importlib.metadata as m\ntry:\n    m.distribution('vllm-cp
               "else 'cpu')")
 
 
+def engine_dtype(requested: str | None, *, cpu: bool, cpuinfo: str | None = None) -> tuple[str | None, str]:
+    """``(dtype, why)``: the ``--dtype`` vLLM gets for ``engine.dtype`` (``None``: no flag, the model's
+    own dtype on a GPU) and a clause saying why. ``None`` is float32 on the CPU build; ``auto`` is
+    bfloat16 where the hardware computes in bf16 natively, else float32 (:mod:`.hardware`; not vLLM's
+    own ``auto``); any other value is passed through."""
+    if requested is None:
+        return ("float32", "engine.dtype unset: float32 on CPU") if cpu else (
+            None, "engine.dtype unset: the model's own dtype")
+    return resolve_dtype(requested, "cpu" if cpu else "cuda", key="engine.dtype", cpuinfo=cpuinfo)
+
+
 def build_command(cfg: EngineConfig, port: int, *, cpu: bool, python: str = sys.executable) -> list[str]:
-    """The vLLM server command line for ``cfg`` on ``port``."""
+    """The vLLM server command line for ``cfg`` on ``port`` (``engine.dtype`` as :func:`engine_dtype`
+    resolves it)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(cfg.model), "--served-model-name", cfg.served_model_name,
            "--host", cfg.host, "--port", str(port),
@@ -198,12 +211,13 @@ def build_command(cfg: EngineConfig, port: int, *, cpu: bool, python: str = sys.
         cmd += ["--seed", str(cfg.seed)]
     if cfg.max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(cfg.max_num_seqs)]
+    dtype = engine_dtype(cfg.dtype, cpu=cpu)[0]
     if cpu:
-        cmd += ["--enforce-eager", "--dtype", cfg.dtype or "float32"]
+        cmd += ["--enforce-eager", "--dtype", dtype]
     else:
         cmd += ["--enable-sleep-mode"]
-        if cfg.dtype:
-            cmd += ["--dtype", cfg.dtype]
+        if dtype:
+            cmd += ["--dtype", dtype]
         if cfg.gpu_memory_utilization is not None:
             cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     return cmd + list(cfg.extra_args)
@@ -419,6 +433,7 @@ class Engine:
         self.scratch: str | None = None  # the engine's temporary folder (build_env), removed by stop()
         self._dead: str | None = None  # why the engine is unusable, once its process exited
         self._asleep = False
+        self.dtype_note: str | None = None  # what vLLM computes in and why, for the run's log (start sets it)
         import httpx
 
         self._client = httpx.Client(base_url=self.base_url, trust_env=False, timeout=60.0)
@@ -443,7 +458,10 @@ class Engine:
         log_path = cfg.log_path or Path(tempfile.mkstemp(prefix="lgt-vllm-", suffix=".log")[1])
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = build_command(cfg, port, cpu=cpu, python=python)
-        log.info("starting vLLM (%s build) on port %d, log %s", "CPU" if cpu else "GPU", port, log_path)
+        dtype, why = engine_dtype(cfg.dtype, cpu=cpu)
+        dtype_note = f"vLLM computes in {dtype or 'the checkpoint dtype'} ({why})"
+        log.info("starting vLLM (%s build) on port %d, log %s; %s", "CPU" if cpu else "GPU", port, log_path,
+                 dtype_note)
         log.debug("vLLM command: %s", " ".join(cmd))
         sweep_scratch()
         scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
@@ -459,6 +477,7 @@ class Engine:
             raise
         engine = cls(cfg, proc, port, log_path, cpu=cpu, weight_shapes=shapes, tied=info.tie_word_embeddings)
         engine.scratch = scratch
+        engine.dtype_note = dtype_note
         try:
             engine.wait_ready(cfg.ready_timeout)
         except BaseException:
