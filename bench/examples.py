@@ -100,7 +100,7 @@ def run_one(config: Path, run_dir: Path, limit_s: float) -> dict:
             "build_s": (engine - marks["build"]) if engine is not None and "build" in marks else None,
             "step1_s": steps[1] - engine if 1 in steps and engine is not None else None,
             "step2_s": steps[2] - engine if 2 in steps and engine is not None else None,
-            **_calls(run_dir), "log": str(log)}
+            **_calls(run_dir), "run_dir": str(run_dir), "log": str(log)}
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -127,7 +127,7 @@ def _calls(run_dir: Path) -> dict:
         con = connect(store)
         n, capped, tokens = con.execute(
             "SELECT count(*), count(*) FILTER (WHERE list_contains(list_transform(translation, "
-            "x -> x LIKE '%output cap%'), true)), avg(len(response_token_ids)) FROM calls").fetchone()
+            "lambda x: x LIKE '%output cap%'), true)), avg(len(response_token_ids)) FROM calls").fetchone()
         con.close()
     except Exception as e:  # noqa: BLE001 - an empty store (no call yet) has no calls view
         return {"calls": 0, "capped": 0, "tokens_per_call": None, "store_error": str(e).splitlines()[0]}
@@ -163,6 +163,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.report:
         rows = [json.loads(x) for x in (args.report / "results.jsonl").read_text().splitlines() if x]
+        rows = [{**r, **_calls(Path(r["run_dir"]))} if r.get("run_dir") else r for r in rows]
         print(table(rows))
         return
     chosen = configs()
