@@ -14,5 +14,10 @@ sed "s#@HERE@#$here#" "$here/config.toml" > "$CODEX_HOME/config.toml"
     > "$tmp/codex.out" 2> "$tmp/codex.err" < /dev/null
 code=$?
 tail -c 2000 "$tmp/codex.out"; tail -c 2000 "$tmp/codex.err" >&2
-[ $code -eq 0 ] || exit $code   # Codex itself failed: a failed attempt, retried (not reward 0)
+# the model's own reply ended the turn (longer than the output limit: the run's proxy.max_output_tokens)
+# → scored like any answer; Codex itself or its API failing (a connection, a status) → a failed attempt,
+# retried (not reward 0)
+if [ $code -ne 0 ] && ! grep -q "Incomplete response returned, reason: max_output_tokens" "$tmp/codex.err"; then
+    exit $code
+fi
 python3 "$here/../write_a_word/check.py" "$tmp/project"
