@@ -37,6 +37,16 @@ def test_examples_that_share_a_model_build_it_the_same_way() -> None:
             assert first[0] == make, f"{path} builds {where} unlike {first[1]}"
 
 
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.stem == "run" and (p.parent / "task.sh").exists()],
+                         ids=lambda p: p.parent.name)
+def test_the_harness_examples_bound_a_replys_length(path: Path) -> None:
+    """A coding-agent harness asks for 32k-64k output tokens, which the demo policy spends to the
+    agent's timeout on a CPU (no step in 15 minutes): each harness example caps a reply (bench/examples.py
+    times them to their second step)."""
+    cap = config.load(path).proxy.max_output_tokens
+    assert cap is not None and cap <= config.load(path).engine.max_model_len // 4
+
+
 def write(tmp_path: Path, text: str) -> Path:
     (tmp_path / "tasks.jsonl").write_text('{"task_id": "a", "question": "q"}\n')
     p = tmp_path / "run.yaml"
