@@ -313,13 +313,13 @@ def check_chat_template(template: str, *, name: str = "the chat template",
                              f"{tool_name}(city={_PROBE_ARGS['city']!r}) (arguments {form}) renders "
                              "without the call's name or arguments")
     second = render([system, user, call(json.dumps(_PROBE_ARGS)), result], "a tool result")
-    if _PROBE_RESULT not in second[len(first):]:
-        raise ModelError(f"{name} cannot render a tool result: a role tool message's content does not appear "
-                         "in the prompt")
     if not second.startswith(first):
         raise ModelError(f"{name} makes a later prompt not extend the earlier one: the prompt after a tool "
                          f"call and its result differs from the first prompt at character "
                          f"{_differs_at(first, second)}, so recorded calls cannot merge into one sample")
+    if _PROBE_RESULT not in second[len(first):]:
+        raise ModelError(f"{name} cannot render a tool result: a role tool message's content does not appear "
+                         "in the prompt")
     third = render([system, user, call(json.dumps(_PROBE_ARGS)), result, *after], "a second exchange")
     if not third.startswith(second):
         raise ModelError(f"{name} makes a later prompt not extend the earlier one: the prompt after one more "
