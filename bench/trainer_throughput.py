@@ -5,11 +5,22 @@
     .venv/bin/python bench/trainer_throughput.py --with-sync          # + weight sync vs engine restart
     .venv-verl/bin/python bench/trainer_throughput.py --verl          # + verl, 1 rank and 2 Ray ranks
     python bench/trainer_throughput.py --models 0.5b --device cuda --dtype bfloat16 --max-len 1024  # one GPU
+    .venv/bin/python bench/trainer_throughput.py --models smollm2     # a real model's shape: the options
 
 Models (random weights, nothing downloaded): ``tiny`` is the tests' tiny Qwen2 (lgt.testing.
 models: vocab ~400, hidden 128, 2 layers); ``10m`` is a Qwen2 with vocab 32000, hidden 256,
 4 layers, 4 heads of 64, intermediate 768, tied embeddings (~11.3M parameters, 8.2M of them the
-embedding), which makes the (B, T, V) logits as heavy as they are in real models.
+embedding), which makes the (B, T, V) logits as heavy as they are in real models. ``smollm2`` is
+SmolLM2-135M-Instruct's exact shape from a LlamaConfig (hidden 576, 30 layers, 9 heads and 3 KV heads
+of 64, intermediate 1536, vocab 49,152, tied embeddings, rope_theta 100000: 134,515,008 parameters);
+its run measures what each CPU option buys, side by side: the backend and the bare loop in float32,
+the backend training only the top ``--train-layers`` layers (6), and the same three in bf16 autocast
+where the device computes in bf16 natively (elsewhere bf16 is emulated, many times slower than
+float32, and ``dtype: auto`` picks float32: the rows are left out unless ``--with-bf16``; the header
+says what this machine has and what a bf16 matmul costs on it). Each backend row's ratio is against
+the bare loop of its own dtype (which trains every layer); the last column is its tokens per
+CPU-second over the float32 backend's. Its defaults are cut to fit a few minutes on 2 cores
+(``--samples 4 --min-len 96 --max-len 192 --repeats 3`` unless given).
 
 Batches: ``--samples`` synthetic SAMPLES rows of ``--min-len``..``--max-len`` tokens, the last
 ``--gen-frac`` of each generated (loss_mask 1; agent samples are mostly prompt and tool output, so
@@ -40,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import statistics
@@ -64,8 +76,12 @@ from lgt.trainer.backends.torch_backend import (  # noqa: E402
     read_samples,
 )
 from lgt.trainer.rl.algorithm import training_schema  # noqa: E402
+from lgt.trainer.serving.hardware import bf16_native  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# batch settings a model gets unless given: smollm2's are cut to fit a few minutes on 2 cores
+DEFAULTS = {"": {"samples": 32, "min_len": 64, "max_len": 256, "repeats": 5},
+            "smollm2": {"samples": 4, "min_len": 96, "max_len": 192, "repeats": 3}}
 
 
 def make_tiny(out: Path) -> Path:
@@ -84,6 +100,22 @@ def make_10m(out: Path, tokenizer_from: Path) -> Path:
                       tie_word_embeddings=True)
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).save_pretrained(out)
+    for f in tokenizer_from.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def make_smollm2(out: Path, tokenizer_from: Path) -> Path:
+    """SmolLM2-135M-Instruct's shape (a LlamaConfig, random weights; 134,515,008 parameters) with the
+    tiny model's tokenizer files next to it (nothing here tokenizes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
     for f in tokenizer_from.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy2(f, out / f.name)
@@ -176,21 +208,57 @@ def verl_sides(model_dir: Path, args: argparse.Namespace) -> dict[str, tuple[obj
     return {"verl, world size 1": (one, time.process_time), "verl, 2 Ray ranks": (two, two.cpu_seconds)}
 
 
+def side_specs(name: str, args: argparse.Namespace) -> list[tuple[str, str, dict]]:
+    """``(label, "backend" | "bare", TorchConfig options)`` of every side measured for model ``name``;
+    a backend row's floor is the bare loop of its dtype."""
+    if name == "smollm2":
+        n = args.train_layers
+        fp32 = [("bare loop, float32", "bare", {"dtype": "float32"}),
+                ("backend, float32", "backend", {"dtype": "float32"}),
+                (f"backend, float32, top {n}", "backend", {"dtype": "float32", "train_layers": n})]
+        if not (args.with_bf16 or bf16_native(args.device)[0]):
+            return fp32
+        return [*fp32, ("bare loop, bf16", "bare", {"dtype": "bfloat16"}),
+                ("backend, bf16 autocast", "backend", {"dtype": "bfloat16"}),
+                (f"backend, bf16, top {n}", "backend", {"dtype": "bfloat16", "train_layers": n})]
+    return [("backend", "backend", {"dtype": args.dtype}),
+            ("backend, entropy=True", "backend", {"dtype": args.dtype, "entropy": True}),
+            ("bare loop", "bare", {"dtype": args.dtype})]
+
+
+def bf16_matmul_cost(device: str, reps: int = 5) -> float:
+    """How many times float32's time a (64 x 576) @ (576 x 1536) matmul takes in bfloat16 on ``device``
+    (one of SmolLM2's MLP projections for 64 tokens): ~1 where bf16 is native, far more where emulated."""
+    a, w = torch.randn(64, 576, device=device), torch.randn(1536, 576, device=device)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), w.to(dtype)
+        x @ y.T  # warm-up
+        seconds[dtype] = timed(lambda x=x, y=y: [x @ y.T for _ in range(reps)])[1 if device == "cpu" else 0]
+    return seconds[torch.bfloat16] / seconds[torch.float32]
+
+
 def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> None:
-    vocab = TorchBackend.load(model_dir, TorchConfig(device="cpu")).vocab_size
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     table = make_batch(args.samples, args.min_len, args.max_len, vocab, args.gen_frac)
-    on = {"lr": 1e-5, "micro_batch_tokens": args.micro_batch_tokens, "device": args.device,
-          "dtype": args.dtype}
-    sides = {"backend": TorchBackend.load(model_dir, TorchConfig(**on)),
-             "backend, entropy=True": TorchBackend.load(model_dir, TorchConfig(**on, entropy=True))}
-    bare = BareLoop(model_dir, table, args.micro_batch_tokens, lr=1e-5, device=args.device, dtype=args.dtype)
-    run = {k: (lambda b=b: b.train_step(table)) for k, b in sides.items()}
-    cpu_of = {k: time.process_time for k in run}
+    on = {"lr": 1e-5, "micro_batch_tokens": args.micro_batch_tokens, "device": args.device}
+    run, cpu_of, floor_of = {}, {}, {}
+    bares: dict[str, BareLoop] = {}
+    backends: dict[str, TorchBackend] = {}
+    for label, kind, opts in side_specs(name, args):
+        if kind == "bare":
+            bares[opts["dtype"]] = bare = BareLoop(model_dir, table, args.micro_batch_tokens, lr=1e-5,
+                                                   device=args.device, dtype=opts["dtype"])
+            run[label] = bare.step
+        else:
+            backends[label] = backend = TorchBackend.load(model_dir, TorchConfig(**on, **opts))
+            run[label] = lambda b=backend: b.train_step(table)
+        cpu_of[label] = time.process_time
+        floor_of[label] = next(k for k, kind2, o in side_specs(name, args)
+                               if kind2 == "bare" and o["dtype"] == opts["dtype"])
     verl = verl_sides(model_dir, args) if args.verl else {}
     for k, (actor, cpu) in verl.items():
-        run[k], cpu_of[k] = (lambda a=actor: a.train_step(table)), cpu
-    run["bare loop"] = bare.step
-    cpu_of["bare loop"] = time.process_time
+        run[k], cpu_of[k], floor_of[k] = (lambda a=actor: a.train_step(table)), cpu, "bare loop"
     for fn in run.values():  # warm-up
         fn()
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in run}
@@ -199,22 +267,35 @@ def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> None:
             times[k].append(timed(fn, cpu_of[k]))
     for actor, _ in verl.values():
         actor.close()
+    bare = next(iter(bares.values()))
     params = sum(p.numel() for p in bare.model.parameters())
-    metrics = sides["backend"].train_step(table)
+    padded = sum(mb["input_ids"].numel() for mb in bare.micro)
+    dtypes = {o["dtype"] for _, _, o in side_specs(name, args)}
+    native = f" {args.dtype}" if name != "smollm2" else ""
+    if name == "smollm2" or "bfloat16" in dtypes:
+        native += (f"; {bf16_native(args.device)[1]} (a bf16 matmul takes "
+                   f"{bf16_matmul_cost(args.device):.1f}x float32's time here)")
+    if name == "smollm2" and "bfloat16" not in dtypes:
+        native += "; the bf16 rows are left out (--with-bf16 runs them anyway)"
     print(f"\n## {name}: {params / 1e6:.2f}M params, vocab {vocab}; {args.samples} samples, "
           f"{bare.tokens:.0f} tokens ({bare.num_tokens:.0f} trained), {len(bare.micro)} micro-batches of "
-          f"<= {args.micro_batch_tokens} padded tokens ({metrics['padded_tokens']:.0f} padded in all); "
-          f"median of {args.repeats}, torch threads {torch.get_num_threads()}, {args.device} {args.dtype}"
-          + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
-    floor_wall = statistics.median(w for w, _ in times["bare loop"])
-    floor_cpu = statistics.median(c for _, c in times["bare loop"])
-    print(f"  {'':<22} {'wall s':>8} {'tokens/s':>9} {'ratio':>6}   "
-          f"{'CPU s':>8} {'tokens/CPU-s':>12} {'ratio':>6}")
-    for k, ts in times.items():
-        wall = statistics.median(w for w, _ in ts)
-        cpu = statistics.median(c for _, c in ts)
-        print(f"  {k:<22} {wall:8.3f} {bare.tokens / wall:9.0f} {floor_wall / wall:6.2f}   "
-              f"{cpu:8.3f} {bare.tokens / cpu:12.0f} {floor_cpu / cpu:6.2f}")
+          f"<= {args.micro_batch_tokens} padded tokens ({padded} padded in all); "
+          f"median of {args.repeats}, torch threads {torch.get_num_threads()}, {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
+          + native)
+    med = {k: (statistics.median(w for w, _ in ts), statistics.median(c for _, c in ts))
+           for k, ts in times.items()}
+    base = med[next(iter(backends))][1]  # the first backend row: what the options are measured against
+    width = max(22, *map(len, med))
+    print(f"  {'':<{width}} {'wall s':>8} {'tokens/s':>9} {'ratio':>6}   "
+          f"{'CPU s':>8} {'tokens/CPU-s':>12} {'ratio':>6} {'x first':>8}")
+    for k, (wall, cpu) in med.items():
+        floor_wall, floor_cpu = med[floor_of[k]]
+        print(f"  {k:<{width}} {wall:8.3f} {bare.tokens / wall:9.0f} {floor_wall / wall:6.2f}   "
+              f"{cpu:8.3f} {bare.tokens / cpu:12.0f} {floor_cpu / cpu:6.2f} {base / cpu:8.2f}")
+    for label, backend in backends.items():
+        if backend.cfg.train_layers:
+            print(f"  {label}: {backend.summary.split('; ', 1)[1]}")
 
 
 def bench_sync(model_dir: Path, n: int) -> None:
@@ -234,16 +315,20 @@ def bench_sync(model_dir: Path, n: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="tiny,10m", help="comma-separated: tiny, 10m, 0.5b")
+    parser.add_argument("--models", default="tiny,10m", help="comma-separated: tiny, 10m, 0.5b, smollm2")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--samples", type=int, default=32)
-    parser.add_argument("--min-len", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--samples", type=int, help="default 32 (smollm2: 4)")
+    parser.add_argument("--min-len", type=int, help="default 64 (smollm2: 96)")
+    parser.add_argument("--max-len", type=int, help="default 256 (smollm2: 192)")
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
     parser.add_argument("--gen-frac", type=float, default=0.5,
                         help="fraction of each sample's tokens that are generated (trained)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, help="default 5 (smollm2: 3)")
+    parser.add_argument("--with-bf16", action="store_true",
+                        help="smollm2: the bf16 rows even where this CPU emulates bf16 (slow)")
+    parser.add_argument("--train-layers", type=int, default=6,
+                        help="smollm2's partial-training rows train the top N layers")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--with-sync", action="store_true", help="also time weight sync vs engine restart")
     parser.add_argument("--verl", action="store_true",
@@ -251,6 +336,9 @@ def main() -> None:
     parser.add_argument("--sync-updates", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
         tiny = make_tiny(Path(tmp) / "tiny")
         dirs = {"tiny": tiny}
@@ -258,10 +346,13 @@ def main() -> None:
             dirs["10m"] = make_10m(Path(tmp) / "qwen2-11m", tiny)
         if "0.5b" in args.models.split(","):
             dirs["0.5b"] = make_05b(Path(tmp) / "qwen2-0.5b")
+        if "smollm2" in args.models.split(","):
+            dirs["smollm2"] = make_smollm2(Path(tmp) / "smollm2-135m", tiny)
         for name in args.models.split(","):
             if name not in dirs:
-                sys.exit(f"unknown model {name!r}: choose tiny, 10m or 0.5b")
-            bench_model(name, dirs[name], args)
+                sys.exit(f"unknown model {name!r}: choose tiny, 10m, 0.5b or smollm2")
+            given = {k: v for k, v in vars(args).items() if v is not None}
+            bench_model(name, dirs[name], argparse.Namespace(**{**DEFAULTS.get(name, DEFAULTS[""]), **given}))
         if args.with_sync:
             bench_sync(tiny, args.sync_updates)
 
