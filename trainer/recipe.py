@@ -273,6 +273,8 @@ class Recipe:
                             f"policy version {self.progress.version}")
         else:
             self.backend = backend_cls.load(model_dir, cfg.backend)
+        if getattr(self.backend, "summary", None):  # its device, what it computes in and why, what it trains
+            self.runlog.log(self.backend.summary)
         if self.resume:  # the run's record of its config changes once the backend took the config
             write_json(self.run_dir / cfgmod.RUN_FILE, cfg.to_json())
         self.tokenizer = _decoder(model_dir)

@@ -66,6 +66,8 @@ class Supervisor:
             self.log(f"starting the vLLM engine on {model_dir.name} ...")
             self.engine = enginemod.Engine.start(dataclasses.replace(
                 cfg, model=model_dir, log_path=self.logs_dir / "engine.log", seed=self.seed))
+            if self.engine.dtype_note:
+                self.log(self.engine.dtype_note)
         p = self.proxy_cfg
         if p.url:  # running replicas, one or several, on the run's store
             self.proxy = ProxyGroup([ProxyClient.connect(self.store, url, p.port, p.token) for url in p.url])
