@@ -80,6 +80,10 @@ BOUNDARY_RESPLIT = "boundary_resplit"  # the text extends, but no token boundary
 RETOKENIZED = "retokenized"  # exact mode: the text extends at a clean boundary; realign would merge
 NO_TOKENIZER = "no_tokenizer"  # exact mode without a tokenizer: the tokens differ, reason unknown
 
+# The finish reasons of a reply that ended on a stop token, which realign may find left out of the next
+# prompt: vLLM reports tool_calls, not stop, for a reply its tool parser read calls from.
+STOPPED = ("stop", "tool_calls")
+
 BATCH_ROWS = 16384  # calls per Arrow batch read from the calls files
 CALL_COLUMNS = ["rollout_id", "attempt", "seq", "status", "policy_version", "finish_reason",
                 "prompt_token_ids", "response_token_ids", "response_logprobs"]
@@ -693,7 +697,7 @@ def _calls(batch: pa.RecordBatch, order: dict) -> Iterator[_Call]:
         excluded = status if status != "ok" else "no_token_ids" if not tokens_ok[i] else None
         if excluded is None:
             has_logprobs = logprobs_ok[i] and lpo[i + 1] - lpo[i] == n_gen
-            yield _Call((rid, attempt), seq, prev, nxt, None, version, finish == "stop",
+            yield _Call((rid, attempt), seq, prev, nxt, None, version, finish in STOPPED,
                         prompt.slice(pb + 4 * po[i], 4 * (po[i + 1] - po[i])),
                         response.slice(rb + 4 * ro[i], 4 * n_gen),
                         logprobs.slice(lb + 4 * lpo[i], 4 * n_gen) if has_logprobs else _nans(n_gen),

@@ -315,6 +315,28 @@ def test_chatml_keeps_a_cut_reply_apart_from_the_next_turn(tmp_path: Path, tok: 
     assert outcome(exact) == outcome(realign) == (1, [], 0)
 
 
+# --- a stop token the template leaves out -------------------------------------------------------------------
+
+@pytest.mark.parametrize("finish", ["stop", "tool_calls"])
+def test_a_stop_token_the_template_leaves_out_realigns_after_a_tool_call_too(tmp_path: Path, tok: Any,
+                                                                             finish: str) -> None:
+    """A model that ends its turn on a stop token the template does not render (``<|endoftext|>`` here;
+    the template closes the turn with ``<|im_end|>``, as Llama 3's closes a tool call's ``<|eom_id|>``
+    turn with ``<|eot_id|>``). vLLM reports finish_reason ``tool_calls`` for a reply its tool parser read
+    calls from, which ended on the stop token all the same: realign merges it as it merges a text reply
+    (``stop``), the stop token trained once where it was generated, the template's end as context."""
+    r = Rollout(tok)
+    r.chat([SYSTEM, TASK], tool_call(ARGS), end="<|endoftext|>", finish=finish)
+    r.chat([SYSTEM, TASK, called(ARGS), result()], "Done.")
+    exact, realign = build(tmp_path, r.calls, tok).values()
+    assert outcome(exact) == (2, [(1, "retokenized")], 0)
+    assert outcome(realign) == (1, [], 1)
+    (s,) = realign.samples.to_pylist()
+    n = len(r.calls[0]["prompt_token_ids"]) + len(r.calls[0]["response_token_ids"])
+    assert tok.convert_ids_to_tokens(s["input_ids"][n - 1:n + 1]) == ["<|endoftext|>", "<|im_end|>"]
+    assert s["loss_mask"][n - 1:n + 1] == [1, 0]
+
+
 # --- reasoning ----------------------------------------------------------------------------------------------
 
 def test_reasoning_dropped_from_the_history_splits_after_each_reasoning_turn(tmp_path: Path,
