@@ -33,7 +33,7 @@ def recorded_messages(profile: str) -> list[dict[str, Any]]:
 
 def connect(env: dict[str, str]):
     ctx = ssl.create_default_context(cafile=env["SSL_CERT_FILE"])
-    return websockets.connect(WS_URL, proxy=env["HTTPS_PROXY"], ssl=ctx, open_timeout=10,
+    return websockets.connect(WS_URL, proxy=env["HTTPS_PROXY"], ssl=ctx, open_timeout=30,
                               additional_headers={"openai-beta": "responses_websockets=2026-02-06"})
 
 
