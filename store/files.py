@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,3 +80,31 @@ def write_atomic(dest: str | os.PathLike, data: bytes | str, *, fsync: bool = Fa
     """Write ``data`` (text as UTF-8) to ``dest`` whole: :func:`atomic_path` around one write."""
     with atomic_path(dest, fsync=fsync) as tmp, open(tmp, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
+
+
+@contextmanager
+def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh folder beside ``dest`` for the block to fill; when the block ends without an error
+    it takes ``dest``'s place whole (an old ``dest`` — a folder, or a link — is moved aside, then
+    removed), when it raises the folder is removed and ``dest`` is left as it was. The folder gets the
+    usual permissions (``mkdtemp`` makes it private)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    try:
+        yield tmp
+        old = None
+        if dest.exists() or dest.is_symlink():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        if old is not None and old.is_symlink():
+            old.unlink()
+        elif old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

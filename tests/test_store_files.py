@@ -114,3 +114,30 @@ def test_concurrent_writers_never_mix(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert dest.read_bytes() in payloads and leftovers(tmp_path) == []
+
+
+def test_atomic_dir_replaces_a_folder_or_a_link_whole_and_a_failure_leaves_it(tmp_path: Path) -> None:
+    dest = tmp_path / "model"
+    with files.atomic_dir(dest) as tmp:
+        (tmp / "a").write_text("1")
+        assert not dest.exists()  # nothing at dest while the folder is built
+    assert (dest / "a").read_text() == "1"
+    assert dest.stat().st_mode & 0o777 == 0o777 & ~_umask()  # not mkdtemp's private 0700
+    with pytest.raises(RuntimeError), files.atomic_dir(dest) as tmp:
+        (tmp / "b").write_text("2")
+        raise RuntimeError("half built")
+    assert sorted(p.name for p in dest.iterdir()) == ["a"]
+    other = tmp_path / "other"
+    other.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(other)
+    with files.atomic_dir(link) as tmp:
+        (tmp / "c").write_text("3")
+    assert not link.is_symlink() and (link / "c").exists() and other.is_dir()  # the link's target stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "model", "other"]  # nothing left over
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -343,14 +343,10 @@ def with_chat_template(model_dir: str | Path, template: str, dest: str | Path) -
     ``tokenizer_config.json``, written with ``chat_template`` set; ``chat_template.jinja`` holds the
     template too. Built beside ``dest`` and renamed into place (an older ``dest`` is replaced); returns
     ``dest``. The weights are not copied."""
-    import os
-    import shutil
-    import tempfile
+    from lgt.store.files import atomic_dir
 
     model_dir, dest = Path(model_dir).resolve(), Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
-    try:
+    with atomic_dir(dest) as tmp:
         for entry in sorted(model_dir.iterdir()):
             if entry.name not in (*TEMPLATE_ENTRIES, "tokenizer_config.json"):
                 (tmp / entry.name).symlink_to(entry)
@@ -360,19 +356,6 @@ def with_chat_template(model_dir: str | Path, template: str, dest: str | Path) -
         text = json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n"
         (tmp / "tokenizer_config.json").write_text(text, encoding="utf-8")
         (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
-        old = None
-        if dest.exists() or dest.is_symlink():
-            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        if old is not None:
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        if old is not None and old.is_symlink():
-            old.unlink()
-        elif old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -611,10 +594,9 @@ def import_gguf(gguf: str | Path, out_dir: str | Path, *, dtype: str, chat_templ
     ``out_dir``. ModelError (one sentence) for what the user can fix. Needs torch, transformers, gguf,
     accelerate; nothing is downloaded (HF_HUB_OFFLINE)."""
     import os
-    import shutil
-    import tempfile
     import time
 
+    from lgt.store.files import atomic_dir
     from lgt.trainer.demo.tiny import MARKER, read_marker
 
     gguf, out = Path(gguf), Path(out_dir)
@@ -638,24 +620,12 @@ def import_gguf(gguf: str | Path, out_dir: str | Path, *, dtype: str, chat_templ
     started = time.perf_counter()
     log(f"importing {gguf.name} ({info.architecture}, {info.tensors} tensors) into {out}, the weights in "
         f"{dtype}{f' ({why})' if why else ''} ...")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with atomic_dir(out) as tmp:
         parameters = _convert_gguf(gguf, tmp, dtype, template)
         check_model_dir(tmp, need_chat_template=True)
         record = {**spec, "architecture": info.architecture, "name": info.name, "parameters": parameters,
                   "dtype_used": dtype, "seconds": round(time.perf_counter() - started, 1)}
         (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     log(f"imported {info.name or gguf.name}: {parameters:,} parameters in {dtype}, "
         f"{time.perf_counter() - started:.0f} s")
     return out

@@ -33,17 +33,15 @@ import ast
 import hashlib
 import json
 import math
-import os
 import random
 import re
-import shutil
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lgt.store.files import replace_atomic
+from lgt.store.files import atomic_dir, replace_atomic
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
@@ -984,9 +982,7 @@ def make_model(out_dir: str | Path, *, preset: str = "demo", warm_start_task: st
     marker = read_marker(out)
     if out.exists() and (not out.is_dir() or (marker is None and any(out.iterdir()))):
         raise TinyModelError(f"{out} already exists and is not a model made by lgt: choose another directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with atomic_dir(out) as tmp:
         build_model(tmp, preset=preset, seed=seed)
         metrics = None
         if warm_start_task is not None:
@@ -995,14 +991,4 @@ def make_model(out_dir: str | Path, *, preset: str = "demo", warm_start_task: st
                                  correct_fraction=correct_fraction)
         record = {**spec, "parameters": count_parameters(tmp), "warm_start": metrics}
         (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
