@@ -45,13 +45,16 @@ def name_of(config: Path) -> str:
 def run_one(config: Path, run_dir: Path, limit_s: float) -> dict:
     """Run ``config`` for 2 steps, timing its lines; stopped after ``limit_s`` past its engine's start."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    cmd = [sys.executable, "-m", "lgt.trainer.cli", "run", str(config), "--steps", "2", "--run-dir", str(run_dir)]
-    print(f"$ lgt-train run {config.relative_to(ROOT)} --steps 2 --run-dir {run_dir}", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "lgt.trainer.cli", "run", str(config), "--steps", "2",
+           "--run-dir", str(run_dir)]
+    print(f"$ lgt-train run {config.relative_to(ROOT)} --steps 2 --run-dir {run_dir}", file=sys.stderr,
+          flush=True)
     t0 = time.monotonic()
     marks: dict[str, float] = {}
     log = run_dir.parent / f"{run_dir.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True,
                             start_new_session=True)
 
     def read() -> None:
@@ -145,8 +148,9 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         ok = r["step2_s"] is not None and r["step2_s"] <= GOAL_S
         result = "ok" if ok else (r["stopped"] or ("step 2 past 10 min" if r["step2_s"] else "no step 2"))
-        lines.append(f"{r['example']:<22} {_s(r['build_s']):>7} {_s(r['step1_s']):>10} {_s(r['step2_s']):>10} "
-                     f"{r['calls']:>6} {r['capped']:>6} {_s(r['tokens_per_call']):>8} {r['rc']!s:>4}  {result}")
+        lines.append(f"{r['example']:<22} {_s(r['build_s']):>7} {_s(r['step1_s']):>10} "
+                     f"{_s(r['step2_s']):>10} {r['calls']:>6} {r['capped']:>6} "
+                     f"{_s(r['tokens_per_call']):>8} {r['rc']!s:>4}  {result}")
     ok = [r for r in rows if r["step2_s"] is not None and r["step2_s"] <= GOAL_S]
     lines.append(f"{len(ok)} of {len(rows)} examples reached step 2 within {GOAL_S // 60} minutes of their "
                  "engine's start" + (f"; slowest {max(r['step2_s'] for r in ok):.0f} s" if ok else ""))
@@ -171,7 +175,8 @@ def main() -> None:
         want = set(args.only.split(","))
         unknown = want - {name_of(c) for c in chosen}
         if unknown:
-            sys.exit(f"no example named {sorted(unknown)[0]!r} (known: {', '.join(name_of(c) for c in chosen)})")
+            known = ", ".join(name_of(c) for c in chosen)
+            sys.exit(f"no example named {sorted(unknown)[0]!r} (known: {known})")
         chosen = [c for c in chosen if name_of(c) in want]
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")

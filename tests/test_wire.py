@@ -347,7 +347,8 @@ def test_cap_output_lowers_a_larger_limit_and_gives_one_to_a_call_without() -> N
     assert req["max_tokens"] == 64000  # the agent's request is not changed in place
     notes.clear()
     assert wire.cap_output(wire.COMPLETIONS, {"prompt": "x"}, 32, notes) == {"prompt": "x", "max_tokens": 32}
-    assert notes == ["no output limit asked: max_tokens 32 set by the proxy's output cap (--max-output-tokens)"]
+    assert notes == ["no output limit asked: max_tokens 32 set by the proxy's output cap "
+                     "(--max-output-tokens)"]
     notes.clear()
     within = {"messages": [], "max_completion_tokens": 256}
     assert wire.cap_output(wire.CHAT, within, 256, notes) is within and not notes  # asked for no more

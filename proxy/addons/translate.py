@@ -91,7 +91,8 @@ class Translate:
         if "lgt_max_output_tokens" in updated:
             cap = ctx.options.lgt_max_output_tokens
             if cap < 0:
-                raise exceptions.OptionsError(f"the output cap must be a number of tokens (0: none), not {cap}")
+                raise exceptions.OptionsError(f"the output cap must be a number of tokens (0: none), "
+                                              f"not {cap}")
             self.max_output = cap or None
 
     def recognise(self, flow: http.HTTPFlow) -> tuple[str, str | None] | None:
@@ -165,7 +166,7 @@ class Translate:
             return
         call.requested_model = (call.agent_request or req).get("model")
         call.request = req
-        if self.translates:  # an output limit past the run's cap lowered; one the context cannot hold left out
+        if self.translates:  # a limit past the run's cap lowered; one the context cannot hold left out
             capped = wire.cap_output(call.endpoint, req, self.max_output, call.translation)
             context = await self.rt.engine_context()
             call.request = wire.fit_output(call.endpoint, capped, context, call.translation)

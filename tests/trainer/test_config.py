@@ -29,8 +29,9 @@ def test_examples_that_share_a_model_build_it_the_same_way() -> None:
     made: dict[Path, tuple] = {}
     for path in EXAMPLES:
         cfg = config.load(path)
+        teacher = cfg.teacher
         for where, make in ((cfg.model.path, cfg.model.make),
-                            (cfg.teacher.path if cfg.teacher else None, cfg.teacher.make if cfg.teacher else None)):
+                            (teacher.path if teacher else None, teacher.make if teacher else None)):
             if where is None or make is None:
                 continue
             first = made.setdefault(where.resolve(), (make, path))
@@ -102,7 +103,8 @@ def test_the_served_model_name_is_one_setting(tmp_path: Path) -> None:
     assert cfg.engine.served_model_name == "qwen-named"
     from lgt.trainer.apo.optimize import Critic, CriticConfig
     assert Critic(CriticConfig(), "http://e/v1", cfg.engine.served_model_name).model == "qwen-named"
-    assert Critic(CriticConfig(base_url="http://c/v1", model="big"), "http://e/v1", "qwen-named").model == "big"
+    hosted = CriticConfig(base_url="http://c/v1", model="big")
+    assert Critic(hosted, "http://e/v1", "qwen-named").model == "big"
     with pytest.raises(ValueError, match="apo.critic.model is required with apo.critic.base_url"):
         CriticConfig(base_url="http://c/v1")
 
