@@ -5,14 +5,19 @@ SmolLM2-135M-Instruct is imported once a session from the GGUF file in the ``llm
 tools (``trainer/templates/chatml_tools.jinja``) is checked as transformers renders it and as vLLM's hermes
 parser reads its tool calls back. Bad inputs — a GGUF transformers cannot load, a truncated file, a missing
 package, a template that drops a tool call or a result or whose prompts do not extend — are each one
-sentence, with nothing written.
+sentence, with nothing written. A 2-step run of the calc example's unmodified agent on SmolLM2, through
+lgt-proxy and the session's engine, records every generated token as the engine made it and trains it so
+(slow).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from click.testing import CliRunner
@@ -20,6 +25,9 @@ from click.testing import CliRunner
 from lgt.trainer import config, recipe
 from lgt.trainer.cli import main
 from lgt.trainer.models import CHATML_TOOLS, MakeModel, ModelError, check_chat_template, check_model_dir
+
+if TYPE_CHECKING:
+    from lgt.trainer.serving.engine import Engine
 
 TEMPLATE = CHATML_TOOLS.read_text()
 TOOLS = [
@@ -366,3 +374,95 @@ def test_sft_checks_model_chat_template_before_reading_anything(tmp_path: Path, 
                                        "--run-dir", str(tmp_path / "run")])
     assert result.exit_code == 1 and "makes a later prompt not extend the earlier one" in result.output
     assert not (tmp_path / "run").exists()
+
+
+# --- a run on SmolLM2 through lgt-proxy ------------------------------------------------------------------
+
+# |recorded - transformers| for a generated token's logprob: vLLM (CPU, float32) against SmolLM2's own forward
+# pass in transformers (float32, CPU). Measured 2026-12-06 on one run's 16 version-0 calls (2 cores, AVX2):
+# at most 6.6e-5 (4.4e-5 on the 4 this test checks), 6.6e-6 on average; the bound is ~5x the maximum.
+LOGPROB_TOL = 3e-4
+
+
+@pytest.mark.slow
+def test_a_run_on_smollm2_trains_the_tokens_the_engine_generated(tmp_path: Path, smollm2_dir: Path,
+                                                                  engines: Callable[[Path], Engine]) -> None:
+    """The calc example's unmodified agent for 2 steps on the session's SmolLM2 engine: every call lgt-proxy
+    recorded has the engine's token ids and one logprob per generated token; the samples (realign) train
+    exactly those tokens, in order, with those logprobs; the ids decode to what the agent received, and the
+    logprobs of the calls made on the model's own weights (version 0) are its forward pass's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    from lgt.store.query import connect
+    from lgt.store.samples import build_samples
+    from lgt.testing import runs
+
+    engine = engines(smollm2_dir)
+    calc = runs.ROOT / "examples" / "calc"
+    agent = {"command": [sys.executable, str(calc / "agent.py")],  # its env as examples/calc/run.yaml's
+             "env": {"OPENAI_BASE_URL": "https://api.openai.invalid/v1", "OPENAI_API_KEY": "sk-agent-own-key",
+                     "CALC_TOOL_LATENCY": ""},
+             "python_preload": ["openai"], "timeout_s": 300, "retries": 1}
+    cfg = runs.write_config(tmp_path, smollm2_dir, tasks=str(calc / "tasks.jsonl"), agent=agent, steps=2,
+                            group_size=4, batch_groups=2, max_inflight=8,
+                            engine={"url": engine.url, "max_model_len": 1024},
+                            backend={"lr": 1e-5, "train_layers": 6, "micro_batch_tokens": 4096},
+                            algorithm={"sample_mode": "realign"})
+    run_dir = tmp_path / "run"
+    out = runs.lgt_train(str(cfg), "--run-dir", str(run_dir), timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = runs.metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+
+    con = connect(run_dir / "store")
+    calls = con.execute(
+        "SELECT rollout_id, attempt, seq, policy_version, capture, prompt_token_ids, response_token_ids, "
+        "response_logprobs, request_json, response_json FROM calls WHERE status = 'ok' "
+        "ORDER BY rollout_id, attempt, seq").fetchall()
+    assert calls
+    for *_, capture, prompt, ids, logprobs, _, _ in calls:
+        assert capture == "full" and prompt and ids and len(ids) == len(logprobs)
+
+    # the samples train every generated token of a rollout's calls, in order, with its logprob and version
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    samples = build_samples(con, mode="realign", tokenizer=tok).samples.to_pylist()
+    con.close()
+    assert set(runs.trained_ids(rows)) <= {s["sample_id"] for s in samples}
+    generated: dict[tuple[str, int], list] = {}
+    for rollout_id, attempt, _, version, _, _, ids, logprobs, _, _ in calls:
+        generated.setdefault((rollout_id, attempt), []).extend((t, p, version) for t, p in zip(ids, logprobs))
+    trained: dict[tuple[str, int], list] = {}
+    for s in sorted(samples, key=lambda s: (s["rollout_id"], s["attempt"], s["sample_index"])):
+        trained.setdefault((s["rollout_id"], s["attempt"]), []).extend(
+            (t, p, v) for t, m, p, v in zip(s["input_ids"], s["loss_mask"], s["behaviour_logprobs"],
+                                            s["policy_versions"]) if m == 1)
+    assert trained and all(trained[k] == generated[k] for k in trained)
+
+    # the ids are the engine's: decoded, and read by vLLM's hermes parser as the engine reads them, they are
+    # what the agent received (text, or tool calls)
+    for *_, ids, _, request, response in calls:
+        req = json.loads(request)
+        parsed = Hermes2ProToolParser(tok).extract_tool_calls(
+            tok.decode(ids, skip_special_tokens=True),
+            ChatCompletionRequest(model="policy", messages=req["messages"], tools=req.get("tools")))
+        message = json.loads(response)["choices"][0]["message"]
+        assert (message.get("content") or "") == (parsed.content or "")
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in message.get("tool_calls") or []] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in parsed.tool_calls]
+
+    # the logprobs are the engine's: on the model's own weights (version 0; the run has since pushed its
+    # own into the engine) they are SmolLM2's forward pass's, for a few calls
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    first = [c for c in calls if c[3] == 0][:4]
+    assert len(first) == 4
+    errors = []
+    for *_, prompt, ids, logprobs, _, _ in first:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+        ours = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+        errors.append((ours - torch.tensor(logprobs)).abs().max().item())
+    assert max(errors) < LOGPROB_TOL, errors
