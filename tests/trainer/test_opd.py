@@ -219,6 +219,47 @@ def test_a_started_teacher_that_dies_is_started_again_then_one_clear_error(tmp_p
         teacher.stop()
 
 
+_HOLDS_REQUESTS = """
+import http.server, time
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):  # /health: shutting down
+        self.send_response(503); self.send_header("content-length", "0"); self.end_headers()
+    def do_POST(self):  # a request it accepted and never answers, as vLLM waiting for its connections
+        self.rfile.read(int(self.headers.get("content-length", 0))); time.sleep(3600)
+srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(srv.server_address[1], flush=True)
+srv.serve_forever()
+"""
+
+
+def test_a_started_teacher_that_holds_a_request_while_shutting_down_is_not_waited_on(tmp_path: Path) -> None:
+    """A teacher engine stopped while the student is scored can accept a request and never answer it
+    (vLLM waits for open connections before it exits): the request is watched, the engine killed once
+    /health stays silent, and the run hears of its exit in seconds, not after teacher.timeout_s (a test
+    of the restart above once waited the whole 600 s for it)."""
+    import subprocess
+    import sys
+
+    from lgt.trainer.serving.engine import Engine, EngineConfig
+
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDS_REQUESTS], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    port = int(proc.stdout.readline())
+    eng = Engine(EngineConfig(max_model_len=64), proc, port, tmp_path / "vllm.log", cpu=True,
+                 weight_shapes={}, tied=False, base_url=f"http://127.0.0.1:{port}")
+    teacher = opd.Teacher(TeacherSection(path=tmp_path), f"http://127.0.0.1:{port}/v1", "teacher", engine=eng,
+                          restarts=0, log=lambda line: None)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(opd.TeacherError, match="restarted 0 times already"):
+            teacher.score([[1, 2, 3]])
+        assert time.monotonic() - t0 < 60 and eng.died
+    finally:
+        eng.stop()
+        proc.kill()
+
+
 # --- (b) the advantages ---------------------------------------------------------------------------
 
 def test_token_advantage_is_teacher_minus_student_on_generated_tokens_only() -> None:

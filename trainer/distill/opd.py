@@ -48,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 
 from lgt.trainer.models import MakeModel
-from lgt.trainer.serving.engine import EngineConfig
+from lgt.trainer.serving.engine import EngineConfig, EngineError
 
 SERVED_NAME = "teacher"  # the name a started teacher engine serves under
 MAX_TOP_K = 100  # teacher.top_k's bound: each position's k logprobs travel as JSON
@@ -460,9 +460,12 @@ class Teacher:
         k = self.section.top_k
         body = {"model": self.model_name, "prompt": seqs, "max_tokens": 1, "prompt_logprobs": k,
                 "temperature": 1.0}
+        def post() -> Any:
+            return self._client.post(f"{self.base_url}/completions", json=body)
+
         for attempt in range(1, REQUEST_TRIES + 1):
-            try:
-                resp = self._client.post(f"{self.base_url}/completions", json=body)
+            try:  # a started engine is watched while it scores: one shutting down is not waited on
+                resp = post() if self.engine is None else self.engine.watch(post, "POST /v1/completions")
                 break
             except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
                 # a kept-alive connection the server closed as it was reused, a reset: asking again
@@ -471,7 +474,7 @@ class Teacher:
                     raise TeacherError(f"the teacher at {self.base_url} did not answer: {e} ({attempt} "
                                        f"tries){self._log_hint()}") from e
                 time.sleep(0.2 * attempt)
-            except httpx.HTTPError as e:
+            except (httpx.HTTPError, EngineError) as e:  # EngineError: killed while it held the request
                 raise TeacherError(f"the teacher at {self.base_url} did not answer: {e}"
                                    f"{self._log_hint()}") from e
         if resp.status_code >= 400:
@@ -527,7 +530,7 @@ class Teacher:
     def keep_alive(self) -> None:
         """A started engine that died is started again on its port (TeacherError once ``restarts`` are
         spent); nothing for a teacher at a URL."""
-        from lgt.trainer.serving.engine import Engine, EngineError
+        from lgt.trainer.serving.engine import Engine
 
         if self.engine is None:
             return

@@ -40,10 +40,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
@@ -65,6 +65,7 @@ LOAD_METHODS = {"file": LOAD_METHOD, "shm": "lgt_load_weights_shm", "ipc": "lgt_
 TRANSPORTS = ("auto", *LOAD_METHODS)
 PAUSE_MODES = ("wait", "keep", "abort")
 LOG_TAIL_LINES = 20
+T = TypeVar("T")
 WATCH_S = 2.0  # how often a request without a time limit looks at the engine's /health
 HEALTH_MISSES = 3  # misses in a row after which an engine that we started is taken for dying
 DYING_S = 15.0  # the most a failed request waits for an engine that stopped answering /health to exit
@@ -639,21 +640,27 @@ class Engine:
         _wait_group(self.proc, self.proc.pid, 10.0)
 
     def _watched(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        """A request without a time limit (a drain takes what it takes), sent from a thread while this one
-        watches the engine: one shutting down (after a SIGTERM) stops answering ``/health`` but waits for
-        open connections to close before it exits, while the request it accepted never gets its answer;
-        after :data:`HEALTH_MISSES` misses in a row the engine we started is killed, which ends both."""
+        """A request without a time limit (a drain takes what it takes), sent while this engine is
+        watched (:meth:`watch`)."""
+        return self.watch(lambda: self._client.request(method, path, timeout=None, **kw), f"{method} {path}")
+
+    def watch(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()`` (a request to this engine, by this client or another's) run from a thread while this
+        one watches the engine: one shutting down (after a SIGTERM) stops answering ``/health`` but waits
+        for open connections to close before it exits, while the request it accepted never gets its
+        answer; after :data:`HEALTH_MISSES` misses in a row the engine we started is killed, which ends
+        both (``fn``'s error is raised here, in the caller's thread)."""
         import threading
 
         out: dict[str, Any] = {}
 
         def send() -> None:
             try:
-                out["resp"] = self._client.request(method, path, timeout=None, **kw)
+                out["resp"] = fn()
             except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
                 out["error"] = e
 
-        sender = threading.Thread(target=send, name=f"lgt-engine-{path.strip('/')}", daemon=True)
+        sender = threading.Thread(target=send, name=f"lgt-engine-{what}", daemon=True)
         sender.start()
         misses = 0
         while sender.is_alive():
@@ -662,7 +669,7 @@ class Engine:
                 continue
             misses = 0 if self._healthy(timeout=5.0) else misses + 1
             if misses >= HEALTH_MISSES:
-                self._kill(f"stopped answering /health during {method} {path}")
+                self._kill(f"stopped answering /health during {what}")
                 sender.join(30.0)
                 break
         if "resp" in out:
@@ -670,7 +677,7 @@ class Engine:
         if "error" in out:
             raise out["error"]
         self.check_alive()  # killed above and its request still not back: the error names the exit
-        raise EngineError(f"the vLLM engine at {self.base_url} did not answer {method} {path}")
+        raise EngineError(f"the vLLM engine at {self.base_url} did not answer {what}")
 
     def _request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
                  json: Any = None, timeout: float | None = 60.0) -> httpx.Response:
