@@ -134,7 +134,7 @@ def test_lgt_train_apo_end_to_end(tmp_path, arith_model_dir, arith_engine, criti
                      "retries": 0},
            "resources": {"system_prompt": {"template": str(tmp_path / "prompt.txt"), "deliver": "env"}},
            "apo": {"rounds": 2, "beam_width": 2, "branch_factor": 2, "batch_size": 4, "val_size": 4,
-                   "critic": {"base_url": critic.base_url, "timeout_s": 0.5}},
+                   "critic": {"base_url": critic.base_url, "model": "critic", "timeout_s": 0.5}},
            "engine": {"max_model_len": 256, "url": arith_engine.url}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     out = lgt_train_cmd("apo", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run"), timeout=600)

@@ -44,7 +44,7 @@ def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path
     cfg = yaml.safe_load((here / "run.yaml").read_text())
     cfg.update(model={"path": str(arith_model_dir)}, tasks=str((here / cfg["tasks"]).resolve()),
                group_size=2, batch_groups=2, max_inflight=8, steps=steps, eval=None,
-               engine={"url": arith_engine.url})
+               engine={"url": arith_engine.url, "max_model_len": None})  # the shared engine's whole context
     cfg["agent"] = {**cfg["agent"], "cwd": str(here), "timeout_s": 90}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
