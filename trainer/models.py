@@ -560,10 +560,15 @@ def import_source(make: MakeModel) -> tuple[Path, str | None]:
     return path, read_chat_template(template) if template is not None else None
 
 
-def import_is_made(out_dir: str | Path, spec: dict[str, Any]) -> bool:
-    """``out_dir`` holds a finished import (its ``lgt-model.json`` written last) with these settings."""
+def import_is_made(out_dir: str | Path, gguf: Path, *, pretrained: str | None, dtype: str,
+                   chat_template: str | None) -> bool:
+    """``out_dir`` holds a finished import (its ``lgt-model.json`` written last) of ``gguf`` with these
+    settings (:func:`import_spec`); False while ``gguf`` is not a file."""
     from lgt.trainer.demo.tiny import read_marker
 
+    if not Path(gguf).is_file():
+        return False
+    spec = import_spec(gguf, pretrained=pretrained, dtype=dtype, chat_template=chat_template)
     marker = read_marker(out_dir)
     return marker is not None and all(marker.get(k) == v for k, v in spec.items())
 
@@ -579,38 +584,34 @@ def import_spec(gguf: Path, *, pretrained: str | None, dtype: str, chat_template
             "dtype": dtype, "chat_template_sha256": sha}
 
 
-def import_gguf(gguf: str | Path, out_dir: str | Path, *, dtype: str, chat_template: str | None = None,
+def import_gguf(info: GgufInfo, out_dir: str | Path, *, dtype: str, chat_template: str | None = None,
                 pretrained: str | None = None, requested_dtype: str | None = None, why: str = "",
                 log: Any = print) -> Path:
-    """A Hugging Face model directory at ``out_dir`` from the GGUF file ``gguf``: the weights
-    dequantised to ``dtype`` (bfloat16, float16 or float32) as safetensors, the tokenizer, the chat
-    template (``chat_template``, else the GGUF's own), the generation config (its end token) and
-    ``lgt-model.json`` (written last: what it was made from). Reused when it was made with the same
-    settings (``requested_dtype``: what was asked, e.g. ``auto``, recorded instead of ``dtype``; ``why``:
-    what chose ``dtype``, for the log line).
+    """A Hugging Face model directory at ``out_dir`` from the GGUF file ``info`` describes (checked by
+    :func:`check_gguf`): the weights dequantised to ``dtype`` (bfloat16, float16 or float32) as
+    safetensors, the tokenizer, the chat template (``chat_template``, else the GGUF's own), the
+    generation config (its end token) and ``lgt-model.json`` (written last: what it was made from, with
+    ``requested_dtype``, what was asked, e.g. ``auto``, in place of ``dtype``; ``why``: what chose
+    ``dtype``, for the log line). Whether an import made alike is there already is the caller's
+    question (:func:`import_is_made`).
 
-    Everything is checked first (:func:`check_gguf`, :func:`check_chat_template` for a given template)
-    and built in a temporary sibling renamed into place: a bad input or a crash leaves nothing at
-    ``out_dir``. ModelError (one sentence) for what the user can fix. Needs torch, transformers, gguf,
-    accelerate; nothing is downloaded (HF_HUB_OFFLINE)."""
+    A given template is checked first (:func:`check_chat_template`) and the folder is built in a
+    temporary sibling renamed into place: a bad input or a crash leaves nothing at ``out_dir``.
+    ModelError (one sentence) for what the user can fix. Needs torch, transformers, gguf, accelerate;
+    nothing is downloaded (HF_HUB_OFFLINE)."""
     import os
     import time
 
     from lgt.store.files import atomic_dir
     from lgt.trainer.demo.tiny import MARKER, read_marker
 
-    gguf, out = Path(gguf), Path(out_dir)
+    gguf, out = info.path, Path(out_dir)
     if dtype not in DTYPES[1:]:
         raise ModelError(f"dtype must be one of {', '.join(DTYPES[1:])}, not {dtype!r}")
-    spec = {}
-    if gguf.is_file():
-        spec = import_spec(gguf, pretrained=pretrained, dtype=requested_dtype or dtype,
-                           chat_template=chat_template)
-    if spec and import_is_made(out, spec):
-        return out
+    spec = import_spec(gguf, pretrained=pretrained, dtype=requested_dtype or dtype,
+                       chat_template=chat_template)
     if out.exists() and (not out.is_dir() or (read_marker(out) is None and any(out.iterdir()))):
         raise ModelError(f"{out} already exists and is not a model made by lgt: choose another directory")
-    info = check_gguf(gguf)
     template = chat_template if chat_template is not None else info.chat_template
     if chat_template is not None:
         check_chat_template(chat_template)
@@ -670,13 +671,12 @@ def _convert_gguf(gguf: Path, out: Path, dtype: str, template: str) -> int:
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
-    for noise in ("is_local", "local_files_only"):  # how it was loaded here, not what it is
-        _drop_key(out / "tokenizer_config.json", noise)
+    _drop_keys(out / "tokenizer_config.json", ("is_local", "local_files_only"))  # how it was loaded here
     return sum(p.numel() for p in model.parameters())
 
 
-def _drop_key(path: Path, key: str) -> None:
+def _drop_keys(path: Path, keys: tuple[str, ...]) -> None:
     data = _read_json(path, "tokenizer config")
-    if key in data:
-        del data[key]
+    if any(k in data for k in keys):
+        data = {k: v for k, v in data.items() if k not in keys}
         path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

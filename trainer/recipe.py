@@ -164,8 +164,8 @@ def _check_make(make: Any, path: Path, key: str) -> None:
     if make.imported:
         try:
             gguf, template = models.import_source(make)
-            if not (gguf.is_file() and models.import_is_made(path, models.import_spec(
-                    gguf, pretrained=make.pretrained, dtype=make.dtype, chat_template=template))):
+            if not models.import_is_made(path, gguf, pretrained=make.pretrained, dtype=make.dtype,
+                                         chat_template=template):
                 models.check_gguf(gguf)
         except models.ModelError as e:
             raise ConfigError(f"{key}.make: {e}") from None
@@ -191,16 +191,16 @@ def import_model(make: Any, path: Path, what: str = "model", *, chat_template: s
 
     gguf, template = models.import_source(make)
     template = chat_template if chat_template is not None else template
-    if gguf.is_file() and models.import_is_made(path, models.import_spec(
-            gguf, pretrained=make.pretrained, dtype=make.dtype, chat_template=template)):
+    if models.import_is_made(path, gguf, pretrained=make.pretrained, dtype=make.dtype,
+                             chat_template=template):
         return path
-    models.check_gguf(gguf)  # a file transformers cannot import: one sentence before torch is imported
+    info = models.check_gguf(gguf)  # a file transformers cannot import: one sentence before torch is imported
     device = "cpu"
     if make.dtype == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype, why = resolve_dtype(make.dtype, device, key=dtype_key or f"{what}.make.dtype")
-    return models.import_gguf(gguf, path, dtype=dtype, requested_dtype=make.dtype, chat_template=template,
+    return models.import_gguf(info, path, dtype=dtype, requested_dtype=make.dtype, chat_template=template,
                               pretrained=make.pretrained, why=why, log=log)
 
 
