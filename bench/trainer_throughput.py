@@ -59,6 +59,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -98,12 +99,7 @@ def make_10m(out: Path, tokenizer_from: Path) -> Path:
     cfg = Qwen2Config(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                       tie_word_embeddings=True)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(out)
-    for f in tokenizer_from.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy2(f, out / f.name)
-    return out
+    return save_random(Qwen2ForCausalLM, cfg, out, tokenizer_from)
 
 
 def make_smollm2(out: Path, tokenizer_from: Path) -> Path:
@@ -114,8 +110,14 @@ def make_smollm2(out: Path, tokenizer_from: Path) -> Path:
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                       rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    return save_random(LlamaForCausalLM, cfg, out, tokenizer_from)
+
+
+def save_random(model_cls: Any, cfg: Any, out: Path, tokenizer_from: Path) -> Path:
+    """``model_cls(cfg)`` with random weights (seed 0) saved in ``out``, with ``tokenizer_from``'s
+    tokenizer files beside it."""
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(out)
+    model_cls(cfg).save_pretrained(out)
     for f in tokenizer_from.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy2(f, out / f.name)
