@@ -443,7 +443,7 @@ class TorchBackend:
         self.dtype, why = resolve_dtype(cfg.dtype, str(device), key="backend.dtype")
         self._autocast = (torch.autocast(device.type, dtype=DTYPES[self.dtype])
                           if self.dtype != "float32" else contextlib.nullcontext())
-        every = {id(p): p for p in model.parameters()}.values()
+        every = list(model.parameters())  # a tied embedding once
         total, trained = sum(p.numel() for p in every), sum(p.numel() for p in every if p.requires_grad)
         what = "every parameter" if trained == total else f"{trained:,} of {total:,} parameters"
         compute = "float32" if self.dtype == "float32" else f"{self.dtype} autocast, float32 weights"
