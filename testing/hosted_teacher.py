@@ -1,12 +1,19 @@
-"""A stand-in for a hosted model on loopback: the Anthropic Messages API, answered by a scripted expert.
+"""A stand-in for a hosted model on loopback: Anthropic Messages and OpenAI chat completions, answered by
+scripted experts.
 
-No hosted model can be reached from here, so the harness examples' "stronger model" is this: it speaks
+No hosted model can be reached from here, so the examples' "stronger model" is this. It speaks
 Anthropic's wire format (``POST /v1/messages``, streamed as server-sent events or whole, and
-``POST /v1/messages/count_tokens``) and answers as a model that does the write-a-word task well
-(``lgt.testing.harness_policy``): the first call of a task gets one call of the harness's own write or
-shell tool with the task's word and file, a call that already holds the tool's result a short final text,
-anything else a short text. The agent aims at it with its own setting (Claude Code: ``ANTHROPIC_BASE_URL``)
-as it would at a gateway::
+``POST /v1/messages/count_tokens``) and OpenAI's (``POST /v1/chat/completions``, streamed or whole), and
+answers as a model that does the task it is asked well:
+
+- the write-a-word task (``lgt.testing.harness_policy``): the first call of a task gets one call of the
+  harness's own write or shell tool with the task's word and file, a call that already holds the tool's
+  result a short final text, anything else a short text;
+- the calc task (examples/calc): "What is 59+63?" with a ``calculator`` tool gets the expression as a
+  call of the tool, the tool's result ``The answer is 122.``
+
+The agent aims at it with its own setting (Claude Code: ``ANTHROPIC_BASE_URL``; the OpenAI SDK:
+``OPENAI_BASE_URL=http://127.0.0.1:8032/v1``) as it would at a gateway::
 
     python -m lgt.testing.hosted_teacher --port 8032
 
@@ -19,6 +26,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
+import time
 import uuid
 from typing import Any
 
@@ -115,6 +124,80 @@ def answer(body: Json) -> tuple[ToolCall | None, str]:
     return call, "" if call else f"Write {task.word} into {task.file}"
 
 
+QUESTION = re.compile(r"what is\s+([0-9+\-*/(). ]*[0-9)])\s*\?", re.IGNORECASE)
+
+
+def calc_answer(body: Json) -> tuple[ToolCall | None, str]:
+    """The calc expert's answer to a chat/completions request: the question's expression to the
+    ``calculator`` tool, then the tool's result as ``The answer is N.``"""
+    messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+    if messages and messages[-1].get("role") == "tool":
+        return None, f"The answer is {_text(messages[-1].get('content')).strip()}."
+    question = next((_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
+    match = QUESTION.search(question)
+    tools = {(t.get("function") or t).get("name") for t in body.get("tools") or [] if isinstance(t, dict)}
+    if match is None or "calculator" not in tools or body.get("tool_choice") == "none":
+        return None, "OK."
+    return ToolCall("calculator", {"expression": match.group(1).replace(" ", "")}), ""
+
+
+def chat_answer(body: Json) -> Json:
+    """The whole ``chat.completion`` for a request: the calc expert's answer."""
+    call, text = calc_answer(body)
+    message: Json = {"role": "assistant", "content": None if call else text}
+    if call is not None:
+        message["tool_calls"] = [{"id": new_id("call_"), "type": "function", "function": {
+            "name": call.name, "arguments": json.dumps(call.args)}}]
+    prompt, completion = _words(body), len(json.dumps(message).split())
+    return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model", "gpt"), "system_fingerprint": "fp_stand_in",
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": "tool_calls" if call else "stop"}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                      "total_tokens": prompt + completion}}
+
+
+def chat_chunks(whole: Json, usage: bool) -> list[Json]:
+    """The same answer as OpenAI streams it: the role, the content or the tool call, the finish (and
+    the usage chunk when ``stream_options.include_usage`` asked for it)."""
+    base = {k: whole[k] for k in ("id", "created", "model", "system_fingerprint")}
+    base["object"] = "chat.completion.chunk"
+    choice = whole["choices"][0]
+    msg = choice["message"]
+    delta: Json = {"content": msg["content"]} if msg["content"] is not None else {"tool_calls": [
+        {"index": i, **c} for i, c in enumerate(msg.get("tool_calls") or [])]}
+
+    def chunk(d: Json, finish: str | None) -> Json:
+        return {**base, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}
+
+    out = [chunk({"role": "assistant", "content": ""}, None), chunk(delta, None),
+           chunk({}, choice["finish_reason"])]
+    return out + ([{**base, "choices": [], "usage": whole["usage"]}] if usage else [])
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    try:
+        body = await request.json()
+    except ValueError:
+        return _openai_error(400, "the body is not JSON")
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return _openai_error(400, "messages: Field required")
+    whole = chat_answer(body)
+    if not body.get("stream"):
+        return web.json_response(whole)
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+    await resp.prepare(request)
+    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    await resp.write(sse([(None, c) for c in chat_chunks(whole, usage)] + [(None, "[DONE]")]))
+    await resp.write_eof()
+    return resp
+
+
+def _openai_error(status: int, message: str) -> web.Response:
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    return web.json_response({"error": error}, status=status)
+
+
 def _error(status: int, message: str) -> web.Response:
     error = {"type": "invalid_request_error", "message": message}
     return web.json_response({"type": "error", "error": error}, status=status)
@@ -151,6 +234,7 @@ def app() -> web.Application:
     application = web.Application(client_max_size=64 * 1024 * 1024)
     application.router.add_post("/v1/messages", messages)
     application.router.add_post("/v1/messages/count_tokens", count_tokens)
+    application.router.add_post("/v1/chat/completions", chat_completions)
     return application
 
 
@@ -161,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8032)
     args = p.parse_args(argv)
     web.run_app(app(), host=args.host, port=args.port, print=lambda *a: print(
-        f"a stand-in hosted model (Anthropic Messages) on http://{args.host}:{args.port}", flush=True))
+        f"a stand-in hosted model (Anthropic Messages, OpenAI chat completions) on "
+        f"http://{args.host}:{args.port}", flush=True))
 
 
 if __name__ == "__main__":
