@@ -111,9 +111,12 @@ def samples(store: Path, out: Path, mode: str, tokenizer: Path | None, estimator
               help="Override any config key (dotted, YAML value), e.g. --set backend.lr=1e-4.")
 @click.option("--serve", "serve_port", type=click.IntRange(0, 65535), metavar="PORT",
               help="Serve the live run page on 127.0.0.1:PORT while the run goes on (0: a free port).")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Start from this checkpoint instead of the config's model: a checkpoints/step-N "
+                   "folder, or a run folder (its latest), e.g. the one lgt-train sft wrote.")
 def run_cmd(config_file: Path | None, mode: str | None, steps: int | None, max_minutes: float | None,
             run_dir: Path | None, resume_dir: Path | None, sets: tuple[str, ...],
-            serve_port: int | None) -> None:
+            serve_port: int | None, checkpoint: Path | None) -> None:
     """Train the agent of CONFIG_FILE (a run YAML) with RL; see examples/arith/run.yaml. With --resume
     RUN_DIR, CONFIG_FILE may be left out: the run goes on as it was configured."""
     from lgt.trainer import config as cfgmod
@@ -127,7 +130,12 @@ def run_cmd(config_file: Path | None, mode: str | None, steps: int | None, max_m
         raise click.ClickException("give either --resume DIR or --run-dir DIR, not two different folders")
     if config_file is None and resume_dir is None:
         raise click.UsageError("give a run config (CONFIG_FILE), or --resume RUN_DIR to continue a run")
+    if checkpoint is not None and resume_dir is not None:
+        raise click.ClickException("give either --resume DIR (a run goes on from its own checkpoint) or "
+                                   "--checkpoint (a new run starts from one), not both")
     try:
+        if checkpoint is not None:  # the model the run trains: the checkpoint as it is, nothing to make
+            overrides.update({"model.path": str(_checkpoint(checkpoint).resolve()), "model.make": None})
         if resume_dir is not None:
             cfg = cfgmod.saved(resume_dir, overrides)
             if config_file is not None:
@@ -201,7 +209,8 @@ def serve_cmd(run_dir: Path, port: int, host: str, store: Path | None) -> None:
 @main.command("eval")
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="A run's checkpoints/step-N folder (default: the config's model, untrained).")
+              help="A run's checkpoints/step-N folder, or a run folder: its latest (default: the config's "
+                   "model, untrained).")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where the evaluation writes (default runs/<name>-eval-<time>).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
@@ -214,6 +223,7 @@ def eval_cmd(config_file: Path, checkpoint: Path | None, run_dir: Path | None, s
 
     try:
         cfg = cfgmod.load(config_file, _overrides(sets))
+        checkpoint = checkpoint and _checkpoint(checkpoint)
         with _display() as display:
             out, res = recipe.evaluate(cfg, checkpoint=checkpoint, run_dir=run_dir, display=display)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
@@ -288,7 +298,8 @@ def sft_cmd(config_file: Path, traces: Path | None, run_dir: Path | None, sets: 
 @click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Continue a search in this run directory (finished candidates are not scored again).")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="An RL run's checkpoints/step-N folder to serve (default: the config's model).")
+              help="An RL run's checkpoints/step-N folder to serve, or a run folder: its latest (default: "
+                   "the config's model).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override any config key, e.g. --set apo.rounds=5.")
 def apo_cmd(config_file: Path, run_dir: Path | None, resume_dir: Path | None, checkpoint: Path | None,
@@ -301,6 +312,7 @@ def apo_cmd(config_file: Path, run_dir: Path | None, resume_dir: Path | None, ch
 
     try:
         cfg = cfgmod.load(config_file, _overrides(sets))
+        checkpoint = checkpoint and _checkpoint(checkpoint)
         with _display() as display:
             out, best = recipe.optimize_prompt(cfg, run_dir=resume_dir or run_dir, checkpoint=checkpoint,
                                                resume=resume_dir is not None, display=display)
@@ -335,6 +347,13 @@ def _run_error(e: Exception) -> str:
     """A run's error for the user: its first line, unless it is a short multi-line explanation."""
     text = str(e)
     return text.splitlines()[0] if "\n" not in text[:300] else text
+
+
+def _checkpoint(path: Path) -> Path:
+    """The checkpoint ``--checkpoint`` names (a step-N folder, or a run folder's latest); ValueError."""
+    from lgt.trainer.backends.checkpoints import find_checkpoint
+
+    return find_checkpoint(path)
 
 
 def _overrides(sets: tuple[str, ...]) -> dict[str, Any]:

@@ -361,3 +361,41 @@ def test_a_resume_that_fails_in_setup_leaves_the_run_directory_as_it_was(tmp_pat
     assert result.exit_code == 1, result.output
     assert OPTIMIZER_FILE in result.output
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_a_checkpoint_is_named_by_its_folder_or_its_run(tmp_path: Path) -> None:
+    from lgt.trainer.backends.checkpoints import CheckpointError, find_checkpoint
+
+    run = tmp_path / "sft-run"
+    done, unfinished = run / "checkpoints" / "step-00000003", run / "checkpoints" / "step-00000005"
+    for d in (done, unfinished):
+        d.mkdir(parents=True)
+    (done / "DONE").write_text("3\n")
+    assert find_checkpoint(run) == find_checkpoint(run / "checkpoints") == find_checkpoint(done) == done
+    with pytest.raises(CheckpointError, match="step-00000005 is not a finished checkpoint"):
+        find_checkpoint(unfinished)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="empty holds no finished checkpoint: give a run's folder"):
+        find_checkpoint(tmp_path / "empty")
+
+
+def test_run_from_a_checkpoint_trains_it_instead_of_the_configs_model(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from lgt.trainer.cli import main
+
+    path = write(tmp_path, BASE.replace("model: {path: m}", "model: {path: m, make: {preset: demo}}"))
+    sft = tmp_path / "sft-run"
+    ckpt = sft / "checkpoints" / "step-00000011"
+    ckpt.mkdir(parents=True)
+    (ckpt / "DONE").write_text("11\n")
+    # the checkpoint is the model the run checks (this one holds no weights), and nothing is made
+    result = CliRunner().invoke(main, ["run", str(path), "--checkpoint", str(sft), "--run-dir",
+                                       str(tmp_path / "run")])
+    assert result.exit_code == 1 and str(ckpt) in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "m").exists() and not (tmp_path / "run").exists()
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(main, ["run", str(path), "--checkpoint", str(tmp_path / "empty")])
+    assert result.exit_code == 1 and "holds no finished checkpoint" in result.output
+    result = CliRunner().invoke(main, ["run", "--checkpoint", str(sft), "--resume", str(sft)])
+    assert result.exit_code == 1 and "not both" in result.output

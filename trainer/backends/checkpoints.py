@@ -99,3 +99,18 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         if m and (p / DONE).is_file() and (best is None or int(m.group(1)) > best[0]):
             best = (int(m.group(1)), p)
     return best[1] if best else None
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint ``path`` names: a finished ``step-N`` folder as it is, a run folder (or its
+    ``checkpoints/``) as its latest finished one; CheckpointError in one sentence otherwise."""
+    path = Path(path)
+    if (path / DONE).is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        if (found := latest_checkpoint(root)) is not None:
+            return found
+    if CHECKPOINT_RE.match(path.name):
+        raise CheckpointError(f"{path} is not a finished checkpoint (it has no {DONE} file)")
+    raise CheckpointError(f"{path} holds no finished checkpoint: give a run's folder or one of its "
+                          "checkpoints/step-N folders")
