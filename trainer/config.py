@@ -91,6 +91,9 @@ class RunConfig:
     store: Path | None = None  # default: <run_dir>/store; s3://bucket/prefix: on S3 (kept as a string)
     run_dir: Path | None = None  # default: runs/<name>-<timestamp>
     checkpoint_every: int = 1
+    # the newest N finished checkpoints are kept, older ones deleted once a newer one is finished (a real
+    # model's checkpoint is its weights and optimizer: 0.7 GB for 135M parameters); null keeps every one
+    keep_checkpoints: int | None = 3
     restarts: int = 3  # a dead engine (or a proxy the run started) is started again this often per run
     # experiment trackers the run also writes to (lgt.trainer.report.trackers): console (nothing more),
     # tensorboard, wandb, mlflow; one name or a list
@@ -386,6 +389,8 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.max_inflight >= cfg.group_size,
          f"max_inflight ({cfg.max_inflight}) must hold at least one group ({cfg.group_size} rollouts)")
     need(cfg.checkpoint_every >= 1, f"checkpoint_every must be at least 1, not {cfg.checkpoint_every}")
+    need(cfg.keep_checkpoints is None or cfg.keep_checkpoints >= 1,
+         f"keep_checkpoints must be at least 1 (or null: keep every one), not {cfg.keep_checkpoints}")
     need(isinstance(cfg.restarts, int) and not isinstance(cfg.restarts, bool) and cfg.restarts >= 0,
          f"restarts must be a whole number ≥ 0, not {cfg.restarts!r}")
     need(cfg.engine.max_model_len is None or cfg.engine.max_model_len >= 16,

@@ -58,6 +58,7 @@ import pyarrow as pa
 from lgt.store.samples import build_group_samples
 from lgt.trainer import config as cfgmod
 from lgt.trainer.backends.base import BackendError, entry
+from lgt.trainer.backends.checkpoints import prune_checkpoints
 from lgt.trainer.config import ConfigError, RunConfig
 from lgt.trainer.run import admission, evaluation
 from lgt.trainer.run.progress import Progress
@@ -298,6 +299,7 @@ class Recipe:
         self.stop_rules = StopRules(cfg.steps, cfg.max_minutes, cfg.max_samples, cfg.target_reward)
         self.algorithm, self.max_staleness = cfg.algorithm, cfg.max_staleness
         self.updates_per_step, self.checkpoint_every = cfg.backend.updates_per_step, cfg.checkpoint_every
+        self.keep_checkpoints = cfg.keep_checkpoints
         self.columns = {"mode": cfg.mode, "backend": cfg.backend.name}  # in every metrics row
         # last: nothing after it fails, so a tracker run that began is always ended (run's finally)
         self.runlog.start_trackers(cfg.to_json(), resume_step=self.progress.step if self.resume else None)
@@ -555,8 +557,9 @@ class Recipe:
 
     def save_checkpoint(self) -> None:
         # named by the run's step (backend.updates_per_step > 1 makes several updates in one)
-        self.backend.save_checkpoint(self.run_dir / "checkpoints", self.progress.checkpoint(),
-                                     name=self.progress.step)
+        root = self.run_dir / "checkpoints"
+        self.backend.save_checkpoint(root, self.progress.checkpoint(), name=self.progress.step)
+        prune_checkpoints(root, self.keep_checkpoints)
 
     # ---------------------------------------------------------------------------------- cleanup
     async def close_rollouts(self) -> None:

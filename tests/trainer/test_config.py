@@ -399,3 +399,21 @@ def test_run_from_a_checkpoint_trains_it_instead_of_the_configs_model(tmp_path: 
     assert result.exit_code == 1 and "holds no finished checkpoint" in result.output
     result = CliRunner().invoke(main, ["run", "--checkpoint", str(sft), "--resume", str(sft)])
     assert result.exit_code == 1 and "not both" in result.output
+
+
+def test_old_checkpoints_are_pruned_to_the_newest_kept(tmp_path: Path) -> None:
+    from lgt.trainer.backends.checkpoints import latest_checkpoint, prune_checkpoints
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 10):
+        (root / f"step-{step:08d}").mkdir(parents=True)
+        (root / f"step-{step:08d}" / "DONE").write_text(f"{step}\n")
+    (root / "step-00000011").mkdir()  # unfinished: being written, or a crash's; never deleted
+    assert prune_checkpoints(root, None) == [] and len(list(root.iterdir())) == 5
+    assert [p.name for p in prune_checkpoints(root, 2)] == ["step-00000001", "step-00000002"]
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003", "step-00000010", "step-00000011"]
+    assert latest_checkpoint(root) == root / "step-00000010"  # by number, not by name order
+    assert prune_checkpoints(root, 2) == []
+    with pytest.raises(config.ConfigError, match="keep_checkpoints must be at least 1"):
+        config.load(write(tmp_path, BASE + "keep_checkpoints: 0\n"))
+    assert config.load(write(tmp_path, BASE + "keep_checkpoints: null\n")).keep_checkpoints is None

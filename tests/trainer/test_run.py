@@ -113,7 +113,8 @@ def test_async_run_trains_syncs_and_records_everything(tmp_path: Path, arith_mod
 def test_killed_mid_step_resumes_without_training_a_sample_twice(tmp_path: Path, arith_model_dir: Path,
                                                                  arith_engine) -> None:
     run_dir = tmp_path / "run"
-    cfg = write_config(tmp_path, arith_model_dir, engine_url=arith_engine.url, steps=4)
+    # keep_checkpoints 2: the resume finds step 2 kept, and the run ends with steps 3 and 4 only
+    cfg = write_config(tmp_path, arith_model_dir, engine_url=arith_engine.url, steps=4, keep_checkpoints=2)
     # the trainer kills itself (SIGKILL) in step 3's backend update: faults/sitecustomize.py
     faults = str(Path(__file__).parent / "faults")
     path = os.pathsep.join(filter(None, [faults, os.environ.get("PYTHONPATH")]))
@@ -142,6 +143,7 @@ def test_killed_mid_step_resumes_without_training_a_sample_twice(tmp_path: Path,
     assert pending <= trained_groups, "finished groups from before the crash were lost"
     state = json.loads((run_dir / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
     assert set(state["extra"]["trained_groups"]) == trained_groups
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000003", "step-00000004"]
 
 
 def start_run(cfg: Path, run_dir: Path, log: Path) -> subprocess.Popen:

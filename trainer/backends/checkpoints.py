@@ -101,6 +101,23 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return best[1] if best else None
 
 
+def prune_checkpoints(root: str | Path, keep: int | None) -> list[Path]:
+    """Delete all but the newest ``keep`` finished checkpoints under ``root`` (None: delete nothing); the
+    ones deleted. Unfinished folders (no ``DONE``) are left alone: a write in progress, or a crash's to
+    look at."""
+    root = Path(root)
+    if keep is None or not root.is_dir():
+        return []
+    finished = sorted((int(m.group(1)), p) for p in root.iterdir()
+                      if (m := CHECKPOINT_RE.match(p.name)) and (p / DONE).is_file())
+    old = [p for _, p in finished[:-keep]] if len(finished) > keep else []
+    for p in old:
+        # DONE first: a crash mid-delete leaves an unfinished folder, never a damaged "finished" one
+        (p / DONE).unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True)
+    return old
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """The checkpoint ``path`` names: a finished ``step-N`` folder as it is, a run folder (or its
     ``checkpoints/``) as its latest finished one; CheckpointError in one sentence otherwise."""
