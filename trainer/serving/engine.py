@@ -34,8 +34,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,9 +50,8 @@ if TYPE_CHECKING:
 
 from lgt.store.files import atomic_path
 from lgt.trainer.models import check_model_dir
-from lgt.trainer.serving import vllm_plugin
+from lgt.trainer.serving import children, vllm_plugin
 from lgt.trainer.serving.hardware import resolve_dtype
-from lgt.trainer.serving.proxy import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +61,6 @@ LOAD_METHOD = "lgt_load_weights"
 LOAD_METHODS = {"file": LOAD_METHOD, "shm": "lgt_load_weights_shm", "ipc": "lgt_load_weights_ipc"}
 TRANSPORTS = ("auto", *LOAD_METHODS)
 PAUSE_MODES = ("wait", "keep", "abort")
-LOG_TAIL_LINES = 20
 T = TypeVar("T")
 WATCH_S = 2.0  # how often a request without a time limit looks at the engine's /health
 HEALTH_MISSES = 3  # misses in a row after which an engine that we started is taken for dying
@@ -246,36 +242,6 @@ def build_env(cfg: EngineConfig, *, cpu: bool, base: Mapping[str, str] | None = 
     return env
 
 
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last ``lines`` lines of the text file ``path`` ('' when it cannot be read)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def port_is_free(host: str, port: int) -> bool:
-    """True when a TCP server could bind ``host:port`` now."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str) -> int:
-    """A TCP port on ``host`` that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def weights_dir() -> Path:
     """Where weight files for a sync go: /dev/shm (RAM) when it exists and is writable, else the temp dir."""
     shm = Path("/dev/shm")
@@ -449,10 +415,10 @@ class Engine:
             raise EngineError("the engine config names no model directory to serve")
         info = check_model_dir(cfg.model)
         info.check_context(cfg.max_model_len)
-        if cfg.port and not port_is_free(cfg.host, cfg.port):
+        if cfg.port and not children.port_is_free(cfg.host, cfg.port):
             raise EngineError(f"port {cfg.port} on {cfg.host} is already in use: choose another engine port "
                               "or 0 for a free one")
-        port = cfg.port or free_port(cfg.host)
+        port = cfg.port or children.free_port(cfg.host)
         shapes = checkpoint_shapes(cfg.model)
         python = engine_python(cfg)
         cpu = is_cpu_build(python)
@@ -472,7 +438,7 @@ class Engine:
                 env = build_env(cfg, cpu=cpu, scratch=scratch)
                 proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                        preexec_fn=die_with_parent)
+                                        preexec_fn=children.die_with_parent)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
@@ -523,19 +489,15 @@ class Engine:
     def wait_ready(self, timeout: float) -> None:
         """Return once the engine answers ``/health`` and ``/v1/models`` (200); ``EngineError`` with its
         log's last lines when its process exits first or ``timeout`` passes."""
-        deadline = time.monotonic() + timeout
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise EngineError(f"the vLLM engine (pid {self.pid}) exited with code {code} while starting; "
-                                  f"its log: {self.log_path}; last lines:\n{log_tail(self.log_path)}")
-            if self._ready():
-                log.info("vLLM ready at %s (pid %d)", self.url, self.pid)
-                return
-            if time.monotonic() > deadline:
-                raise EngineError(f"the vLLM engine (pid {self.pid}) was not ready after {timeout:.0f} s; "
-                                  f"its log: {self.log_path}; last lines:\n{log_tail(self.log_path)}")
-            time.sleep(0.5)
+        if children.wait_until(self._ready, self.proc, timeout, every=0.5):
+            log.info("vLLM ready at %s (pid %d)", self.url, self.pid)
+            return
+        code = self.proc.returncode
+        if code is not None:
+            raise EngineError(f"the vLLM engine (pid {self.pid}) exited with code {code} while starting; "
+                              f"its log: {self.log_path}; last lines:\n{children.log_tail(self.log_path)}")
+        raise EngineError(f"the vLLM engine (pid {self.pid}) was not ready after {timeout:.0f} s; "
+                          f"its log: {self.log_path}; last lines:\n{children.log_tail(self.log_path)}")
 
     def _healthy(self, timeout: float = 5.0) -> bool:
         import httpx
@@ -562,15 +524,10 @@ class Engine:
         self._client.close()
         if self.proc is None:  # attached: not ours to stop
             return
-        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
-        _signal_group(pgid, signal.SIGTERM)
-        if not _wait_group(self.proc, pgid, timeout):
-            log.warning("vLLM (pid %d) did not stop in %.0f s after SIGTERM: killing it", pgid, timeout)
-            _signal_group(pgid, signal.SIGKILL)
-            _wait_group(self.proc, pgid, 10.0)
+        children.stop(self.proc, timeout, name="vLLM")  # its whole group: the engine core too
         if self.scratch:
             shutil.rmtree(self.scratch, ignore_errors=True)
-        log.info("vLLM (pid %d) stopped", pgid)
+        log.info("vLLM (pid %d) stopped", self.proc.pid)
 
     def __enter__(self) -> Engine:
         return self
@@ -604,7 +561,7 @@ class Engine:
                 self._dead = f"the engine at {self.base_url} (engine.url) no longer answers /health"
         elif self._dead is None and not self._stopped and self.proc.poll() is not None:
             self._dead = (f"the vLLM engine (pid {self.pid}) exited with code {self.proc.returncode}; its "
-                          f"log: {self.log_path}; last lines:\n{log_tail(self.log_path)}")
+                          f"log: {self.log_path}; last lines:\n{children.log_tail(self.log_path)}")
             # its engine-core child may outlive it: stop the group so nothing is left behind
             self.stop(timeout=5.0)
         if self._dead is not None:
@@ -636,8 +593,7 @@ class Engine:
         """SIGKILL the group of an engine we started that no longer answers: a vLLM server whose engine
         core is gone can wait forever for its clients' connections to close before it exits."""
         log.warning("the vLLM engine (pid %s) %s: killing it", self.pid, why)
-        _signal_group(self.proc.pid, signal.SIGKILL)
-        _wait_group(self.proc, self.proc.pid, 10.0)
+        children.kill(self.proc)
 
     def _watched(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """A request without a time limit (a drain takes what it takes), sent while this engine is
@@ -865,32 +821,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _wait_group(proc: subprocess.Popen, pgid: int, timeout: float) -> bool:
-    """Wait until the leader is reaped and no process of the group is left; False on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        proc.poll()
-        if proc.returncode is not None and not _group_alive(pgid):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)

@@ -11,16 +11,14 @@ import importlib.util
 import os
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lgt.proxy.client import ControlClient, resolve_token
+from lgt.trainer.serving import children
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,21 +81,6 @@ def find_proxy_command() -> list[str]:
                      "or set proxy.command in the run config or $LGT_PROXY_COMMAND")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def die_with_parent() -> None:
-    """In a child before exec: get SIGTERM when the trainer dies (Linux), so nothing outlives a crash."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 @dataclass
 class ProxyClient:
     """A proxy for a run: the port agents use, its control API (:class:`lgt.proxy.client.ControlClient`)
@@ -134,8 +117,8 @@ class ProxyClient:
         from lgt.store.remote import resolve
 
         store_arg, store = str(store), resolve(store)[0]
-        port = port or free_port()
-        control_port = control_port or free_port()
+        port = port or children.free_port()
+        control_port = control_port or children.free_port()
         route = ["--upstream", upstream, "--served-model", served_model] if upstream is not None else []
         if upstream is not None and max_output_tokens:
             route += ["--max-output-tokens", str(max_output_tokens)]
@@ -161,20 +144,18 @@ class ProxyClient:
         log = open(self.log_path, "ab")
         try:
             self.proc = proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                preexec_fn=die_with_parent)
+                                                preexec_fn=children.die_with_parent)
         finally:
             log.close()
         url = self.api.url
         self.api = ControlClient(url, "")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise ProxyError(f"lgt-proxy exited with code {proc.returncode} while starting; "
-                                 f"its log ({self.log_path}):\n{_tail(self.log_path)}")
-            if self.api.healthz(timeout=1):  # the proxy has made its secret: the token can be read
-                self.api = ControlClient(url, resolve_token(store=self.store))
-                return
-            time.sleep(0.1)
+        if children.wait_until(lambda: self.api.healthz(timeout=1), proc, timeout):
+            # the proxy has made its secret: the token can be read
+            self.api = ControlClient(url, resolve_token(store=self.store))
+            return
+        if proc.returncode is not None:
+            raise ProxyError(f"lgt-proxy exited with code {proc.returncode} while starting; "
+                             f"its log ({self.log_path}):\n{children.log_tail(self.log_path, 15)}")
         self.stop()
         raise ProxyError(f"lgt-proxy did not answer on its control port within {timeout:.0f} s; "
                          f"its log: {self.log_path}")
@@ -217,12 +198,7 @@ class ProxyClient:
     def stop(self, timeout: float = 20) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        children.stop(self.proc, timeout, group=False)  # one process, in the trainer's group
 
     # --- control API -----------------------------------------------------------------------------
     def pause(self, timeout: float = 120) -> dict[str, Any]:
@@ -254,7 +230,7 @@ class ProxyClient:
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             raise ProxyError(f"lgt-proxy exited with code {self.proc.returncode}; its log "
-                             f"({self.log_path}):\n{_tail(self.log_path)}")
+                             f"({self.log_path}):\n{children.log_tail(self.log_path, 15)}")
 
 
 class ProxyGroup:
@@ -339,9 +315,3 @@ class ProxyGroup:
     def stop(self) -> None:
         for r in self.replicas:
             r.stop()
-
-
-def _tail(path: Path | None, n: int = 15) -> str:
-    if path is None or not path.exists():
-        return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
