@@ -65,6 +65,7 @@ from lgt.store.writer import os_reason
 from lgt.trainer.rollout import sandbox as sandboxing
 from lgt.trainer.rollout.forkserver import ForkedProcess, ForkServer, ForkServerError, python_script_command
 from lgt.trainer.rollout.sandbox import SandboxError, SandboxSpec
+from lgt.trainer.serving.children import signal_group
 
 if TYPE_CHECKING:
     from lgt.trainer.rollout.kube import KubeRunner
@@ -454,11 +455,6 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
 @dataclass(frozen=True)
 class _Paths:
     stdout: Path
@@ -582,7 +578,7 @@ class RolloutController:
         self._closed = True
         procs = list(self._procs)
         for proc in procs:
-            _signal_group(proc.pid, signal.SIGTERM)
+            signal_group(proc.pid, signal.SIGTERM)
         await asyncio.gather(*(self._reap(proc) for proc in procs))
         if self._forkserver is not None:
             await self._forkserver.aclose()
@@ -793,18 +789,18 @@ class RolloutController:
         whatever its group still holds is killed."""
         self._procs.add(proc)
         if self._closed:  # aclose() ran while this one was starting
-            _signal_group(proc.pid, signal.SIGTERM)
+            signal_group(proc.pid, signal.SIGTERM)
         try:
             try:
                 code = await asyncio.wait_for(proc.wait(), self.agent.timeout_s)
                 timed_out = False
             except TimeoutError:
-                _signal_group(proc.pid, signal.SIGTERM)
+                signal_group(proc.pid, signal.SIGTERM)
                 code = await self._reap(proc)
                 timed_out = True
-            _signal_group(proc.pid, signal.SIGKILL)  # children left behind by the agent
+            signal_group(proc.pid, signal.SIGKILL)  # children left behind by the agent
         except asyncio.CancelledError:
-            _signal_group(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
             raise
         finally:
             self._procs.discard(proc)
@@ -869,7 +865,7 @@ class RolloutController:
                 await asyncio.sleep(0.5)
                 if await asyncio.to_thread(sandboxing.disk_usage, work, limit) > limit:
                     over.set()
-                    _signal_group(proc.pid, signal.SIGKILL)
+                    signal_group(proc.pid, signal.SIGKILL)
                     return
 
         watcher = asyncio.get_running_loop().create_task(watch_disk())
@@ -969,7 +965,7 @@ class RolloutController:
             await asyncio.wait_for(proc.wait(), self.kill_grace_s)
         except TimeoutError:
             pass
-        _signal_group(proc.pid, signal.SIGKILL)
+        signal_group(proc.pid, signal.SIGKILL)
         return await proc.wait()
 
     # -- rewards and records --------------------------------------------------------------------------

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lgt.trainer.serving.children import signal_group
+
 if TYPE_CHECKING:
     from lgt.trainer.rollout.sandbox import Layout
 
@@ -265,8 +267,7 @@ class ForkServer:
     def abandon(self) -> None:
         """Kill the zygote at once, from outside its event loop (which has ended: a controller used
         again under a new ``asyncio.run``)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        signal_group(self.proc.pid, signal.SIGKILL)
         if self.control is not None:
             self.control.close()
         if self.learn_dir:
@@ -274,13 +275,11 @@ class ForkServer:
 
     async def aclose(self) -> None:
         if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+            signal_group(self.proc.pid, signal.SIGTERM)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.proc.wait(), 5)
             if self.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
+                signal_group(self.proc.pid, signal.SIGKILL)
                 await self.proc.wait()
         self._reader.cancel()
         if self.control is not None:
@@ -298,9 +297,9 @@ def _wake(fut: asyncio.Future) -> None:
 
 def _kill_child(pid: int) -> None:
     """SIGKILL a forked child and its process group (it may not have made its own group yet)."""
-    for kill in (os.killpg, os.kill):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            kill(pid, signal.SIGKILL)
+    signal_group(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
 
 
 async def _drain(stream: asyncio.StreamReader | None) -> None:
