@@ -53,8 +53,8 @@ import aiohttp
 from yarl import URL
 
 from lgt.testing.processes import Procs, rss_mb
-from lgt.testing.proxy import free_port
 from lgt.testing.tls import make_certs
+from lgt.trainer.serving.children import free_port
 
 PY = sys.executable
 GOAL_FLOOR_RATIO, GOAL_ADDED_P50_MS, GOAL_API_RATIO = 1.3, 3.0, 1.2

@@ -45,8 +45,8 @@ import aiohttp
 from yarl import URL
 
 from lgt.testing.processes import Procs, rss_mb
-from lgt.testing.proxy import free_port
 from lgt.testing.tls import make_certs
+from lgt.trainer.serving.children import free_port
 
 PY = sys.executable
 

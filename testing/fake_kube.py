@@ -93,6 +93,8 @@ from typing import Any, NamedTuple, Self
 
 from aiohttp import web
 
+from lgt.trainer.serving.children import signal_group
+
 Json = dict[str, Any]
 RESOURCES = {"jobs": ("batch/v1", "Job"), "pods": ("v1", "Pod"), "secrets": ("v1", "Secret"),
              "configmaps": ("v1", "ConfigMap"), "events": ("v1", "Event")}  # resource: apiVersion, kind
@@ -376,8 +378,7 @@ class _Pod:
 
     def kill(self) -> None:
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            signal_group(self.proc.pid, signal.SIGKILL)
 
 
 class FakeKube:

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from lgt.trainer.serving.children import signal_group
+
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS_DIR = ROOT / "tests" / "harnesses"  # package.json, package-lock.json, node_modules
 FAKE_KEY = "sk-test-harness-fixtures"  # the harnesses insist on a key; the proxy never forwards it
@@ -366,13 +368,10 @@ def run(h: Harness, place: Place, env: dict[str, str], timeout: float = 180) -> 
         out, err = proc.communicate(timeout=timeout)
         rc = proc.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        signal_group(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         rc = None
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    signal_group(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(proc.args, rc, out, err)  # type: ignore[arg-type]
 
 

@@ -4,20 +4,14 @@ this process, without the machine's proxy variables), waits until it listens, an
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
-import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
+from lgt.trainer.serving import children
+
 DROP_ENV = ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy", "ALL_PROXY", "all_proxy")
-
-
-def _die_with_parent() -> None:  # children get SIGTERM even if this script is SIGKILLed
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Procs:
@@ -32,27 +26,16 @@ class Procs:
         with open(self.logdir / f"{name}.log", "wb") as log:
             p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                  stdin=subprocess.DEVNULL, start_new_session=True,
-                                 preexec_fn=_die_with_parent)  # noqa: PLW1509 (no threads yet)
+                                 preexec_fn=children.die_with_parent)  # noqa: PLW1509 (no threads yet)
         self.procs.append(p)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and p.poll() is None:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    return p.pid
-            time.sleep(0.05)
+        if children.wait_until(lambda: children.listens(port), p, 30, every=0.05):
+            return p.pid
         tail = (self.logdir / f"{name}.log").read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{name} did not start listening on port {port}:\n{tail}")
 
     def stop_all(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            children.stop(p, 10)  # its whole session's group
 
 
 def rss_mb(pid: int) -> float:

@@ -10,16 +10,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lgt.proxy import auth
 from lgt.proxy.client import ControlClient, resolve_token
+from lgt.trainer.serving import children
 
 if TYPE_CHECKING:
     import httpx
@@ -68,12 +67,6 @@ def proxy_python() -> str:
         return str(REPO / ".venv-proxy" / "bin" / "python")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ProxyProc:
     """``lgt-proxy`` started for real as a subprocess (``python -m lgt.proxy.cli``)."""
 
@@ -86,8 +79,8 @@ class ProxyProc:
         self.store_arg = str(store)  # a folder, or s3://bucket/prefix (then .store is its local mirror)
         self.store = resolve(store)[0]
         self.upstream = upstream
-        self.port = free_port()
-        self.control_port = free_port()
+        self.port = children.free_port()
+        self.control_port = children.free_port()
         self.args = list(args)
         if upstream:
             self.args += ["--upstream", upstream]
@@ -103,18 +96,14 @@ class ProxyProc:
         env = {**{k: v for k, v in os.environ.items() if k not in ENV_VARS}, **self.extra_env}
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lgt-proxy exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    pass
-                if ControlClient(self.control_url, "").healthz():  # no token (nor secret) needed
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.05)
+
+        def up() -> bool:  # its control API answers without a token (nor a secret)
+            return children.listens(self.port) and ControlClient(self.control_url, "").healthz()
+
+        if children.wait_until(up, self.proc, timeout, every=0.05):
+            return self
+        if self.proc.returncode is not None:
+            raise RuntimeError(f"lgt-proxy exited with {self.proc.returncode}:\n{self.log_text()}")
         raise RuntimeError(f"lgt-proxy did not start in {timeout}s:\n{self.log_text()}")
 
     def log_text(self) -> str:
@@ -168,12 +157,7 @@ class ProxyProc:
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            children.stop(self.proc, 15, group=False)  # one process, in this one's group
         self.log.close()
         return self.proc.returncode
 

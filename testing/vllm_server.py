@@ -17,7 +17,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from lgt.testing.proxy import ENV_VARS, free_port
+from lgt.testing.proxy import ENV_VARS
+from lgt.trainer.serving.children import free_port
 from lgt.trainer.serving.engine import Engine, EngineConfig
 
 

@@ -3,7 +3,8 @@
 Tests talk to both over loopback only. Agents that should look as if they call a hosted API aim at
 names under ``.invalid``. This machine sets SSL_CERT_FILE / REQUESTS_CA_BUNDLE / proxy variables
 globally; the ``clean_env`` fixture removes them so each test sets exactly what it means. The helpers
-behind them (``ProxyProc``, ``free_port``, SSE parsing) are in ``lgt.testing.proxy``.
+behind them (``ProxyProc``, SSE parsing) are in ``lgt.testing.proxy``; ``free_port`` is
+``lgt.trainer.serving.children``'s.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ import pytest
 from lgt.proxy import auth
 from lgt.testing.clients import CHAT, SERVED, post_direct, ref_tokens
 from lgt.testing.fake_upstream import FakeUpstream
-from lgt.testing.proxy import ProxyProc, free_port
+from lgt.testing.proxy import ProxyProc
+from lgt.trainer.serving.children import free_port
 
 COMPLETIONS = "completions"
 INVALID_BASE = "https://api.openai.invalid/v1"

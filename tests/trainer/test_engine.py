@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 
 from lgt.trainer.models import ModelError
 from lgt.trainer.serving import engine as engine_mod
+from lgt.trainer.serving.children import free_port
 from lgt.trainer.serving.engine import (
     Engine,
     EngineConfig,
@@ -37,7 +38,6 @@ from lgt.trainer.serving.engine import (
     check_weights,
     checkpoint_shapes,
     collect_tensors,
-    free_port,
     write_weights,
 )
 from lgt.trainer.serving.vllm_ext import iter_safetensors

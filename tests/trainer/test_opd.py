@@ -103,7 +103,7 @@ def test_teacher_logprobs_equal_what_transformers_computes(arith_model_dir: Path
 
 
 def test_a_teacher_that_does_not_answer_is_one_clear_error() -> None:
-    from lgt.trainer.serving.engine import free_port
+    from lgt.trainer.serving.children import free_port
 
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}/v1"
     with pytest.raises(opd.TeacherError, match=r"does not answer GET /v1/models: start it first"):

@@ -209,7 +209,7 @@ def test_record_claude_code_on_a_hosted_teacher_and_its_traces_render_as_samples
     from lgt.testing import harnesses
     from lgt.trainer.demo import tiny
     from lgt.trainer.distill.traces import SftConfig, build_samples, choose_rollouts, read_traces
-    from lgt.trainer.serving.engine import free_port
+    from lgt.trainer.serving.children import free_port
 
     if not harnesses.installed(harnesses.HARNESSES["claude_code"]["minimal"]):
         pytest.skip("Claude Code is not installed (bash scripts/setup_agent.sh examples/claude_code)")
