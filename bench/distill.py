@@ -40,11 +40,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from lgt.trainer.serving import children
 
 ROOT = Path(__file__).resolve().parents[1]
 CARRY = ROOT / "examples" / "carry" / "run.yaml"
@@ -119,22 +120,21 @@ class HostedTeacher:
     def wait(self, timeout: float = 600) -> None:
         import httpx
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit("the teacher's engine exited")
+        def up() -> bool:
             try:
-                if httpx.get(self.url + "/models", timeout=2).status_code == 200:
-                    return
+                return httpx.get(self.url + "/models", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(2)
+                return False
+
+        if children.wait_until(up, self.proc, timeout, every=2):
+            return
+        if self.proc.returncode is not None:
+            raise SystemExit("the teacher's engine exited")
         raise SystemExit("the teacher's engine did not start")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(60)
+            children.stop(self.proc, 60)  # lgt-train engine, which stops its vLLM
 
 
 def arm(name: str, seed: int, out: Path, distill_steps: int) -> dict:
@@ -182,8 +182,7 @@ def harness(seed: int, out: Path, port: int = 8032) -> dict:
         lgt_train("record", str(HARNESS), "--eval", "--run-dir", str(d / "record"), "--set", f"seed={seed}",
                   "--set", f"agent.env.ANTHROPIC_BASE_URL=http://127.0.0.1:{port}")
     finally:
-        teacher.terminate()
-        teacher.wait(30)
+        children.stop(teacher, 30)
     recorded = json.loads((d / "record" / "summary.json").read_text())
     lgt_train("sft", str(HARNESS), "--traces", str(d / "record" / "store"), "--run-dir", str(d / "sft"),
               "--set", f"seed={seed}")

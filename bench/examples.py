@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from lgt.trainer.serving import children
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_S = 600  # the second step within 10 minutes of the engine's start
@@ -89,12 +90,7 @@ def run_one(config: Path, run_dir: Path, limit_s: float) -> dict:
             except subprocess.TimeoutExpired:
                 pass
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            children.stop(proc, 60)  # the run and what it started in its session
     reader.join(timeout=10)
     for step in _steps(run_dir):
         steps.setdefault(step, time.monotonic() - t0)

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,16 +57,11 @@ from lgt.proxy.client import ControlClient, resolve_token
 from lgt.testing import harnesses
 from lgt.testing.fake_upstream import FakeUpstream, detokenize, render_chat, tokenize
 from lgt.testing.harness_policy import ScriptedPolicy, task_text
+from lgt.trainer.serving import children
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "harnesses"
 MODEL_CALLS = ("main-tool-call", "main-final", "main-text", "side", "side-json", "router", "title")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_s(pid: int) -> float:
@@ -103,7 +97,7 @@ class TimedUpstream(FakeUpstream):
 # --- part 1: live ---------------------------------------------------------------------------------
 
 def start_proxy(store: Path, upstream: str, log: Path) -> tuple[subprocess.Popen, int, ControlClient]:
-    port, control = free_port(), free_port()
+    port, control = children.free_port(), children.free_port()
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "lgt.proxy.cli", "--store", str(store), "--upstream",
@@ -111,16 +105,10 @@ def start_proxy(store: Path, upstream: str, log: Path) -> tuple[subprocess.Popen
                                  str(port), "--control-port", str(control), "--flush-seconds", "0.2"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
     ctl = ControlClient(f"http://127.0.0.1:{control}", "")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"lgt-proxy exited:\n{log.read_text()[-3000:]}")
-        try:
-            if ctl.healthz(timeout=1):
-                return proc, port, ControlClient(ctl.url, resolve_token(store=store))
-        except OSError:
-            pass
-        time.sleep(0.1)
+    if children.wait_until(lambda: ctl.healthz(timeout=1), proc, 30):
+        return proc, port, ControlClient(ctl.url, resolve_token(store=store))
+    if proc.returncode is not None:
+        raise RuntimeError(f"lgt-proxy exited:\n{log.read_text()[-3000:]}")
     raise RuntimeError(f"lgt-proxy did not start:\n{log.read_text()[-3000:]}")
 
 
@@ -185,8 +173,7 @@ def live(names: list[str], profile: str, repeat: int, base: Path) -> list[dict[s
                             "hop_task_ms": statistics.median(task_hops),
                             "proxy_cpu_task_ms": statistics.median(c for _, _, c, _ in rs) * 1000})
         finally:
-            proc.terminate()
-            proc.wait(15)
+            children.stop(proc, 15, group=False)
     return out
 
 

@@ -53,6 +53,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lgt.trainer.serving import children
+
 BENCH = Path(__file__).resolve().parent
 BYTES_PER_ROLLOUT = 16_000  # samples.write_store's Parquet, measured (2000 rollouts: 31 MB)
 GROUP_SIZE = 8  # samples.GROUP_SIZE
@@ -376,11 +378,7 @@ def http_part(run_dir: Path, store: Path, rollouts: int, ids: list[str], repeats
                 found[f"http open first {rid}"] = t_first
                 found[f"http open {rid}"] = t
     finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        children.stop(server, 10, group=False)
     return found
 
 

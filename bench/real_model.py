@@ -27,11 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from lgt.trainer.serving import children
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = {
@@ -53,18 +54,12 @@ def lgt_train(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "lgt.trainer.cli", *args], check=True, env=_env())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def record(path: str, out: Path) -> None:
     """The unchanged agent recorded on the stand-in teacher (once for every seed)."""
     config, teacher, aim = PATHS[path]
     d = out / "record"
     if not (d / "summary.json").exists():
-        port = _free_port()
+        port = children.free_port()
         proc = subprocess.Popen([sys.executable, "-m", *teacher, "--port", str(port)], env=_env(),
                                 start_new_session=True, stdout=subprocess.DEVNULL)
         try:
@@ -72,20 +67,14 @@ def record(path: str, out: Path) -> None:
             lgt_train("record", str(config), "--per-task", "1", "--run-dir", str(d),
                       "--set", aim.format(port=port))
         finally:
-            proc.terminate()
-            proc.wait(30)
+            children.stop(proc, 30)
 
 
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the stand-in teacher exited ({proc.returncode})")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.5)
+    if children.wait_until(lambda: children.listens(port, timeout=1), proc, timeout, every=0.5):
+        return
+    if proc.returncode is not None:
+        raise SystemExit(f"the stand-in teacher exited ({proc.returncode})")
     raise SystemExit(f"the stand-in teacher did not listen on {port}")
 
 

@@ -13,20 +13,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from lgt.trainer.serving import children
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lgt_proxy(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -35,14 +29,10 @@ def lgt_proxy(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 def wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
-    for _ in range(300):
-        if proc.poll() is not None:
-            sys.exit(f"{what} exited early with code {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
+    if children.wait_until(lambda: children.listens(port), proc, 15, every=0.05):
+        return
+    if proc.returncode is not None:
+        sys.exit(f"{what} exited early with code {proc.returncode}")
     sys.exit(f"{what} did not start")
 
 
@@ -51,7 +41,7 @@ def main() -> None:
     store = run_dir / "store"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    up_port, px_port, ctl_port = free_port(), free_port(), free_port()
+    up_port, px_port, ctl_port = children.free_port(), children.free_port(), children.free_port()
     base_env = {k: v for k, v in os.environ.items()
                 if "proxy" not in k.lower() and k not in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")}
     procs = []
@@ -105,8 +95,7 @@ def main() -> None:
                       "max(policy_version) AS version FROM calls GROUP BY 1 ORDER BY 1").show()
     finally:
         for p in reversed(procs):
-            p.terminate()
-            p.wait(10)
+            children.stop(p, 10, group=False)
 
 
 if __name__ == "__main__":

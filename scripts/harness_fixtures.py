@@ -74,6 +74,7 @@ from lgt.testing.harnesses import (
 )
 from lgt.testing.hosted_teacher import anthropic_answer, anthropic_whole, sse
 from lgt.testing.hosted_teacher import new_id as _id
+from lgt.trainer.serving.children import signal_group
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "harnesses"
@@ -705,7 +706,7 @@ async def run_one(addon: Answerer, port: int, ca: Path, h: Harness, profile: str
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
         rc: int | None = proc.returncode
     except TimeoutError:
-        os.killpg(proc.pid, signal.SIGKILL)
+        signal_group(proc.pid, signal.SIGKILL)
         out, err = await proc.communicate()
         rc = None
     wall = time.monotonic() - t0
