@@ -95,8 +95,8 @@ def test_one_evaluation_runs_greedy_and_sampled_rollouts_and_leaves_failures_out
 
 @pytest.mark.parametrize("args, message", [
     (["--set", "eval=null"], "the run config has no eval section to say which tasks are held out"),
-    (["--checkpoint", "{tmp}"], "is not a finished checkpoint (it has no DONE file): give a run's "
-                                "checkpoints/step-N folder"),
+    (["--checkpoint", "{tmp}"], "holds no finished checkpoint: give a run's folder or one of its "
+                                "checkpoints/step-N folders"),
     (["--set", "eval.split=1.5"], "eval.split must be between 0 and 1"),
 ])
 def test_lgt_train_eval_refuses_bad_input_before_starting_anything(tmp_path: Path, args: list,
