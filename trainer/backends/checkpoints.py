@@ -88,29 +88,30 @@ def read_state(ckpt: str | Path) -> tuple[int, dict[str, Any], Path]:
     return step, dict(state.get("extra") or {}), base if base.is_dir() else ckpt
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The finished checkpoint (``step-N`` with a ``DONE`` file) of highest step under ``root``, or None."""
+def finished_checkpoints(root: str | Path) -> list[Path]:
+    """The finished checkpoints (``step-N`` with a ``DONE`` file) under ``root``, oldest step first."""
     root = Path(root)
     if not root.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for p in root.iterdir():
-        m = CHECKPOINT_RE.match(p.name)
-        if m and (p / DONE).is_file() and (best is None or int(m.group(1)) > best[0]):
-            best = (int(m.group(1)), p)
-    return best[1] if best else None
+        return []
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := CHECKPOINT_RE.match(p.name)) and (p / DONE).is_file())
+    return [p for _, p in steps]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The finished checkpoint (``step-N`` with a ``DONE`` file) of highest step under ``root``, or None."""
+    finished = finished_checkpoints(root)
+    return finished[-1] if finished else None
 
 
 def prune_checkpoints(root: str | Path, keep: int | None) -> list[Path]:
     """Delete all but the newest ``keep`` finished checkpoints under ``root`` (None: delete nothing); the
     ones deleted. Unfinished folders (no ``DONE``) are left alone: a write in progress, or a crash's to
     look at."""
-    root = Path(root)
-    if keep is None or not root.is_dir():
+    if keep is None:
         return []
-    finished = sorted((int(m.group(1)), p) for p in root.iterdir()
-                      if (m := CHECKPOINT_RE.match(p.name)) and (p / DONE).is_file())
-    old = [p for _, p in finished[:-keep]] if len(finished) > keep else []
+    finished = finished_checkpoints(root)
+    old = finished[:-keep] if len(finished) > keep else []
     for p in old:
         # DONE first: a crash mid-delete leaves an unfinished folder, never a damaged "finished" one
         (p / DONE).unlink(missing_ok=True)
