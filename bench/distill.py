@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from lgt.testing.runs import lgt_train_shown, trainer_env
 from lgt.trainer.serving import children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,19 +55,10 @@ HARNESS = ROOT / "examples" / "claude_code" / "distill.yaml"
 ARMS = ("rl", "rl-same-updates", "sft+rl", "opd", "opd-top8", "opd+rl")
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-
-
-def lgt_train(*args: str) -> None:
-    cmd = [sys.executable, "-m", "lgt.trainer.cli", *args]
-    print(f"$ lgt-train {' '.join(args)}", file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True, env=_env())
-
 
 def run(config: Path, run_dir: Path, seed: int, *sets: str) -> dict:
-    lgt_train("run", str(config), "--run-dir", str(run_dir), "--set", f"seed={seed}",
-              *(x for s in sets for x in ("--set", s)))
+    lgt_train_shown("run", str(config), "--run-dir", str(run_dir), "--set", f"seed={seed}",
+                    *(x for s in sets for x in ("--set", s)))
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -115,7 +106,7 @@ class HostedTeacher:
         self.url = f"http://127.0.0.1:{port}/v1"
         cmd = [sys.executable, "-m", "lgt.trainer.cli", "engine", str(model), "--port", str(port),
                "--max-model-len", "256", "--served-model-name", "gpt-4o-mini"]  # what the agent asks for
-        self.proc = subprocess.Popen(cmd, env=_env(), start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=trainer_env(), start_new_session=True)
 
     def wait(self, timeout: float = 600) -> None:
         import httpx
@@ -158,13 +149,13 @@ def arm(name: str, seed: int, out: Path, distill_steps: int) -> dict:
         teacher = HostedTeacher(teacher_dir())
         try:
             teacher.wait()
-            lgt_train("record", str(SFT), "--run-dir", str(d / "record"), "--set", f"seed={seed}",
-                      "--set", f"agent.env.OPENAI_BASE_URL={teacher.url}")
+            lgt_train_shown("record", str(SFT), "--run-dir", str(d / "record"), "--set", f"seed={seed}",
+                            "--set", f"agent.env.OPENAI_BASE_URL={teacher.url}")
         finally:
             teacher.stop()
         recorded = json.loads((d / "record" / "summary.json").read_text())
-        lgt_train("sft", str(SFT), "--traces", str(d / "record" / "store"), "--run-dir", str(d / "sft"),
-                  "--set", f"seed={seed}")
+        lgt_train_shown("sft", str(SFT), "--traces", str(d / "record" / "store"), "--run-dir", str(d / "sft"),
+                        "--set", f"seed={seed}")
         sft = json.loads((d / "sft" / "summary.json").read_text())
         then = run(CARRY, d / "rl", seed, *from_checkpoint(Path(sft["checkpoint"])))
         return row(name, seed, [sft, then], teacher_calls=recorded.get("calls"))
@@ -175,17 +166,17 @@ def harness(seed: int, out: Path, port: int = 8032) -> dict:
     """The harness path for one seed: record Claude Code on the stand-in hosted model, SFT, evaluate."""
     d = out / f"harness-s{seed}"
     teacher = subprocess.Popen([sys.executable, "-m", "lgt.testing.hosted_teacher", "--port", str(port)],
-                               env=_env(), start_new_session=True, stdout=subprocess.PIPE, text=True)
+                               env=trainer_env(), start_new_session=True, stdout=subprocess.PIPE, text=True)
     try:
         if "a stand-in hosted model" not in (teacher.stdout.readline() if teacher.stdout else ""):
             raise SystemExit(f"the stand-in hosted model did not start on port {port}")  # it says when up
-        lgt_train("record", str(HARNESS), "--eval", "--run-dir", str(d / "record"), "--set", f"seed={seed}",
-                  "--set", f"agent.env.ANTHROPIC_BASE_URL=http://127.0.0.1:{port}")
+        lgt_train_shown("record", str(HARNESS), "--eval", "--run-dir", str(d / "record"),
+                        "--set", f"seed={seed}", "--set", f"agent.env.ANTHROPIC_BASE_URL=http://127.0.0.1:{port}")
     finally:
         children.stop(teacher, 30)
     recorded = json.loads((d / "record" / "summary.json").read_text())
-    lgt_train("sft", str(HARNESS), "--traces", str(d / "record" / "store"), "--run-dir", str(d / "sft"),
-              "--set", f"seed={seed}")
+    lgt_train_shown("sft", str(HARNESS), "--traces", str(d / "record" / "store"), "--run-dir", str(d / "sft"),
+                    "--set", f"seed={seed}")
     sft = json.loads((d / "sft" / "summary.json").read_text())
     b, a = sft["eval_before"], sft["eval_after"]
     return {"arm": "harness", "seed": seed, "teacher_train": recorded["splits"]["train"]["reward_mean"],

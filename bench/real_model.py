@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from lgt.testing.runs import lgt_train_shown, trainer_env
 from lgt.trainer.serving import children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,14 +45,6 @@ PATHS = {
 }
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-
-
-def lgt_train(*args: str) -> None:
-    print(f"$ lgt-train {' '.join(args)}", file=sys.stderr, flush=True)
-    subprocess.run([sys.executable, "-m", "lgt.trainer.cli", *args], check=True, env=_env())
-
 
 def record(path: str, out: Path) -> None:
     """The unchanged agent recorded on the stand-in teacher (once for every seed)."""
@@ -60,12 +52,12 @@ def record(path: str, out: Path) -> None:
     d = out / "record"
     if not (d / "summary.json").exists():
         port = children.free_port()
-        proc = subprocess.Popen([sys.executable, "-m", *teacher, "--port", str(port)], env=_env(),
+        proc = subprocess.Popen([sys.executable, "-m", *teacher, "--port", str(port)], env=trainer_env(),
                                 start_new_session=True, stdout=subprocess.DEVNULL)
         try:
             _wait_port(port, proc)
-            lgt_train("record", str(config), "--per-task", "1", "--run-dir", str(d),
-                      "--set", aim.format(port=port))
+            lgt_train_shown("record", str(config), "--per-task", "1", "--run-dir", str(d),
+                            "--set", aim.format(port=port))
         finally:
             children.stop(proc, 30)
 
@@ -82,11 +74,11 @@ def seed_row(path: str, seed: int, out: Path, rl_minutes: float) -> dict:
     config = PATHS[path][0]
     sft_dir, rl_dir = out / f"sft-s{seed}", out / f"rl-s{seed}"
     if not (sft_dir / "summary.json").exists():
-        lgt_train("sft", str(config), "--traces", str(out / "record" / "store"), "--run-dir", str(sft_dir),
-                  "--set", f"seed={seed}")
+        lgt_train_shown("sft", str(config), "--traces", str(out / "record" / "store"),
+                        "--run-dir", str(sft_dir), "--set", f"seed={seed}")
     if not (rl_dir / "summary.json").exists():
-        lgt_train("run", str(config), "--checkpoint", str(sft_dir), "--run-dir", str(rl_dir),
-                  "--max-minutes", str(rl_minutes), "--set", f"seed={seed}")
+        lgt_train_shown("run", str(config), "--checkpoint", str(sft_dir), "--run-dir", str(rl_dir),
+                        "--max-minutes", str(rl_minutes), "--set", f"seed={seed}")
     return read_row(path, seed, out)
 
 

@@ -1,6 +1,8 @@
-"""``lgt-train`` in tests: a run config for the arith example (``write_config``), the CLI run as a
-subprocess of this interpreter (``lgt_train`` for ``lgt-train run``, ``lgt_train_cmd`` for any command),
-and what a run directory holds (``metrics``, ``trained_ids``).
+"""``lgt-train`` in tests and benchmarks: a run config for the arith example (``write_config``), the CLI
+run as a subprocess of this interpreter (``lgt_train`` for ``lgt-train run``, ``lgt_train_cmd`` for any
+command, its output captured; ``lgt_train_shown`` for a benchmark's stage, its output on the terminal),
+the environment they run in (``trainer_env``), and what a run directory holds (``metrics``,
+``trained_ids``).
 """
 
 from __future__ import annotations
@@ -38,10 +40,22 @@ def lgt_train(*args: str, env: dict | None = None, timeout: float = 420) -> subp
     return lgt_train_cmd("run", *args, env=env, timeout=timeout)
 
 
+def trainer_env(env: dict | None = None) -> dict[str, str]:
+    """This environment with this interpreter's folder first on PATH (``lgt-proxy`` and the agents'
+    ``python`` found beside it), ``env`` on top."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **(env or {})}
+
+
 def lgt_train_cmd(*args: str, env: dict | None = None, timeout: float = 420) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **(env or {})}
     return subprocess.run([sys.executable, "-m", "lgt.trainer.cli", *args], capture_output=True,
-                          text=True, env=full_env, timeout=timeout)
+                          text=True, env=trainer_env(env), timeout=timeout)
+
+
+def lgt_train_shown(*args: str) -> None:
+    """``lgt-train ARGS`` as a benchmark's stage: the command on stderr, its output on this terminal,
+    CalledProcessError when it fails."""
+    print(f"$ lgt-train {' '.join(args)}", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "lgt.trainer.cli", *args], check=True, env=trainer_env())
 
 
 def metrics(run_dir: Path) -> list[dict]:
