@@ -29,6 +29,7 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -175,13 +176,22 @@ def chat_chunks(whole: Json, usage: bool) -> list[Json]:
     return out + ([{**base, "choices": [], "usage": whole["usage"]}] if usage else [])
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
+async def _read(request: web.Request, error: Callable[[int, str], web.Response]) -> Json | web.Response:
+    """The request's body when it is a JSON object with a list of ``messages``, else the 400 ``error``
+    (the API's own error shape) says what is wrong."""
     try:
         body = await request.json()
     except ValueError:
-        return _openai_error(400, "the body is not JSON")
+        return error(400, "the body is not JSON")
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-        return _openai_error(400, "messages: Field required")
+        return error(400, "messages: Field required")
+    return body
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await _read(request, _openai_error)
+    if isinstance(body, web.Response):
+        return body
     whole = chat_answer(body)
     if not body.get("stream"):
         return web.json_response(whole)
@@ -204,12 +214,9 @@ def _error(status: int, message: str) -> web.Response:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    try:
-        body = await request.json()
-    except ValueError:
-        return _error(400, "the body is not JSON")
-    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-        return _error(400, "messages: Field required")
+    body = await _read(request, _error)
+    if isinstance(body, web.Response):
+        return body
     call, text = answer(body)
     events = anthropic_answer(body, call, text, (_words(body), 12))
     if not body.get("stream"):
