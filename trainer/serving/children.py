@@ -100,15 +100,25 @@ def signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether a process of the group ``pgid`` is left (a zombie counts until it is reaped)."""
+def _exists(send: Callable[[int, int], None], ident: int) -> bool:
+    """Whether signal 0 by ``send`` (os.kill, os.killpg) finds ``ident`` (another user's counts)."""
     try:
-        os.killpg(pgid, 0)
+        send(ident, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
     return True
+
+
+def alive(pid: int) -> bool:
+    """Whether the process ``pid`` exists (a zombie counts until it is reaped)."""
+    return _exists(os.kill, pid)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of the group ``pgid`` is left (a zombie counts until it is reaped)."""
+    return _exists(os.killpg, pgid)
 
 
 def wait_exit(proc: subprocess.Popen, timeout: float, *, group: bool = True) -> bool:

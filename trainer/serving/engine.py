@@ -806,18 +806,10 @@ def sweep_scratch(root: str | None = None) -> list[Path]:
             pid = int(pid_text)
         except (OSError, ValueError):
             continue
-        if pid == os.getpid() or (_start_time(pid) == started.strip() if started.strip() else _alive(pid)):
+        started = started.strip()
+        if pid == os.getpid() or (_start_time(pid) == started if started else children.alive(pid)):
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
