@@ -35,25 +35,23 @@ from lgt.testing.runs import lgt_train_shown, trainer_env
 from lgt.trainer.serving import children
 
 ROOT = Path(__file__).resolve().parents[1]
+# each path's config, and the setting that aims its agent at the stand-in teacher
 PATHS = {
     "calc": (ROOT / "examples" / "smollm2_calc" / "run.yaml",
-             ["lgt.testing.hosted_teacher"],
              "agent.env.OPENAI_BASE_URL=http://127.0.0.1:{port}/v1"),
     "claude_code": (ROOT / "examples" / "claude_code" / "smollm2.yaml",
-                    ["lgt.testing.hosted_teacher"],
                     "agent.env.ANTHROPIC_BASE_URL=http://127.0.0.1:{port}"),
 }
 
 
-
 def record(path: str, out: Path) -> None:
     """The unchanged agent recorded on the stand-in teacher (once for every seed)."""
-    config, teacher, aim = PATHS[path]
+    config, aim = PATHS[path]
     d = out / "record"
     if not (d / "summary.json").exists():
         port = children.free_port()
-        proc = subprocess.Popen([sys.executable, "-m", *teacher, "--port", str(port)], env=trainer_env(),
-                                start_new_session=True, stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, "-m", "lgt.testing.hosted_teacher", "--port", str(port)],
+                                env=trainer_env(), start_new_session=True, stdout=subprocess.DEVNULL)
         try:
             _wait_port(port, proc)
             lgt_train_shown("record", str(config), "--per-task", "1", "--run-dir", str(d),
