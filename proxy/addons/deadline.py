@@ -7,17 +7,18 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
-from .. import deadline
+from .. import upstream_timeout
 from .state import Call, forwarding, or_refuse, under_way
 
 log = logging.getLogger("lgt.proxy")
 
 
 class Deadlines:
-    """Each call under way gets a clock (``deadline.Deadline``) when it is sent upstream, restarted by
-    every piece of the answer (its headers here, each stream read in Capture's stream) and stopped once
-    the whole answer is in or the call is recorded. When it runs out the exchange is ended (see
-    ``deadline.py``) and the call is marked ``timed_out``: Record writes it as ``upstream_timeout``."""
+    """Each call under way gets a clock (``upstream_timeout.Deadline``) when it is sent upstream,
+    restarted by every piece of the answer (its headers here, each stream read in Capture's stream) and
+    stopped once the whole answer is in or the call is recorded. When it runs out the exchange is ended
+    (see ``upstream_timeout.py``) and the call is marked ``timed_out``: Record writes it as
+    ``upstream_timeout``."""
 
     def __init__(self) -> None:
         self.seconds: float | None = None
@@ -40,7 +41,7 @@ class Deadlines:
             return
         seconds = self.seconds
         with or_refuse(flow, call):
-            call.deadline = deadline.Deadline(seconds, lambda: self._expire(flow, call, seconds))
+            call.deadline = upstream_timeout.Deadline(seconds, lambda: self._expire(flow, call, seconds))
             call.releases.append(call.deadline.cancel)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -59,4 +60,4 @@ class Deadlines:
             return
         call.timed_out = f"the upstream sent nothing for {seconds:g} s (--upstream-timeout)"
         log.warning("call %s of rollout %s: %s; ended", call.call_id, call.identity.name, call.timed_out)
-        deadline.end_exchange(flow, f"lgt-proxy: {call.timed_out}")
+        upstream_timeout.end_exchange(flow, f"lgt-proxy: {call.timed_out}")

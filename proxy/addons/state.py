@@ -67,7 +67,7 @@ class Call:
     first_chunk_us: int | None = None
     failure: tuple[str, str] | None = None  # (status, error) of an answer that is not ok
     # Deadlines (--upstream-timeout)
-    deadline: Any = None  # the call's clock (deadline.Deadline)
+    deadline: Any = None  # the call's clock (upstream_timeout.Deadline)
     timed_out: str | None = None  # why the upstream exchange was ended
     # Record
     seq: int = -1
