@@ -21,7 +21,8 @@ from lgt.store.writer import TableWriter
 
 from .. import resources
 from ..auth import Identity
-from ..gate import Gate, Metrics
+from ..gate import Gate
+from ..metrics import Metrics
 from ..resend import Resender
 from .state import agent_gone, now_us
 
