@@ -35,6 +35,7 @@ from .addons import Runtime, agent_gone
 from .auth import AuthError, Identity, parse_identity
 
 RT_KEY: web.AppKey[Runtime] = web.AppKey("rt", Runtime)
+TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -113,113 +114,137 @@ def oldest_in_flight(rt: Runtime) -> dict[str, Any] | None:
             "agent_gone": agent_gone(flow)}
 
 
+OPEN = ("/healthz", "/openapi.json")  # answered without the token
+
+
+@web.middleware
+async def bearer(request: web.Request, handler: Any) -> web.StreamResponse:
+    if request.path not in OPEN:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {request.app[TOKEN_KEY]}".encode()):
+            return _error(401, "control API: missing or wrong bearer token")
+    return await handler(request)
+
+
+async def pause(request: web.Request) -> web.Response:
+    rt = request.app[RT_KEY]
+    body = await _body(request)
+    timeout = body.get("timeout", request.query.get("timeout", 60))
+    try:
+        timeout = float(timeout)
+    except (TypeError, ValueError):
+        return _error(400, f"timeout must be a number of seconds, not {timeout!r}")
+    drained, at_pause, seconds = await rt.gate.pause(timeout, orphaned=rt.orphaned)
+    rt.metrics.drain.observe(seconds)
+    result = {**state(rt), "drained": drained, "in_flight_at_pause": at_pause, "drain_seconds": seconds}
+    return web.json_response(result, status=200 if drained else 504)
+
+
+async def resume(request: web.Request) -> web.Response:
+    rt = request.app[RT_KEY]
+    body = await _body(request)
+    version = _whole(body.get("policy_version"))
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+        return _error(400, f"policy_version must be a non-negative integer, not {version!r}")
+    rt.gate.resume(version)
+    return web.json_response(state(rt))
+
+
+async def get_state(request: web.Request) -> web.Response:
+    return web.json_response(state(request.app[RT_KEY]))
+
+
+async def get_metrics(request: web.Request) -> web.Response:
+    rt = request.app[RT_KEY]
+    text = rt.metrics.prometheus(rt.gate, rt.writer.rows_written)
+    return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type": "text/plain; version=0.0.4"})
+
+
+async def flush(request: web.Request) -> web.Response:
+    rt = request.app[RT_KEY]
+    for w in (rt.writer, rt.rewards, rt.egress_log):
+        if w is not None:
+            await asyncio.to_thread(w.flush)
+    if rt.remote is not None:  # flushed means in the bucket too
+        try:
+            await asyncio.to_thread(rt.remote.push_all)
+        except OSError as e:
+            return _error(503, f"the store's files could not be uploaded to {rt.remote.url}: {e}")
+    return web.json_response({"rows_written": rt.writer.rows_written})
+
+
+async def post_reward(request: web.Request) -> web.Response:
+    rt = request.app[RT_KEY]
+    body = await _body(request)
+    rid, attempt = body.get("rollout_id"), _whole(body.get("attempt"))
+    who = _identity(rid)
+    if who is None:
+        return _error(400, f"rollout_id {rid!r} is not a rollout id")
+    attempts = [a for (r, a) in rt.seqs if r == who.rollout_id]
+    if attempt is None:
+        attempt = max(attempts, default=None)
+    if attempt not in attempts:
+        return _error(404, f"rollout {who.rollout_id!r} (attempt {attempt}) has made no call "
+                           "through this proxy's store")
+    try:
+        result = rt.add_reward(Identity(who.rollout_id, attempt), body, "proxy")
+    except ValueError as e:
+        return _error(400, str(e))
+    return web.json_response(result)
+
+
+async def get_reward(request: web.Request) -> web.Response:
+    rid, attempt = request.query.get("rollout_id", ""), request.query.get("attempt", "0")
+    try:
+        key = (parse_identity(rid).rollout_id, int(attempt))
+    except (AuthError, ValueError):
+        return _error(400, "give ?rollout_id=<id>&attempt=<n> (a rollout id and a whole number)")
+    return web.json_response({"rollout_id": key[0], "attempt": key[1],
+                              "value": request.app[RT_KEY].recent_rewards.get(key)})
+
+
+async def put_resources(request: web.Request) -> web.Response:
+    rt = request.app[RT_KEY]
+    body = await _body(request)
+    rid, attempt = body.get("rollout_id"), _whole(body.get("attempt", 0))
+    who = _identity(rid)
+    if who is None or not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        return _error(400, f"give a rollout_id and an attempt (a whole number), not {rid!r}, {attempt!r}")
+    try:
+        subs = resources.check(body.get("substitutions"))
+    except ValueError as e:
+        return _error(400, str(e))
+    rt.resources.put(who.rollout_id, attempt, subs)
+    return web.json_response({"rollout_id": who.rollout_id, "attempt": attempt, "substitutions": len(subs)})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    return web.json_response(openapi.document())
+
+
+ROUTES = [
+    web.post("/pause", pause),
+    web.post("/resume", resume),
+    web.get("/state", get_state),
+    web.get("/metrics", get_metrics),
+    web.post("/flush", flush),
+    web.post("/rewards", post_reward),
+    web.get("/rewards", get_reward),
+    web.post("/resources", put_resources),
+    web.get("/healthz", healthz),
+    web.get("/openapi.json", openapi_json),
+]
+
+
 def make_app(rt: Runtime, token: str) -> web.Application:
-    @web.middleware
-    async def bearer(request: web.Request, handler):
-        if request.path not in ("/healthz", "/openapi.json"):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return _error(401, "control API: missing or wrong bearer token")
-        return await handler(request)
-
-    async def pause(request: web.Request) -> web.Response:
-        body = await _body(request)
-        timeout = body.get("timeout", request.query.get("timeout", 60))
-        try:
-            timeout = float(timeout)
-        except (TypeError, ValueError):
-            return _error(400, f"timeout must be a number of seconds, not {timeout!r}")
-        drained, at_pause, seconds = await rt.gate.pause(timeout, orphaned=rt.orphaned)
-        rt.metrics.drain.observe(seconds)
-        result = {**state(rt), "drained": drained, "in_flight_at_pause": at_pause,
-                  "drain_seconds": seconds}
-        return web.json_response(result, status=200 if drained else 504)
-
-    async def resume(request: web.Request) -> web.Response:
-        body = await _body(request)
-        version = _whole(body.get("policy_version"))
-        if version is not None and (not isinstance(version, int) or isinstance(version, bool)
-                                    or version < 0):
-            return _error(400, f"policy_version must be a non-negative integer, not {version!r}")
-        rt.gate.resume(version)
-        return web.json_response(state(rt))
-
-    async def get_state(request: web.Request) -> web.Response:
-        return web.json_response(state(rt))
-
-    async def metrics(request: web.Request) -> web.Response:
-        text = rt.metrics.prometheus(rt.gate, rt.writer.rows_written)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type": "text/plain; version=0.0.4"})
-
-    async def flush(request: web.Request) -> web.Response:
-        for w in (rt.writer, rt.rewards, rt.egress_log):
-            if w is not None:
-                await asyncio.to_thread(w.flush)
-        if rt.remote is not None:  # flushed means in the bucket too
-            try:
-                await asyncio.to_thread(rt.remote.push_all)
-            except OSError as e:
-                return _error(503, f"the store's files could not be uploaded to {rt.remote.url}: {e}")
-        return web.json_response({"rows_written": rt.writer.rows_written})
-
-    async def rewards(request: web.Request) -> web.Response:
-        body = await _body(request)
-        rid, attempt = body.get("rollout_id"), _whole(body.get("attempt"))
-        who = _identity(rid)
-        if who is None:
-            return _error(400, f"rollout_id {rid!r} is not a rollout id")
-        attempts = [a for (r, a) in rt.seqs if r == who.rollout_id]
-        if attempt is None:
-            attempt = max(attempts, default=None)
-        if attempt not in attempts:
-            return _error(404, f"rollout {who.rollout_id!r} (attempt {attempt}) has made no call "
-                               "through this proxy's store")
-        try:
-            result = rt.add_reward(Identity(who.rollout_id, attempt), body, "proxy")
-        except ValueError as e:
-            return _error(400, str(e))
-        return web.json_response(result)
-
-    async def put_resources(request: web.Request) -> web.Response:
-        body = await _body(request)
-        rid, attempt = body.get("rollout_id"), _whole(body.get("attempt", 0))
-        who = _identity(rid)
-        if who is None or not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-            return _error(400, f"give a rollout_id and an attempt (a whole number), not {rid!r}, {attempt!r}")
-        try:
-            subs = resources.check(body.get("substitutions"))
-        except ValueError as e:
-            return _error(400, str(e))
-        rt.resources.put(who.rollout_id, attempt, subs)
-        return web.json_response({"rollout_id": who.rollout_id, "attempt": attempt,
-                                  "substitutions": len(subs)})
-
-    async def get_reward(request: web.Request) -> web.Response:
-        rid, attempt = request.query.get("rollout_id", ""), request.query.get("attempt", "0")
-        try:
-            key = (parse_identity(rid).rollout_id, int(attempt))
-        except (AuthError, ValueError):
-            return _error(400, "give ?rollout_id=<id>&attempt=<n> (a rollout id and a whole number)")
-        return web.json_response({"rollout_id": key[0], "attempt": key[1],
-                                  "value": rt.recent_rewards.get(key)})
-
-    async def healthz(request: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
-
-    async def openapi_json(request: web.Request) -> web.Response:
-        return web.json_response(openapi.document())
-
+    """The control API over ``rt``, behind ``token`` (all but :data:`OPEN`)."""
     app = web.Application(middlewares=[bearer])
     app[RT_KEY] = rt
-    app.router.add_post("/pause", pause)
-    app.router.add_post("/resume", resume)
-    app.router.add_get("/state", get_state)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/flush", flush)
-    app.router.add_post("/rewards", rewards)
-    app.router.add_get("/rewards", get_reward)
-    app.router.add_post("/resources", put_resources)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/openapi.json", openapi_json)
+    app[TOKEN_KEY] = token
+    app.add_routes(ROUTES)
     return app
