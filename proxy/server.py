@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
 import re
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,43 +264,99 @@ def _upstream_ca_bundle(cfg: ProxyConfig) -> str | None:
 
 
 async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
-    """Run until cancelled or SIGINT/SIGTERM; the store is flushed on the way out."""
+    """Run until cancelled or SIGINT/SIGTERM; the store is flushed on the way out.
+
+    What is started is stopped by one exit stack, in the reverse order of its start: the proxy, the
+    control API, the WebSocket bridge, the upstream client, the store's writers — whether the proxy ran
+    and was stopped or failed while starting."""
     from mitmproxy import options
 
     cfg = cfg.checked()
-    _check_free(cfg.listen_host, cfg.listen_port, "--listen-port")
-    if cfg.reverse_port:
-        _check_free(cfg.listen_host, cfg.reverse_port, "--reverse-port")
-    _check_free(cfg.control_host, cfg.control_port, "--control-port")
-    store = Path(cfg.store)
-    store.mkdir(parents=True, exist_ok=True)
-    from lgt.store.migrations import StoreVersionError, migrate
-
-    try:
-        migrate(store)  # a new directory becomes a store; an older one is brought up to date
-    except StoreVersionError as e:
-        raise ConfigError(str(e)) from None
+    _check_ports(cfg)
+    store = _open_store(Path(cfg.store))
     secret = auth.load_secret(store, cfg.secret_file)
     ctl_token = auth.control_token(secret)
     setup_logging(log_level, [secret.decode(), ctl_token, cfg.upstream_api_key or ""])
     auth.ca_bundle(cfg.proxy_dir)  # the CA and the bundle rollouts point at
+    upload = await _remote_upload(cfg)
 
-    upload = None
-    if cfg.remote is not None:  # the store on S3: every whole Parquet file is uploaded as it is made
-        try:
-            await asyncio.to_thread(cfg.remote.push_all)  # the migration record, and anything left over
-        except OSError as e:
-            raise ConfigError(f"--store {cfg.remote.url}: {e}") from None
-        upload = cfg.remote.push
+    async with contextlib.AsyncExitStack() as stack:
+        writers = _open_writers(cfg, store, upload)
+        stack.callback(_close_writers, writers)
+        rt = _runtime(cfg, store, secret, writers)
+        stack.push_async_callback(rt.resender.close)
+        master = lean_master(options.Options())
+        bridge = Bridge(rt)  # the Responses API over WebSocket, relayed to a loopback server (wsbridge.py)
+        await bridge.start()
+        stack.push_async_callback(bridge.stop)
+        master.addons.add(*addons(rt, bridge.port))
+        master.options.update(**mitmproxy_options(cfg, rt))
+        control = web.AppRunner(make_app(rt, ctl_token), access_log=None)
+        await control.setup()
+        stack.push_async_callback(control.cleanup)
+        await _listen_control(control, cfg)
+        _shutdown_on_signals(master)
+        run = asyncio.create_task(master.run())
+        stack.push_async_callback(_stop_master, master, run)
+        await _wait_listening(master, run)
+        log.info(
+            "lgt-proxy listening on %s:%d (control %s:%d), upstream %s, store %s",
+            cfg.listen_host, cfg.listen_port, cfg.control_host, cfg.control_port,
+            rt.upstream or "none (observe-only)", cfg.remote.url if cfg.remote else store,
+        )
+        await run
+
+
+def _check_ports(cfg: ProxyConfig) -> None:
+    _check_free(cfg.listen_host, cfg.listen_port, "--listen-port")
+    if cfg.reverse_port:
+        _check_free(cfg.listen_host, cfg.reverse_port, "--reverse-port")
+    _check_free(cfg.control_host, cfg.control_port, "--control-port")
+
+
+def _open_store(store: Path) -> Path:
+    """``store`` made a store, or brought up to date if it is an older one."""
+    from lgt.store.migrations import StoreVersionError, migrate
+
+    store.mkdir(parents=True, exist_ok=True)
+    try:
+        migrate(store)
+    except StoreVersionError as e:
+        raise ConfigError(str(e)) from None
+    return store
+
+
+async def _remote_upload(cfg: ProxyConfig) -> Callable[[Path], None] | None:
+    """With the store on S3, what uploads each whole Parquet file as it is made (anything left over,
+    and the migration record, uploaded first); None otherwise."""
+    if cfg.remote is None:
+        return None
+    try:
+        await asyncio.to_thread(cfg.remote.push_all)
+    except OSError as e:
+        raise ConfigError(f"--store {cfg.remote.url}: {e}") from None
+    return cfg.remote.push
+
+
+def _open_writers(cfg: ProxyConfig, store: Path, upload: Callable[[Path], None] | None) -> list[TableWriter]:
+    """The writers of the calls, rewards and egress tables, in one session."""
     writer = TableWriter(store, "calls", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync,
                          on_file=upload).open()
     rewards = TableWriter(store, "rewards", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync,
                           session=writer.session, on_file=upload).open()
     egress_log = TableWriter(store, "egress", flush_seconds=cfg.flush_seconds, fsync=cfg.fsync,
                              session=writer.session, on_file=upload).open()
-    writers = (writer, rewards, egress_log)
-    capture = cfg.capture_tokens == "on" or (cfg.capture_tokens == "auto" and cfg.upstream is not None)
-    rt = Runtime(
+    return [writer, rewards, egress_log]
+
+
+def _close_writers(writers: list[TableWriter]) -> None:
+    for w in writers:
+        w.close()
+
+
+def _runtime(cfg: ProxyConfig, store: Path, secret: bytes, writers: list[TableWriter]) -> Runtime:
+    writer, rewards, egress_log = writers
+    return Runtime(
         secret=secret,
         writer=writer,
         rewards=rewards,
@@ -315,16 +373,15 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         seqs=_recover_seqs(store),
     )
 
+
+def mitmproxy_options(cfg: ProxyConfig, rt: Runtime) -> dict[str, Any]:
+    """The options lgt-proxy runs mitmproxy with: its addons' (``lgt_*``) and mitmproxy's own."""
     modes = [f"regular@{cfg.listen_host}:{cfg.listen_port}"]
     if cfg.reverse_port:
         up = urlsplit(rt.upstream)  # mitmproxy takes scheme://host:port; Route adds the path
         modes.append(f"reverse:{up.scheme}://{up.netloc}@{cfg.listen_host}:{cfg.reverse_port}")
-    opts = options.Options()
-    master = lean_master(opts)
-    bridge = Bridge(rt)  # the Responses API over WebSocket, relayed to a loopback server (wsbridge.py)
-    await bridge.start()
-    master.addons.add(*addons(rt, bridge.port))
-    opts.update(
+    capture = cfg.capture_tokens == "on" or (cfg.capture_tokens == "auto" and cfg.upstream is not None)
+    opts = dict(
         lgt_capture_tokens=capture,
         lgt_retry_after=cfg.retry_after_s,
         lgt_upstream_timeout=cfg.upstream_timeout,
@@ -340,44 +397,31 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         lgt_resolve=list(cfg.resolve),
     )
     if rt.resender.ca_bundle:
-        opts.update(ssl_verify_upstream_trusted_ca=rt.resender.ca_bundle)
+        opts["ssl_verify_upstream_trusted_ca"] = rt.resender.ca_bundle
+    return opts
 
-    runner = web.AppRunner(make_app(rt, ctl_token), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.control_host, cfg.control_port)
+
+async def _listen_control(runner: web.AppRunner, cfg: ProxyConfig) -> None:
     try:
-        await site.start()
+        await web.TCPSite(runner, cfg.control_host, cfg.control_port).start()
     except OSError as e:
-        await bridge.stop()
-        for w in writers:
-            w.close()
         raise ConfigError(f"cannot listen on control port {cfg.control_host}:{cfg.control_port}: "
                           f"{e.strerror}") from None
 
+
+def _shutdown_on_signals(master) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             loop.add_signal_handler(sig, master.shutdown)
         except (NotImplementedError, RuntimeError):
             pass
-    run = asyncio.create_task(master.run())
-    try:
-        await _wait_listening(master, run)
-        log.info(
-            "lgt-proxy listening on %s:%d (control %s:%d), upstream %s, store %s",
-            cfg.listen_host, cfg.listen_port, cfg.control_host, cfg.control_port,
-            rt.upstream or "none (observe-only)", cfg.remote.url if cfg.remote else store,
-        )
-        await run
-    finally:
-        if not run.done():
-            master.shutdown()
-            await asyncio.gather(run, return_exceptions=True)
-        await runner.cleanup()
-        await bridge.stop()
-        await rt.resender.close()
-        for w in writers:
-            w.close()
+
+
+async def _stop_master(master, run: asyncio.Task) -> None:
+    if not run.done():
+        master.shutdown()
+        await asyncio.gather(run, return_exceptions=True)
 
 
 async def _wait_listening(master, run: asyncio.Task) -> None:
