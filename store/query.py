@@ -1,7 +1,9 @@
-"""Query the store with DuckDB: the views in ``sql/views.sql`` over the store's Parquet files."""
+"""Query the store with DuckDB: the views in ``sql/views.sql`` over the store's Parquet files, and the
+named queries of a package's ``.sql`` files (:func:`named_queries`)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from importlib import resources
@@ -21,6 +23,21 @@ class StoreFileError(ValueError):
 
 def views_sql() -> str:
     return resources.files("lgt.store").joinpath("sql/views.sql").read_text()
+
+
+@functools.cache
+def named_queries(package: str, path: str) -> dict[str, str]:
+    """The named queries of the ``.sql`` file ``path`` in ``package``, as aiosql lays them out: each
+    starts at a ``-- name: <name>`` line, the comments under it say what it does, and its text runs
+    to the next one (comment lines and a trailing ``;`` left out). A query may hold several
+    statements."""
+    text = resources.files(package).joinpath(path).read_text()
+    parts = re.split(r"^-- name: *(\w+) *\n", text, flags=re.MULTILINE)
+    queries = {}
+    for name, body in zip(parts[1::2], parts[2::2]):
+        lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
+        queries[name] = "\n".join(lines).strip().removesuffix(";").rstrip()
+    return queries
 
 
 def _open(root: Path, database: str = ":memory:") -> duckdb.DuckDBPyConnection:

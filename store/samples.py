@@ -5,7 +5,8 @@ call's prompt starts with the previous call's prompt + generated tokens, the two
 the later prompt already holds the earlier tokens, so only its new tokens are appended. Every split
 is recorded in ``merge_breaks`` with its reason.
 
-How the work is divided (``sql/samples.sql`` holds the SQL):
+How the work is divided (``sql/samples.sql`` holds the views, ``sql/sample_build.sql`` and
+``sql/sample_stream.sql`` the queries this module runs):
 
 * SQL, over scalar columns: which attempts can be trained, the seq order of their calls
   (``sample_order``), and after the merge each attempt's group, reward and trained-token count
@@ -42,8 +43,11 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from .migrations import migrate
-from .query import connect, group_rollouts
+from .query import connect, group_rollouts, named_queries
 from .schema import CALLS, TABLES
+
+SQL = named_queries("lgt.store", "sql/sample_build.sql")
+PLAN_SQL = named_queries("lgt.store", "sql/sample_stream.sql")
 
 MODES = ("exact", "realign")
 
@@ -194,14 +198,11 @@ def stream_samples(store: str | Path, *, mode: str = "exact", tokenizer: Any = N
         con.execute(f"SET memory_limit = '{SQL_MEMORY}'")
         files = plan_chunks(con, root)
         for first, last in chunk_bounds(con, chunk_rollouts):
-            groups = [g for (g,) in con.execute("SELECT g FROM _lgt_plan_groups WHERE i BETWEEN ? AND ?",
-                                                [first, last]).fetchall()]
-            ids = [r for (r,) in con.execute(
-                "SELECT DISTINCT rollout_id FROM _lgt_plan_members WHERE i BETWEEN ? AND ?",
-                [first, last]).fetchall()]
+            chunk = {"first": first, "last": last}
+            groups = [g for (g,) in con.execute(PLAN_SQL["chunk_groups"], chunk).fetchall()]
+            ids = [r for (r,) in con.execute(PLAN_SQL["chunk_rollouts"], chunk).fetchall()]
             where: dict[str, list[str]] = {}
-            for t, n in con.execute("SELECT DISTINCT t, n FROM _lgt_plan_files WHERE i BETWEEN ? AND ?",
-                                    [first, last]).fetchall():
+            for t, n in con.execute(PLAN_SQL["chunk_files"], chunk).fetchall():
                 where.setdefault(t, []).append(files[t][n])
             yield _scoped_build(root, groups, ids, where, mode, tokenizer)
     finally:
@@ -219,39 +220,15 @@ def plan_chunks(con: duckdb.DuckDBPyConnection, root: Path) -> dict[str, list[st
                       "filename": [f for fs in files.values() for f in fs]},
                      schema=pa.schema([("t", pa.string()), ("n", pa.int32()), ("filename", pa.string())]))
     con.register("_lgt_plan_names", names)
-    held = [f"SELECT DISTINCT '{t}' AS t, rollout_id, filename FROM read_parquet("
-            f"getvariable('lgt_plan_{t}'), filename = true)" for t, fs in files.items() if fs]
-    held = held or ["SELECT NULL::VARCHAR AS t, NULL::VARCHAR AS rollout_id, NULL::VARCHAR AS filename "
-                    "LIMIT 0"]
-    for t, fs in files.items():
-        con.execute(f"SET VARIABLE lgt_plan_{t} = ?", [fs])
     try:
-        con.execute(f"""
-            CREATE OR REPLACE TEMP TABLE _lgt_plan_held AS  -- which files hold each rollout's rows
-            SELECT h.rollout_id, h.t, f.n
-            FROM ({' UNION ALL '.join(held)}) h
-            JOIN _lgt_plan_names f USING (t, filename)""")
-        con.execute("""
-            CREATE OR REPLACE TEMP TABLE _lgt_plan_attempts AS
-            SELECT rollout_id, coalesce(group_id, rollout_id || '~' || attempt) AS g FROM rollouts""")
-        con.execute("""
-            CREATE OR REPLACE TEMP TABLE _lgt_plan_groups AS
-            SELECT row_number() OVER (ORDER BY min(c.n) NULLS LAST, a.g) AS i, a.g, count(*) AS n
-            FROM _lgt_plan_attempts a
-            LEFT JOIN (SELECT rollout_id, min(n) AS n FROM _lgt_plan_held WHERE t = 'calls' GROUP BY ALL) c
-                USING (rollout_id)
-            GROUP BY a.g ORDER BY i""")
-        con.execute("""
-            CREATE OR REPLACE TEMP TABLE _lgt_plan_members AS
-            SELECT DISTINCT g.i, a.rollout_id FROM _lgt_plan_attempts a JOIN _lgt_plan_groups g USING (g)
-            ORDER BY i""")
-        con.execute("""
-            CREATE OR REPLACE TEMP TABLE _lgt_plan_files AS
-            SELECT DISTINCT m.i, h.t, h.n FROM _lgt_plan_members m JOIN _lgt_plan_held h USING (rollout_id)
-            ORDER BY i""")
+        con.execute(PLAN_SQL["plan_held_table"])
+        for t, fs in files.items():
+            if fs:
+                con.execute("SET VARIABLE lgt_plan_files = ?", [fs])
+                con.execute(PLAN_SQL["plan_held"], {"t": t})
+        con.execute(PLAN_SQL["plan"])
     finally:
-        con.execute("DROP TABLE IF EXISTS _lgt_plan_held")
-        con.execute("DROP TABLE IF EXISTS _lgt_plan_attempts")
+        con.execute(PLAN_SQL["plan_cleanup"])
         con.unregister("_lgt_plan_names")
     return files
 
@@ -259,7 +236,7 @@ def plan_chunks(con: duckdb.DuckDBPyConnection, root: Path) -> dict[str, list[st
 def chunk_bounds(con: duckdb.DuckDBPyConnection, chunk_rollouts: int) -> list[tuple[int, int]]:
     """The planned groups (:func:`plan_chunks`) in chunks of about ``chunk_rollouts`` rollout
     attempts: ``(first, last)`` group numbers of each, whole groups, a group larger than that alone."""
-    con.execute("SELECT i, n FROM _lgt_plan_groups ORDER BY i")
+    con.execute(PLAN_SQL["plan_sizes"])
     bounds: list[tuple[int, int]] = []
     first, size, last = None, 0, 0
     while rows := con.fetchmany(65536):
@@ -285,12 +262,7 @@ def trained_rollouts(store: str | Path) -> int:
         # DuckDB's own default is 80% of the machine: over 1M rollouts this count peaked at 6.5 GB,
         # with 1 GB it streams (1.2 GB peak, spilling what does not fit)
         con.execute(f"SET memory_limit = '{SQL_MEMORY}'")
-        return int(con.execute("""
-            SELECT count(*) FROM (
-                SELECT rollout_id, attempt
-                FROM sample_calls SEMI JOIN sample_candidates USING (rollout_id, attempt)
-                WHERE excluded IS NULL GROUP BY ALL HAVING sum(len(response_token_ids)) > 0)
-            """).fetchone()[0])
+        return int(con.execute(SQL["trained_rollouts"]).fetchone()[0])
     finally:
         con.close()
 
@@ -341,7 +313,7 @@ def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
 
 def store_root(con: duckdb.DuckDBPyConnection) -> Path:
     """The store directory of a connection made by :func:`lgt.store.query.connect`."""
-    path = con.execute("SELECT current_setting('file_search_path')").fetchall()[0][0]
+    path = con.execute(SQL["file_search_path"]).fetchall()[0][0]
     if not path or "," in path or not Path(path).is_dir():
         raise ValueError("build_samples needs a connection from lgt.store.query.connect (it reads the "
                          f"store's calls files; this connection's file_search_path is {path!r})")
@@ -350,14 +322,14 @@ def store_root(con: duckdb.DuckDBPyConnection) -> Path:
 
 def call_order(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, int, int], tuple[int | None, int | None]]:
     """(rollout_id, attempt, seq) -> (prev_seq, next_seq) of every call of a candidate attempt."""
-    t = con.sql("FROM sample_order").to_arrow_table()
+    t = con.sql(SQL["call_order"]).to_arrow_table()
     cols = [t.column(name).to_pylist() for name in ("rollout_id", "attempt", "seq", "prev_seq", "next_seq")]
     return dict(zip(zip(*cols[:3]), zip(*cols[3:])))
 
 
 def scoped_files(con: duckdb.DuckDBPyConnection) -> list[str] | None:
     """The calls files of a connection scoped to some rollouts (``connect(rollout_ids=…)``), else None."""
-    return con.execute("SELECT getvariable('lgt_files_calls')").fetchall()[0][0]
+    return con.execute(SQL["scoped_calls_files"]).fetchall()[0][0]
 
 
 def call_batches(root: Path, files: list[str] | None = None) -> Iterator[pa.RecordBatch]:
@@ -372,9 +344,7 @@ def call_batches(root: Path, files: list[str] | None = None) -> Iterator[pa.Reco
 
 
 def check_unique_seq(con: duckdb.DuckDBPyConnection) -> None:
-    dups = con.execute("""
-        SELECT rollout_id, attempt, seq FROM calls SEMI JOIN sample_candidates USING (rollout_id, attempt)
-        GROUP BY ALL HAVING count(*) > 1 ORDER BY ALL LIMIT 1""").fetchall()
+    dups = con.execute(SQL["duplicate_seq"]).fetchall()
     if dups:
         dup = dups[0]
         raise ValueError(f"rollout {dup[0]!r} attempt {dup[1]} has more than one call with seq {dup[2]}; "
@@ -773,18 +743,12 @@ def rollout_scalars(con: duckdb.DuckDBPyConnection,
     meta = meta.append_column("row", pa.array(range(meta.num_rows), pa.int64()))
     con.register("_lgt_sample_meta", meta)
     try:
-        con.execute("""
-            CREATE OR REPLACE TEMP VIEW _lgt_sample_tokens AS
-            SELECT rollout_id, attempt, sum(masked) AS rollout_tokens FROM _lgt_sample_meta GROUP BY ALL""")
-        rollouts = con.sql("FROM sample_rollouts('_lgt_sample_tokens')").to_arrow_table()
+        con.execute(SQL["sample_tokens"])
+        rollouts = con.sql(SQL["rollout_facts"]).to_arrow_table()
         con.register("_lgt_rollouts", rollouts)
-        per_sample = con.sql("""
-            SELECT m.row, r.excluded IS NULL AS keep, m.rollout_id, m.attempt, m.sample_index,
-                   m.n_calls, r.group_id, r.task_id, r.reward, r.rollout_tokens
-            FROM _lgt_sample_meta m JOIN _lgt_rollouts r USING (rollout_id, attempt)
-            ORDER BY m.row""").to_arrow_table()
+        per_sample = con.sql(SQL["sample_facts"]).to_arrow_table()
     finally:
-        con.execute("DROP VIEW IF EXISTS _lgt_sample_tokens")
+        con.execute(SQL["drop_sample_tokens"])
         for name in ("_lgt_sample_meta", "_lgt_rollouts"):
             con.unregister(name)
     return per_sample, rollouts
