@@ -268,11 +268,11 @@ def check_out(out: Path, mode: str, tokenizer: Path | None) -> None:
 
 def build_streamed(store: Path, mode: str, tokenizer: Path | None,
                    each: Any = None) -> tuple[duckdb.DuckDBPyConnection, dict[str, Any]]:
-    """The store's samples, built a chunk of whole groups at a time (``lgt.store.samples.stream_samples``:
+    """The store's samples, built a chunk of whole groups at a time (``lgt.store.stream.stream_samples``:
     memory holds one chunk, whatever the store's size); ``each`` gets every chunk's samples table.
     Returns the connection and the report of the whole build (the chunks' reports added up as they
     come: nothing else is kept from a chunk)."""
-    from lgt.store.samples import merge_reports, stream_samples
+    from lgt.store.stream import merge_reports, stream_samples
 
     con = open_store(store)
     report: dict[str, Any] = {}

@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from lgt.store.merge import merge_calls
 from lgt.store.query import connect
+from lgt.store.realign import realign_offset
 from lgt.store.report import report_data
 from lgt.store.samples import (
     CALL_COLUMNS,
@@ -32,14 +34,11 @@ from lgt.store.samples import (
     build_samples,
     call_order,
     install,
-    merge_calls,
-    merge_reports,
-    realign_offset,
     store_root,
-    stream_samples,
     trained_rollouts,
 )
 from lgt.store.show import render_build
+from lgt.store.stream import merge_reports, stream_samples
 from lgt.store.writer import to_arrow, write_parquet_atomic
 from lgt.testing.samples import (
     Agent,
