@@ -12,15 +12,16 @@ first. The run folder beside it (a temporary one) holds a config.json naming a t
 synthetic 50k-word WordLevel tokenizer.json, so every generated token is decoded as the page decodes
 it) and a trained.jsonl with a row for 49 rollouts in 50, as a run that trained on them writes.
 
-What is timed, ours (``lgt.trainer.report.live``) against a baseline, each in one run, side by side:
+What is timed, ours (``lgt.trainer.report.run_view``) against a baseline, each in one run, side by side:
 
 1. Listing: ``RunView.rollouts(query)``. Cold: a fresh RunView's first page (it connects and builds
    its in-memory listing table; median of 3 fresh views). Warm: the first page, a task-substring
    filter, sort by reward, a page half-way down (medians of --repeats). Baseline: the same listing SQL
-   (live.LISTING_SQL's SELECT) run on the store's views each time, with the filter, sort, limit and
-   offset in SQL and the total as a window count, on a ``connect(store)`` opened once (cold: a fresh
-   one, connect included); it has no trained columns, so it does a little less than ours. Also: the
-   rebuild of the listing table a page pays once the store's files changed (a run writing).
+   (the SELECT of the listing query in report/sql/live.sql) run on the store's views each time, with
+   the filter, sort, limit and offset in SQL and the total as a window count, on a ``connect(store)``
+   opened once (cold: a fresh one, connect included); it has no trained columns, so it does a little
+   less than ours. Also: the rebuild of the listing table a page pays once the store's files changed
+   (a run writing).
 2. Opening a trajectory: ``RunView.trajectory(rid)`` for the first, middle and last rollout, cold
    (a fresh RunView each: connect, listing table, tokenizer, then the trajectory) and warm (the view
    has listed; median of --repeats). Baseline: ``lgt.store.show.load_trajectory`` on a fresh
@@ -123,11 +124,11 @@ def make_run_dir(run_dir: Path, rollouts: int, tokenizer: Path | None) -> Path:
 # --- the baseline: the listing SQL straight on the store's views -----------------------------------
 
 def listing_select() -> str:
-    from lgt.trainer.report import live
+    from lgt.trainer.report.run_view import SQL
 
-    sql = live.LISTING_SQL.strip()
+    sql = SQL["listing"]
     head = "CREATE OR REPLACE TEMP TABLE listing AS"
-    assert sql.startswith(head), "live.LISTING_SQL changed shape: update listing_select()"
+    assert sql.startswith(head), "report/sql/live.sql's listing changed shape: update listing_select()"
     return sql[len(head):]
 
 
@@ -219,7 +220,7 @@ def queries(rollouts: int) -> dict[str, dict[str, str]]:
 
 def listing_part(run_dir: Path, store: Path, rollouts: int, repeats: int) -> dict[str, float]:
     from lgt.store.query import connect
-    from lgt.trainer.report.live import RunView
+    from lgt.trainer.report.run_view import RunView
 
     select = listing_select()
     found: dict[str, float] = {}
@@ -284,7 +285,7 @@ def trajectory_part(run_dir: Path, store: Path, tokenizer: Path, ids: list[str],
                     cli: bool) -> dict[str, float]:
     from lgt.store.query import connect
     from lgt.store.show import load_trajectory
-    from lgt.trainer.report.live import RunView
+    from lgt.trainer.report.run_view import RunView
 
     found: dict[str, float] = {}
     header("2. opening a trajectory: RunView.trajectory(rid), in this process")

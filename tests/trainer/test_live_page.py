@@ -24,7 +24,7 @@ from lgt.store.ingest import add_reward, add_rollout
 from lgt.store.writer import TableWriter
 from lgt.testing.runs import ROOT, metrics, write_config
 from lgt.testing.store import byte_tokenizer, call_row, make_store, tool_rollout
-from lgt.trainer.report import live
+from lgt.trainer.report import live, run_view, tails
 
 if TYPE_CHECKING:
     from lgt.trainer.serving.engine import Engine
@@ -71,7 +71,7 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 def test_the_rollout_table_filters_sorts_and_pages(run_dir: Path) -> None:
-    view = live.RunView(run_dir)
+    view = run_view.RunView(run_dir)
     page = view.rollouts({})
     assert page["total"] == 5 and page["statuses"] == {"ok": 4, "failed": 1}
     by_id = {r["rollout_id"]: r for r in page["rows"]}
@@ -100,7 +100,7 @@ def test_the_rollout_table_filters_sorts_and_pages(run_dir: Path) -> None:
 
 
 def test_a_trajectory_shows_trained_tokens_logprobs_advantages_and_merge_breaks(run_dir: Path) -> None:
-    view = live.RunView(run_dir)
+    view = run_view.RunView(run_dir)
     t = view.trajectory("r-ok")
     assert t["decoded"] and t["trained"] == {"step": 1, "advantage": 0.75, "loss_weight": 0.05}
     assert t["reward"]["value"] == 1.0 and t["samples"] == 1 and t["excluded"] is None
@@ -130,8 +130,8 @@ def test_a_trajectory_shows_trained_tokens_logprobs_advantages_and_merge_breaks(
 def test_a_step_trained_between_two_looks_is_read_after_any_query(run_dir: Path, monkeypatch) -> None:
     """A page and a trajectory asked for, then trained.jsonl grows: the next look registers the new
     rows on the same connection (DuckDB 2 refuses that while a result is left half-read)."""
-    monkeypatch.setattr(live, "REFRESH_S", 0.0)
-    view = live.RunView(run_dir)
+    monkeypatch.setattr(run_view, "REFRESH_S", 0.0)
+    view = run_view.RunView(run_dir)
     row = {"step": 2, "version": 2, "sample_id": "r-break~0#0", "rollout_id": "r-break", "attempt": 0,
            "group_id": "g1", "reward": 0.0, "advantage": -0.5, "loss_weight": 0.05}
     for ask in (lambda: view.rollouts({"status": "ok"}), lambda: view.trajectory("r-ok")):
@@ -146,7 +146,7 @@ def test_a_step_trained_between_two_looks_is_read_after_any_query(run_dir: Path,
 
 def test_files_are_read_as_they_grow_whole_lines_only(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    tail = live.Tail(path)
+    tail = tails.Tail(path)
     assert tail.read() == []
     path.write_text('{"step": 1}\n{"step": 2, "note": "cut')
     assert [r["step"] for r in tail.read()] == [1]
@@ -157,7 +157,7 @@ def test_files_are_read_as_they_grow_whole_lines_only(tmp_path: Path) -> None:
     assert [r["step"] for r in tail.read()] == [1]
 
     rollouts = tmp_path / "rollouts.jsonl"  # a line per rollout: parsed in bulk, only seconds kept
-    durations = live.Durations(rollouts)
+    durations = tails.Durations(rollouts)
     rollouts.write_text('{"rollout_id": "a", "seconds": 1.5, "error": null}\n{"seconds": 2')
     assert durations.read() == [1.5]
     with open(rollouts, "a") as f:
@@ -165,7 +165,7 @@ def test_files_are_read_as_they_grow_whole_lines_only(tmp_path: Path) -> None:
     assert durations.read() == [1.5, 2.0, None]
 
     trained = tmp_path / "trained.jsonl"
-    tail2 = live.TrainedTail(trained)
+    tail2 = tails.TrainedTail(trained)
     assert tail2.read_new() is None
     trained.write_text('{"step": 3, "rollout_id": "r", "attempt": 0, "advantage": -0.5, "loss_weight": 0.1,'
                        ' "sample_id": "r~0#0"}\n')
@@ -173,16 +173,16 @@ def test_files_are_read_as_they_grow_whole_lines_only(tmp_path: Path) -> None:
                                              "loss_weight": 0.1}]
     assert tail2.read_new() is None
     trained.write_text("")
-    with pytest.raises(live.FileShrank):
+    with pytest.raises(tails.FileShrank):
         tail2.read_new()
 
 
 def test_a_run_that_has_not_written_yet_is_an_empty_page_that_fills_in(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    live.REFRESH_S, before = 0.0, live.REFRESH_S
+    run_view.REFRESH_S, before = 0.0, run_view.REFRESH_S
     try:
-        view = live.RunView(run)
+        view = run_view.RunView(run)
         assert view.rollouts({})["total"] == 0 and view.state()["steps"] == 0
         assert view.overview()["name"] == "run"
         (run / "store").mkdir()  # the store's folder first, its tables' files later
@@ -192,7 +192,7 @@ def test_a_run_that_has_not_written_yet_is_an_empty_page_that_fills_in(tmp_path:
         assert view.rollouts({})["total"] == 3 and view.state()["store"][0] > 0
         assert view.overview()["name"] == "late"
     finally:
-        live.REFRESH_S = before
+        run_view.REFRESH_S = before
 
 
 def _get(url: str, *, host: str | None = None, method: str = "GET") -> tuple[int, str]:
