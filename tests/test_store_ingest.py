@@ -23,7 +23,7 @@ import pytest
 from lgt.store import migrations, schema
 from lgt.store.ingest import add_reward, add_rollout, add_rows, attempt_reward_row, rollout_row
 from lgt.store.migrations import META_DIR, RECORD, StoreVersionError, migrate, store_version
-from lgt.store.query import StoreFileError, connect, views_sql
+from lgt.store.query import StoreFileError, connect, named_queries, views_sql
 from lgt.store.show import load_tokenizer, load_trajectory, render
 from lgt.store.writer import TableWriter
 from lgt.testing.store import T0, byte_tokenizer, call_row, files, make_store, tool_rollout
@@ -347,6 +347,16 @@ def test_an_empty_store_answers_with_nothing(tmp_path: Path) -> None:
     con = connect(tmp_path)
     for view in ("calls", "rollouts", "rewards", "rollouts_log", "rewards_log"):
         assert con.execute(f"SELECT count(*) FROM {view}").fetchone() == (0,)
+
+
+def test_named_queries_are_found_by_name_with_their_comments_left_out() -> None:
+    build = named_queries("lgt.store", "sql/sample_build.sql")
+    assert build["call_order"] == "FROM sample_order"  # its comment and trailing ; left out
+    assert {"duplicate_seq", "trained_rollouts", "sample_tokens", "sample_facts"} <= build.keys()
+    stream = named_queries("lgt.store", "sql/sample_stream.sql")
+    assert stream["plan"].count("CREATE OR REPLACE TEMP TABLE") == 4  # several statements, kept whole
+    lines = [line for queries in (build, stream) for q in queries.values() for line in q.splitlines()]
+    assert lines and not any(line.lstrip().startswith("--") for line in lines)
 
 
 # --- show ------------------------------------------------------------------------------------------
