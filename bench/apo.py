@@ -46,7 +46,8 @@ async def one(optimizer: str, args: argparse.Namespace, store: Path, proxy, crit
     from lgt.testing.rollouts import AGENTS
     from lgt.testing.scripted_critic import SEED
     from lgt.trainer.apo import optimize as apo
-    from lgt.trainer.rollout.controller import AgentSpec, ProxyEndpoint, RolloutController
+    from lgt.trainer.rollout.agent import AgentSpec
+    from lgt.trainer.rollout.controller import ProxyEndpoint, RolloutController
     from lgt.trainer.rollout.resources import Resources, ResourceSpec
 
     (tmp / "prompt.txt").write_text(SEED)

@@ -122,6 +122,7 @@ def polling_runner(base: type, poll_s: float) -> type:
 async def run_one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     from lgt.trainer.rollout import controller as rollouts
     from lgt.trainer.rollout import kube
+    from lgt.trainer.rollout.agent import AgentSpec
 
     proc, kubeconfig = start_fake(tmp)
     store = make_store(tmp)
@@ -130,9 +131,9 @@ async def run_one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, f
                  "command": ["/bin/sh", "-c", AGENT.format(s=args.agent_s)]}
     template.write_text(yaml.safe_dump({"apiVersion": "batch/v1", "kind": "Job",
                                         "spec": {"template": {"spec": {"containers": [container]}}}}))
-    agent = rollouts.AgentSpec(runner="kubernetes", job_template=template, kubeconfig=kubeconfig,
-                               namespace="bench", proxy_host="127.0.0.1", timeout_s=120, retries=0,
-                               reward_sources=("stdout",), jobs_per_s=args.jobs_per_s)
+    agent = AgentSpec(runner="kubernetes", job_template=template, kubeconfig=kubeconfig, namespace="bench",
+                      proxy_host="127.0.0.1", timeout_s=120, retries=0, reward_sources=("stdout",),
+                      jobs_per_s=args.jobs_per_s)
     endpoint = rollouts.ProxyEndpoint(store=store, port=9, control_port=9)
     if kind == "polling":
         original = kube.KubeRunner
@@ -161,7 +162,8 @@ async def run_one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, f
         await asyncio.gather(*(one(i) for i in range(args.rollouts)))
         wall = time.monotonic() - t0
         cpu = time.process_time() - cpu0
-        events = sum(w.events for w in ctl._kube._watches) if ctl._kube is not None else 0
+        jobs = ctl.runner.jobs
+        events = sum(w.events for w in jobs._watches) if jobs is not None else 0
         await asyncio.to_thread(ctl.flush_records)
     finally:
         kube.KubeRunner._create = create

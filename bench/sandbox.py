@@ -48,7 +48,8 @@ async def timings(agent, endpoint, store: Path, run_dir: Path, n: int) -> list[f
 
 def start_cost(n: int) -> None:
     from lgt.testing.fake_upstream import FakeUpstream
-    from lgt.trainer.rollout.controller import AgentSpec, ProxyEndpoint
+    from lgt.trainer.rollout.agent import AgentSpec
+    from lgt.trainer.rollout.controller import ProxyEndpoint
     from lgt.trainer.serving.proxy import ProxyClient
 
     with tempfile.TemporaryDirectory(prefix="lgt-sandbox-") as d, FakeUpstream.in_thread(port=0) as up:

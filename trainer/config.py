@@ -1,7 +1,7 @@
 """The run config: one YAML file describes a training run (``lgt-train run FILE``).
 
 A section of the run config *is* its component's config, not a copy of it: ``agent`` is the rollout
-controller's :class:`~lgt.trainer.rollout.controller.AgentSpec`, ``engine`` the engine's
+controller's :class:`~lgt.trainer.rollout.agent.AgentSpec`, ``engine`` the engine's
 :class:`~lgt.trainer.serving.engine.EngineConfig`, ``backend`` the chosen backend's config
 (:data:`lgt.trainer.backends.base.BACKENDS`, picked by ``backend.name``), ``algorithm`` the
 :class:`~lgt.trainer.rl.algorithm.AlgorithmConfig` whose loss settings every backend uses. Each class
@@ -32,7 +32,7 @@ from lgt.trainer.distill.traces import SftConfig
 from lgt.trainer.models import MakeModel
 from lgt.trainer.report import trackers
 from lgt.trainer.rl.algorithm import AlgorithmConfig, LossConfig
-from lgt.trainer.rollout.controller import AgentSpec
+from lgt.trainer.rollout.agent import AgentSpec
 from lgt.trainer.rollout.resources import ResourceSpec
 from lgt.trainer.run.evaluation import EvalConfig
 from lgt.trainer.serving.engine import EngineConfig

@@ -14,7 +14,8 @@ import pytest
 from lgt.testing.rollouts import AGENTS, endpoint
 from lgt.testing.scripted_critic import SEED, ScriptedCritic
 from lgt.trainer.apo import optimize as apo
-from lgt.trainer.rollout.controller import AgentSpec, RolloutController
+from lgt.trainer.rollout.agent import AgentSpec
+from lgt.trainer.rollout.controller import RolloutController
 from lgt.trainer.rollout.resources import Resources, ResourceSpec
 
 

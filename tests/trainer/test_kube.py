@@ -20,7 +20,8 @@ from lgt.store.query import connect
 from lgt.testing.fake_kube import FakeKube
 from lgt.testing.rollouts import AGENTS, attempts, endpoint, rewards
 from lgt.trainer.rollout import kube
-from lgt.trainer.rollout.controller import AgentSpec, RolloutController, RolloutError
+from lgt.trainer.rollout.agent import AgentSpec, RolloutError
+from lgt.trainer.rollout.controller import RolloutController
 
 pytest.importorskip("kubernetes")
 ROOT = Path(__file__).resolve().parents[2]
@@ -314,7 +315,7 @@ def test_a_restarted_controller_adopts_the_runs_jobs_and_never_creates_one_twice
         running.cancel()  # the controller dies: its Jobs go on without it
         with contextlib.suppress(asyncio.CancelledError):
             await running
-        await first._kube.aclose(delete=False)
+        await first.runner.jobs.aclose(delete=False)
         await asyncio.sleep(1.5)  # one Job finishes while no controller runs
         second = kube_controller(proxy, tmp_path, agent)
         existing = await second.existing_jobs()

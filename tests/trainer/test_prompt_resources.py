@@ -12,7 +12,8 @@ import pytest
 
 from lgt.testing.rollouts import AGENTS, endpoint, rows, run_all
 from lgt.trainer import config
-from lgt.trainer.rollout.controller import AgentSpec, RolloutController
+from lgt.trainer.rollout.agent import AgentSpec
+from lgt.trainer.rollout.controller import RolloutController
 from lgt.trainer.rollout.resources import (
     Resources,
     ResourceSpec,

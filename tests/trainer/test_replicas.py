@@ -15,7 +15,8 @@ import pytest
 
 from lgt.testing.rollouts import AGENTS, rows, run_all
 from lgt.trainer.recipe import undrained
-from lgt.trainer.rollout.controller import AgentSpec, ProxyEndpoint, RolloutController
+from lgt.trainer.rollout.agent import AgentSpec
+from lgt.trainer.rollout.controller import ProxyEndpoint, RolloutController
 from lgt.trainer.serving.proxy import ProxyClient, ProxyError, ProxyGroup
 
 

@@ -21,11 +21,8 @@ import pytest
 from lgt.proxy.client import ControlError
 from lgt.store.query import connect
 from lgt.testing.rollouts import AGENTS, attempts, endpoint, gone, rewards, run_all
-from lgt.trainer.rollout.controller import (
+from lgt.trainer.rollout.agent import (
     AgentSpec,
-    ProxyControlError,
-    ProxyEndpoint,
-    RolloutController,
     RolloutError,
     env_name,
     expand,
@@ -33,6 +30,7 @@ from lgt.trainer.rollout.controller import (
     task_env,
     task_id_of,
 )
+from lgt.trainer.rollout.controller import ProxyControlError, ProxyEndpoint, RolloutController
 
 
 def agent(script: str = "chat_agent.py", **kw: Any) -> AgentSpec:

@@ -16,7 +16,9 @@ import pytest
 
 from lgt.testing.rollouts import AGENTS, endpoint, gone, run_all
 from lgt.trainer.rollout import sandbox as sandboxing
-from lgt.trainer.rollout.controller import AgentSpec, RolloutController, RolloutError, check_agent
+from lgt.trainer.rollout.agent import AgentSpec, RolloutError
+from lgt.trainer.rollout.controller import RolloutController
+from lgt.trainer.rollout.runners import check_agent
 from lgt.trainer.rollout.sandbox import SandboxSpec
 
 
