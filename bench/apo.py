@@ -47,16 +47,14 @@ async def one(optimizer: str, args: argparse.Namespace, store: Path, proxy, crit
     from lgt.testing.scripted_critic import SEED
     from lgt.trainer.apo import optimize as apo
     from lgt.trainer.rollout.agent import AgentSpec
-    from lgt.trainer.rollout.controller import ProxyEndpoint, RolloutController
+    from lgt.trainer.rollout.controller import RolloutController
     from lgt.trainer.rollout.resources import Resources, ResourceSpec
 
     (tmp / "prompt.txt").write_text(SEED)
     start = Resources({"system_prompt": ResourceSpec(tmp / "prompt.txt", "env")})
     agent = AgentSpec(command=(sys.executable, str(AGENTS / "prompt_agent.py")),
                       timeout_s=60, retries=0)
-    endpoint = ProxyEndpoint(store=store, port=proxy.port, control_token=proxy.token,
-                             control_port=int(proxy.control_url.rsplit(":", 1)[1]))
-    ctl = RolloutController(agent, endpoint, store, tmp / optimizer, 16, batch_records=True)
+    ctl = RolloutController(agent, proxy, store, tmp / optimizer, 16, batch_records=True)
     cfg = apo.ApoConfig(optimizer=optimizer, rounds=args.rounds, beam_width=2, branch_factor=2,
                         batch_size=args.batch, val_size=args.val, target_reward=1.0, max_rollouts=args.budget,
                         critic=apo.CriticConfig(model=args.critic_model, timeout_s=args.critic_timeout,

@@ -120,9 +120,11 @@ def polling_runner(base: type, poll_s: float) -> type:
 
 
 async def run_one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+    from lgt.proxy.client import ControlClient
     from lgt.trainer.rollout import controller as rollouts
     from lgt.trainer.rollout import kube
     from lgt.trainer.rollout.agent import AgentSpec
+    from lgt.trainer.serving.proxy import ProxyClient
 
     proc, kubeconfig = start_fake(tmp)
     store = make_store(tmp)
@@ -134,7 +136,7 @@ async def run_one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, f
     agent = AgentSpec(runner="kubernetes", job_template=template, kubeconfig=kubeconfig, namespace="bench",
                       proxy_host="127.0.0.1", timeout_s=120, retries=0, reward_sources=("stdout",),
                       jobs_per_s=args.jobs_per_s)
-    endpoint = rollouts.ProxyEndpoint(store=store, port=9, control_port=9)
+    endpoint = ProxyClient(store=store, port=9, api=ControlClient("http://127.0.0.1:9", ""))
     if kind == "polling":
         original = kube.KubeRunner
         kube.KubeRunner = polling_runner(original, args.poll_s)  # what RolloutController instantiates

@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PY_AGENT = "import sys; print(1)\n"
 
 
-async def timings(agent, endpoint, store: Path, run_dir: Path, n: int) -> list[float]:
+async def timings(agent, proxy, store: Path, run_dir: Path, n: int) -> list[float]:
     from lgt.trainer.rollout.controller import RolloutController
 
-    ctl = RolloutController(agent, endpoint, store, run_dir, 1, batch_records=True)
+    ctl = RolloutController(agent, proxy, store, run_dir, 1, batch_records=True)
     out = []
     try:
         for i in range(n + 3):
@@ -49,7 +49,6 @@ async def timings(agent, endpoint, store: Path, run_dir: Path, n: int) -> list[f
 def start_cost(n: int) -> None:
     from lgt.testing.fake_upstream import FakeUpstream
     from lgt.trainer.rollout.agent import AgentSpec
-    from lgt.trainer.rollout.controller import ProxyEndpoint
     from lgt.trainer.serving.proxy import ProxyClient
 
     with tempfile.TemporaryDirectory(prefix="lgt-sandbox-") as d, FakeUpstream.in_thread(port=0) as up:
@@ -59,8 +58,6 @@ def start_cost(n: int) -> None:
         store = tmp / "store"
         proxy = ProxyClient.start(store, up.url, log_path=tmp / "proxy.log")
         try:
-            endpoint = ProxyEndpoint(store=store, port=proxy.port, control_token=proxy.token,
-                                     control_port=int(proxy.control_url.rsplit(":", 1)[1]))
             agents = {
                 "shell agent (a fresh process)": dict(command=("sh", "-c", "echo 1")),
                 "Python agent (forked warm)": dict(command=(sys.executable, "agent.py"),
@@ -72,7 +69,7 @@ def start_cost(n: int) -> None:
                     for kind in ("none", "bwrap"):
                         agent = AgentSpec(cwd=tmp, timeout_s=30, retries=0, sandbox=kind,
                                           reward_sources=("stdout",), **kw)
-                        got[kind] += asyncio.run(timings(agent, endpoint, store, tmp / f"run-{kind}-{rnd}",
+                        got[kind] += asyncio.run(timings(agent, proxy, store, tmp / f"run-{kind}-{rnd}",
                                                          n // 4))
                 off, on = statistics.median(got["none"]), statistics.median(got["bwrap"])
                 print(f"{name:32s} median per rollout: none {off:6.1f} ms   bwrap {on:6.1f} ms   "

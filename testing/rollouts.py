@@ -1,5 +1,5 @@
 """Rollouts in tests: the test agents' folder (``AGENTS``: small Python agents using the OpenAI SDK), the
-proxy endpoint a rollout controller is given for a test's ``ProxyProc`` (``endpoint``), running jobs on a
+proxy handle a rollout controller is given for a test's ``ProxyProc`` (``endpoint``), running jobs on a
 controller (``run_all``), and reading what the store holds afterwards (``rows``, ``attempts``,
 ``rewards``); ``gone`` tells whether a process no longer runs.
 
@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any
 from lgt.store.query import connect
 
 if TYPE_CHECKING:
-    from lgt.trainer.rollout.controller import ProxyEndpoint, RolloutController
+    from lgt.trainer.rollout.controller import RolloutController
+    from lgt.trainer.serving.proxy import ProxyClient
 
 AGENTS = Path(__file__).resolve().parents[1] / "tests" / "trainer" / "agents"  # testing/ sits beside tests/
 
 
-def endpoint(proxy: Any) -> ProxyEndpoint:
-    from lgt.trainer.rollout.controller import ProxyEndpoint
+def endpoint(proxy: Any) -> ProxyClient:
+    from lgt.trainer.serving.proxy import ProxyClient
 
-    return ProxyEndpoint(store=proxy.store, port=proxy.port, control_port=proxy.control_port,
-                         control_token=proxy.client.token)
+    return ProxyClient(store=proxy.store, port=proxy.port, api=proxy.client)
 
 
 async def run_all(ctl: RolloutController, jobs: list[tuple[dict, str]], group: str = "g", step: int = 0):

@@ -16,7 +16,7 @@ import pytest
 from lgt.testing.rollouts import AGENTS, rows, run_all
 from lgt.trainer.recipe import undrained
 from lgt.trainer.rollout.agent import AgentSpec
-from lgt.trainer.rollout.controller import ProxyEndpoint, RolloutController
+from lgt.trainer.rollout.controller import RolloutController
 from lgt.trainer.serving.proxy import ProxyClient, ProxyError, ProxyGroup
 
 
@@ -39,11 +39,8 @@ def group(replicas: list[Any]) -> ProxyGroup:
 def test_rollouts_spread_over_replicas_each_keeping_to_one(tmp_path, replicas):
     g = group(replicas)
     assert [r.port for r in g.replicas] == [p.port for p in replicas]  # from each one's GET /state
-    endpoints = [ProxyEndpoint(store=r.store, port=r.port, host=r.host,
-                               control_port=int(r.control_url.rsplit(":", 1)[1]), control_token=r.token)
-                 for r in g.replicas]
     agent = AgentSpec(command=(sys.executable, str(AGENTS / "chat_agent.py")), timeout_s=60, retries=0)
-    ctl = RolloutController(agent, endpoints, replicas[0].store, tmp_path / "run", 4)
+    ctl = RolloutController(agent, g.replicas, replicas[0].store, tmp_path / "run", 4)
     tasks = [({"task_id": f"t{i}", "question": "What is 2+3?", "rewards": {"proxy": i / 10}}, f"rep-{i}")
              for i in range(8)]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from lgt.proxy.client import ControlError
+from lgt.proxy.client import ControlClient, ControlError
 from lgt.store.query import connect
 from lgt.testing.rollouts import AGENTS, attempts, endpoint, gone, rewards, run_all
 from lgt.trainer.rollout.agent import (
@@ -30,7 +30,8 @@ from lgt.trainer.rollout.agent import (
     task_env,
     task_id_of,
 )
-from lgt.trainer.rollout.controller import ProxyControlError, ProxyEndpoint, RolloutController
+from lgt.trainer.rollout.controller import RolloutController
+from lgt.trainer.serving.proxy import ProxyClient, ProxyControlError
 
 
 def agent(script: str = "chat_agent.py", **kw: Any) -> AgentSpec:
@@ -82,11 +83,11 @@ def test_proxy_endpoint_errors_name_the_problem(tmp_path):
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ep = ProxyEndpoint(store=tmp_path, port=port, control_port=port, control_token="x")
+    ep = ProxyClient(store=tmp_path, port=port, api=ControlClient(f"http://127.0.0.1:{port}", "x"))
     with pytest.raises(ProxyControlError, match="CA certificate .* does not exist: start lgt-proxy"):
         ep.rollout_env("r1")
     with pytest.raises(ControlError, match="no lgt-proxy control API answers at http://127.0.0.1:"):
-        asyncio.run(ep.flush())
+        ep.flush()
 
 
 def test_bad_input_is_refused_before_anything_starts(tmp_path, proxy):

@@ -385,7 +385,7 @@ def make_runner(controller: Any, store: Path, samples: int = 1) -> Runner:
         results = await asyncio.gather(*(controller.run(t, rid, f"apo-{tag}", None, split="eval")
                                          for t, rid in jobs))
         for p in controller.proxies:
-            await asyncio.to_thread(p.client.flush)
+            await asyncio.to_thread(p.api.flush)
         await asyncio.to_thread(controller.flush_records)
         con = connect(store, rollout_ids=[rid for _, rid in jobs])
         try:

@@ -82,7 +82,8 @@ def plan(cfg: RunConfig, *, per_task: int | None = None, n_tasks: int | None = N
     """The recording ``cfg`` asks for, checked before anything starts: ConfigError (one sentence) for
     no tasks, an agent that cannot start, ``--eval`` without an eval section, no lgt-proxy, an S3
     store. Reads the tasks files; starts nothing."""
-    from lgt.trainer.rollout import controller as rollouts
+    from lgt.trainer.rollout.agent import RolloutError
+    from lgt.trainer.rollout.runners import check_agent
     from lgt.trainer.serving.proxy import ProxyError, find_proxy_command
 
     tasks, held = cfgmod.split_tasks(cfg)
@@ -100,10 +101,10 @@ def plan(cfg: RunConfig, *, per_task: int | None = None, n_tasks: int | None = N
         raise ConfigError(f"record writes a local store, not {cfg.store}: record into a folder, then copy "
                           "it to the bucket")
     try:
-        rollouts.check_agent(cfg.agent)
+        check_agent(cfg.agent)
         if not cfg.proxy.command:
             find_proxy_command()
-    except (rollouts.RolloutError, ProxyError) as e:
+    except (RolloutError, ProxyError) as e:
         raise ConfigError(str(e)) from None
     # a hosted model's call is sent as the agent made it: no greedy decoding, the agent's own sampling only
     held_eval = replace(cfg.eval, greedy=False, samples=cfg.eval.samples or 1) if with_eval else None
@@ -230,7 +231,7 @@ def record(cfg: RunConfig, *, per_task: int | None = None, n_tasks: int | None =
     """Record ``cfg``'s agent on its own (hosted) model: the store's calls, rollouts and rewards, and
     ``<run_dir>/summary.json``; returns the summary."""
     from lgt.trainer.recipe import hidden_from_agents
-    from lgt.trainer.rollout.controller import ProxyEndpoint, RolloutController
+    from lgt.trainer.rollout.controller import RolloutController
 
     p = plan(cfg, per_task=per_task, n_tasks=n_tasks, with_eval=with_eval)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -249,10 +250,7 @@ def record(cfg: RunConfig, *, per_task: int | None = None, n_tasks: int | None =
         log(f"recording {n} rollouts ({len(p.tasks)} tasks × {p.per_task})"
             + (f" and the held-out evaluation of {len(p.eval_tasks)} tasks" if p.eval_tasks else "")
             + f" through lgt-proxy, observe-only, on port {proxy.port}")
-        control_port = int(proxy.control_url.rsplit(":", 1)[1])
-        endpoint = ProxyEndpoint(store=store, port=proxy.port, control_port=control_port,
-                                 control_token=proxy.token)
-        controller = RolloutController(cfg.agent, endpoint, store, run_dir, cfg.max_inflight,
+        controller = RolloutController(cfg.agent, proxy, store, run_dir, cfg.max_inflight,
                                        batch_records=True, hide=hidden_from_agents(cfg))
 
         async def go() -> list[str]:

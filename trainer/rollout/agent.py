@@ -31,10 +31,10 @@ from lgt.proxy import auth
 from lgt.store.ingest import reward_value
 from lgt.trainer.rollout.forkserver import python_script_command
 from lgt.trainer.rollout.sandbox import SandboxSpec
+from lgt.trainer.serving.proxy import PROXY_VARS
 
 PROXY_MODES = ("https_proxy", "base_url")
 RUNNER_NAMES = ("local", "kubernetes")  # the keys of lgt.trainer.rollout.runners.RUNNERS, which sits above
-PROXY_VARS = ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy")
 # Taken out of the machine's environment before a rollout's are added: proxy and CA settings the
 # machine sets globally (they would send the agent elsewhere or distrust the proxy's CA), and the
 # proxy's secrets (an agent holding them could mint other rollouts' credentials).

@@ -42,13 +42,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lgt.proxy import auth
-from lgt.proxy.client import ControlClient, resolve_token
 from lgt.store.files import write_atomic
 from lgt.store.ingest import add_rows, attempt_reward_row, rollout_row
 from lgt.store.schema import ROLLOUT_SPLITS
 from lgt.store.writer import os_reason
 from lgt.trainer.rollout.agent import (
-    PROXY_VARS,
     RESERVED_VARS,
     SOURCE_NAMES,
     AgentSpec,
@@ -62,6 +60,7 @@ from lgt.trainer.rollout.agent import (
 )
 from lgt.trainer.rollout.runners import check_agent, make_runner
 from lgt.trainer.rollout.runners.base import Attempt, Paths
+from lgt.trainer.serving.proxy import ProxyClient
 
 if TYPE_CHECKING:
     from lgt.trainer.rollout.resources import Resources
@@ -69,70 +68,6 @@ if TYPE_CHECKING:
 
 class StoreWriteError(RuntimeError):
     """The store cannot be written (a full or read-only disk); one sentence."""
-
-
-class ProxyControlError(RuntimeError):
-    """The proxy is not ready for rollouts (its CA is not in the store yet). The control API's own
-    failures are :class:`lgt.proxy.client.ControlError`."""
-
-
-@dataclass(frozen=True)
-class ProxyEndpoint:
-    """A running lgt-proxy: the port agents use and its control API.
-
-    The secret comes from ``$LGT_PROXY_SECRET``, ``secret_file`` or ``<store>/_proxy/secret``
-    (:func:`lgt.proxy.auth.load_secret`); the control token from ``control_token``,
-    ``$LGT_CONTROL_TOKEN`` or the secret (:func:`lgt.proxy.client.resolve_token`).
-    """
-
-    store: Path
-    port: int
-    control_port: int
-    host: str = "127.0.0.1"
-    secret_file: Path | None = None
-    control_token: str | None = None
-
-    @property
-    def control_url(self) -> str:
-        return f"http://{self.host}:{self.control_port}"
-
-    def rollout_env(self, rollout_id: str, attempt: int = 0, proxy_mode: str = "https_proxy", *,
-                    greedy: bool = False, host: str | None = None) -> dict[str, str]:
-        """The proxy variables of one rollout attempt (``base_url`` mode: no ``HTTP(S)_PROXY``, and
-        ``LGT_REWARD_URL`` is the reverse-mode reward path). With ``HTTPS_PROXY`` every HTTPS
-        connection goes through the proxy, so the CA variables name the proxy's CA alone (loading
-        the system bundle costs a short-lived agent ~50 ms); ``base_url`` mode keeps the system CAs
-        for the agent's other connections. ProxyControlError when the proxy's CA is not in the store
-        yet (lgt-proxy creates it when it starts)."""
-        ca = auth.ca_cert_path(auth.proxy_dir(self.store))
-        if not ca.exists():
-            raise ProxyControlError(f"the proxy's CA certificate {ca} does not exist: start lgt-proxy with "
-                                    f"--store {self.store} before running rollouts")
-        env = auth.rollout_env(self.store, rollout_id, attempt=attempt, host=host or self.host,
-                               port=self.port, secret_file=self.secret_file,
-                               ca="proxy" if proxy_mode == "https_proxy" else "system+proxy", greedy=greedy)
-        if proxy_mode == "base_url":
-            for var in PROXY_VARS:
-                env.pop(var)
-            env["LGT_REWARD_URL"] = env["LGT_PROXY_BASE_URL"].removesuffix("/v1") + "/reward"
-        return env
-
-    def token(self) -> str:
-        return resolve_token(self.control_token, self.store, self.secret_file)
-
-    @property
-    def client(self) -> ControlClient:
-        """The proxy's control API (:class:`lgt.proxy.client.ControlClient`)."""
-        return ControlClient(self.control_url, self.token())
-
-    async def flush(self) -> Any:
-        """``POST /flush``: every recorded call and reward becomes Parquet (in a thread)."""
-        return await asyncio.to_thread(self.client.flush)
-
-    async def reward(self, rollout_id: str, attempt: int) -> float | None:
-        """The latest whole-rollout reward the agent reported through the proxy (``GET /rewards``:
-        answered from the proxy's memory, no flush and no store query per rollout)."""
-        return await asyncio.to_thread(self.client.reward, rollout_id, attempt)
 
 
 @dataclass(frozen=True)
@@ -182,7 +117,7 @@ class RolloutController:
     ``retried`` (attempts that were retried).
     """
 
-    def __init__(self, agent: AgentSpec, proxy: ProxyEndpoint | Sequence[ProxyEndpoint],
+    def __init__(self, agent: AgentSpec, proxy: ProxyClient | Sequence[ProxyClient],
                  store: str | os.PathLike, run_dir: str | os.PathLike, concurrency: int = 4, *,
                  kill_grace_s: float = 5.0, batch_records: bool = False,
                  resources: Resources | None = None, hide: Sequence[str | os.PathLike] = ()) -> None:
@@ -202,7 +137,7 @@ class RolloutController:
         if not self.store.is_dir():
             raise RolloutError(f"the store directory {str(self.store)!r} does not exist")
         # several proxy replicas on one store: each rollout keeps to one (its calls, its reward)
-        self.proxies = [proxy] if isinstance(proxy, ProxyEndpoint) else list(proxy)
+        self.proxies = [proxy] if isinstance(proxy, ProxyClient) else list(proxy)
         if not self.proxies:
             raise RolloutError("the rollout controller needs at least one proxy")
         self.agent, self.proxy = agent, self.proxies[0]
@@ -274,7 +209,7 @@ class RolloutController:
         await self.aclose()
 
     # -- one attempt ----------------------------------------------------------------------------------
-    def proxy_for(self, rollout_id: str) -> ProxyEndpoint:
+    def proxy_for(self, rollout_id: str) -> ProxyClient:
         """The replica a rollout's attempts go through (the same one for all of them)."""
         if len(self.proxies) == 1:
             return self.proxies[0]
@@ -368,7 +303,7 @@ class RolloutController:
         from lgt.proxy.client import ControlError
 
         try:
-            await asyncio.to_thread(self.proxy_for(rollout_id).client.deliver, rollout_id, attempt, subs)
+            await asyncio.to_thread(self.proxy_for(rollout_id).api.deliver, rollout_id, attempt, subs)
         except (ControlError, OSError) as e:
             return f"could not deliver the resources to the proxy: {e}"
         return None
@@ -400,7 +335,9 @@ class RolloutController:
         """(reward, source, error) from the first of ``agent.reward_sources`` that has one."""
         sources, paths = self.agent.reward_sources, a.paths
         if "proxy" in sources:
-            value = await a.proxy.reward(a.rollout_id, a.attempt)
+            # the latest whole-rollout reward the agent reported through the proxy (GET /rewards:
+            # answered from the proxy's memory, no flush and no store query per rollout)
+            value = await asyncio.to_thread(a.proxy.api.reward, a.rollout_id, a.attempt)
             if value is not None:
                 return value, "proxy", None
         if "file" in sources and paths.reward_file.exists():

@@ -83,13 +83,9 @@ class Supervisor:
             self.proxy = ProxyGroup([started])
         self.warm_up()
 
-    def endpoints(self) -> list[Any]:
-        """The proxy replicas as the rollout controller wants them."""
-        from lgt.trainer.rollout.controller import ProxyEndpoint
-
-        return [ProxyEndpoint(store=self.store, port=p.port, host=p.host,
-                              control_port=int(p.control_url.rsplit(":", 1)[1]), control_token=p.token)
-                for p in self.proxy.replicas]
+    def endpoints(self) -> list[ProxyClient]:
+        """The proxy replicas, for the rollout controller."""
+        return list(self.proxy.replicas)
 
     def warm_up(self) -> None:
         """One request straight to the engine, so the first rollouts do not pay its first-call cost."""

@@ -1,8 +1,10 @@
 """The trainer's side of ``lgt-proxy``: start one for a run, or use a running one, and drive its control API.
 
 The proxy is a separately deployed tool with its own environment; the trainer only starts its executable
-and talks HTTP to it through :mod:`lgt.proxy.client` (pause / resume / flush / state). Nothing here
-imports mitmproxy.
+and talks HTTP to it through :mod:`lgt.proxy.client` (pause / resume / flush / state). One
+:class:`ProxyClient` is the trainer's handle on one running proxy — where agents reach it, its control
+API, the variables of a rollout that goes through it, and its process when this one started it;
+:class:`ProxyGroup` drives several replicas as one. Nothing here imports mitmproxy.
 """
 
 from __future__ import annotations
@@ -17,14 +19,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lgt.proxy import auth
 from lgt.proxy.client import ControlClient, resolve_token
 from lgt.trainer.serving import children
 
 REPO = Path(__file__).resolve().parents[2]
+PROXY_VARS = ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy")
 
 
 class ProxyError(RuntimeError):
     """The proxy could not be found or started, or its process exited (control calls: ControlError)."""
+
+
+class ProxyControlError(RuntimeError):
+    """The proxy is not ready for rollouts (its CA is not in the store yet). The control API's own
+    failures are :class:`lgt.proxy.client.ControlError`."""
 
 
 @dataclass(frozen=True)
@@ -83,16 +92,25 @@ def find_proxy_command() -> list[str]:
 
 @dataclass
 class ProxyClient:
-    """A proxy for a run: the port agents use, its control API (:class:`lgt.proxy.client.ControlClient`)
-    and, when this process started it, its process. Control calls raise
-    :class:`lgt.proxy.client.ControlError` unless answered 200."""
+    """A running lgt-proxy: where agents reach it (``host``, ``port``), its control API (``api``:
+    :class:`lgt.proxy.client.ControlClient`) and, when this process started it, its process. Control
+    calls raise :class:`lgt.proxy.client.ControlError` unless answered 200.
+
+    A rollout's variables (:meth:`rollout_env`) are signed with the store's secret: ``$LGT_PROXY_SECRET``,
+    ``secret_file`` or ``<store>/_proxy/secret`` (:func:`lgt.proxy.auth.load_secret`)."""
 
     store: Path
     port: int
     api: ControlClient
+    host: str = ""  # where agents reach it ("": the control API's host)
+    secret_file: Path | None = None
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     argv: list[str] | None = None  # how this process started it (restart() starts it again)
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            self.host = self.control_url.split("://", 1)[-1].rsplit(":", 1)[0]
 
     @property
     def control_url(self) -> str:
@@ -190,15 +208,33 @@ class ProxyClient:
                                  "proxy.port")
         return client
 
-    @property
-    def host(self) -> str:
-        """Where agents reach it: the control API's host."""
-        return self.control_url.split("://", 1)[-1].rsplit(":", 1)[0]
-
     def stop(self, timeout: float = 20) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         children.stop(self.proc, timeout, group=False)  # one process, in the trainer's group
+
+    # --- a rollout's way in ---------------------------------------------------------------------
+    def rollout_env(self, rollout_id: str, attempt: int = 0, proxy_mode: str = "https_proxy", *,
+                    greedy: bool = False, host: str | None = None) -> dict[str, str]:
+        """The proxy variables of one rollout attempt (``base_url`` mode: no ``HTTP(S)_PROXY``, and
+        ``LGT_REWARD_URL`` is the reverse-mode reward path). With ``HTTPS_PROXY`` every HTTPS
+        connection goes through the proxy, so the CA variables name the proxy's CA alone (loading
+        the system bundle costs a short-lived agent ~50 ms); ``base_url`` mode keeps the system CAs
+        for the agent's other connections. ``host``: where this agent reaches the proxy, if not at
+        ``self.host``. ProxyControlError when the proxy's CA is not in the store yet (lgt-proxy
+        creates it when it starts)."""
+        ca = auth.ca_cert_path(auth.proxy_dir(self.store))
+        if not ca.exists():
+            raise ProxyControlError(f"the proxy's CA certificate {ca} does not exist: start lgt-proxy with "
+                                    f"--store {self.store} before running rollouts")
+        env = auth.rollout_env(self.store, rollout_id, attempt=attempt, host=host or self.host,
+                               port=self.port, secret_file=self.secret_file,
+                               ca="proxy" if proxy_mode == "https_proxy" else "system+proxy", greedy=greedy)
+        if proxy_mode == "base_url":
+            for var in PROXY_VARS:
+                env.pop(var)
+            env["LGT_REWARD_URL"] = env["LGT_PROXY_BASE_URL"].removesuffix("/v1") + "/reward"
+        return env
 
     # --- control API -----------------------------------------------------------------------------
     def pause(self, timeout: float = 120) -> dict[str, Any]:

@@ -20,7 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
+
+from lgt.trainer.serving.proxy import ProxyClient
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class Attempt:
     group_id: str | None
     step: int | None
     greedy: bool
-    proxy: Any  # the proxy replica its calls go through
+    proxy: ProxyClient  # the proxy replica its calls go through
     paths: Paths
     fields: Mapping[str, str]  # the task's variables the agent sees (the private fields left out)
     agent_json: bytes  # what the agent sees of its task (the whole task is in paths.task_json)

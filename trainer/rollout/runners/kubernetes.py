@@ -14,9 +14,10 @@ from pathlib import Path
 
 from lgt.proxy import auth
 from lgt.trainer.rollout import kube
-from lgt.trainer.rollout.agent import PROXY_VARS, AgentSpec, RolloutError, check_env_refs, expand
+from lgt.trainer.rollout.agent import AgentSpec, RolloutError, check_env_refs, expand
 from lgt.trainer.rollout.kube import MOUNT, KubeError, load_template
 from lgt.trainer.rollout.runners.base import Attempt, Outcome
+from lgt.trainer.serving.proxy import PROXY_VARS
 
 
 class KubernetesRunner:
