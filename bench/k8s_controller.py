@@ -139,7 +139,7 @@ async def run_one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, f
     endpoint = ProxyClient(store=store, port=9, api=ControlClient("http://127.0.0.1:9", ""))
     if kind == "polling":
         original = kube.KubeRunner
-        kube.KubeRunner = polling_runner(original, args.poll_s)  # what RolloutController instantiates
+        kube.KubeRunner = polling_runner(original, args.poll_s)  # what the Kubernetes runner instantiates
     ctl = rollouts.RolloutController(agent, endpoint, store, tmp / "run", args.inflight, batch_records=True)
     created: list[float] = []
     create = kube.KubeRunner._create

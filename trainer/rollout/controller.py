@@ -102,8 +102,6 @@ class RolloutResult:
         return auth.Identity(self.rollout_id, self.attempt).name
 
 
-
-
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
