@@ -69,12 +69,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from lgt.store.samples import SAMPLES  # noqa: E402
+from lgt.trainer.backends.samples import read_samples  # noqa: E402
 from lgt.trainer.backends.torch_backend import (  # noqa: E402
     TorchBackend,
     TorchConfig,
     pack_micro_batches,
     pad_micro_batch,
-    read_samples,
 )
 from lgt.trainer.rl.algorithm import training_schema  # noqa: E402
 from lgt.trainer.serving.hardware import bf16_native  # noqa: E402

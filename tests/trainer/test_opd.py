@@ -351,7 +351,7 @@ def test_torch_backend_makes_a_token_with_positive_advantage_more_likely(tiny_mo
     assert after[2] > before[2] + 1e-3 and after[3] < before[3] - 1e-3
 
     # a non-finite token advantage is one sentence naming the sample
-    from lgt.trainer.backends.torch_backend import SampleError
+    from lgt.trainer.backends.samples import SampleError
     nan = pa.array([[0, 0, math.nan, 0, 0, 0]], pa.list_(pa.float32()))
     bad = samples.set_column(6, "token_advantage", nan)
     with pytest.raises(SampleError, match="sample s has a non-finite token_advantage"):

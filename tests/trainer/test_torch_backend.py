@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lgt.store.samples import SAMPLES
+from lgt.trainer.backends.samples import SampleError
 from lgt.trainer.backends.torch_backend import (
     CheckpointError,
-    SampleError,
     SampleTooLongError,
     TorchBackend,
     TorchConfig,

@@ -20,8 +20,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from lgt.store.samples import SAMPLES  # noqa: E402
+from lgt.trainer.backends.samples import SampleError  # noqa: E402
 from lgt.trainer.backends.verl_backend import (  # noqa: E402
-    SampleConversionError,
     VerlBackend,
     VerlConfig,
     VerlConfigError,
@@ -131,10 +131,10 @@ def test_per_token_advantages_replace_the_samples_and_are_folded_like_it():
     folded = samples_to_dataproto(samples, pad_token_id=PAD, fold_loss_weight=True)
     assert folded.batch["advantages"].tolist() == [[0.25, -1.0, 0.0, 0.5]]
     bad = with_token_advantages(table(rows), [[0.0, 0.0, math.inf, 0.0, 0.0, 0.0]])
-    with pytest.raises(SampleConversionError, match="'a' has a non-finite token_advantage on a generated"):
+    with pytest.raises(SampleError, match="sample a has a non-finite token_advantage on a generated"):
         samples_to_dataproto(bad, pad_token_id=PAD)
     short = with_token_advantages(table(rows), [[0.0, 1.0]])
-    with pytest.raises(SampleConversionError, match="'a': token_advantage and input_ids differ in length"):
+    with pytest.raises(SampleError, match="sample a has 6 input_ids but 2 token_advantage"):
         samples_to_dataproto(short, pad_token_id=PAD)
 
 
@@ -172,28 +172,28 @@ def test_round_trip_preserves_tokens_mask_and_logprobs(samples_segments):
 @pytest.mark.parametrize("mutate, message", [
     (lambda r: r.update(loss_mask=[0] * len(r["loss_mask"])), "no generated token"),
     (lambda r: r.update(loss_mask=[1] + r["loss_mask"][1:]), "no prompt"),
-    (lambda r: r.update(behaviour_logprobs=r["behaviour_logprobs"][:-1]), "differ in length"),
+    (lambda r: r.update(behaviour_logprobs=r["behaviour_logprobs"][:-1]), "but 3 behaviour_logprobs"),
     (lambda r: r.update(advantage=math.nan), "non-finite"),
 ])
 def test_bad_samples_get_one_sentence_naming_the_sample(mutate, message):
     row = sample("bad-1", [("ctx", [1, 2]), ("gen", [3, 4])])
     mutate(row)
-    with pytest.raises(SampleConversionError, match=message) as err:
+    with pytest.raises(SampleError, match=message) as err:
         samples_to_dataproto(pa.Table.from_pylist([row]), pad_token_id=PAD)
     assert "bad-1" in str(err.value)
 
 
 def test_over_long_samples_and_missing_columns_are_refused():
     rows = table([sample("long", [("ctx", [1, 2, 3]), ("gen", [4, 5])])])
-    with pytest.raises(SampleConversionError, match="'long' has a prompt of 3 tokens, over the prompt"):
+    with pytest.raises(SampleError, match="'long' has a prompt of 3 tokens, over the prompt"):
         samples_to_dataproto(rows, pad_token_id=PAD, max_prompt_len=2)
-    with pytest.raises(SampleConversionError, match="response of 2 tokens"):
+    with pytest.raises(SampleError, match="response of 2 tokens"):
         samples_to_dataproto(rows, pad_token_id=PAD, max_response_len=1)
-    with pytest.raises(SampleConversionError, match="lacks the column.*loss_weight"):
+    with pytest.raises(SampleError, match="lack column.*loss_weight"):
         samples_to_dataproto(rows.drop(["loss_weight"]), pad_token_id=PAD)
-    with pytest.raises(SampleConversionError, match="empty"):
+    with pytest.raises(SampleError, match="empty"):
         samples_to_dataproto(rows.slice(0, 0), pad_token_id=PAD)
-    with pytest.raises(SampleConversionError, match="loss_weight 0.0, not > 0"):
+    with pytest.raises(SampleError, match="loss_weight 0.0, not > 0"):
         samples_to_dataproto(table([sample("w0", [("ctx", [1]), ("gen", [2])], loss_weight=0.0)]),
                              pad_token_id=PAD, fold_loss_weight=True)
 

@@ -36,10 +36,10 @@ Departures from a textbook loop, each on purpose:
   lowest trained layer. Checkpoints and the weights pushed to the engine are still the whole model
   (the engine takes a full state dict).
 
-Samples are read straight from the Arrow list buffers (numpy views over the offsets), never via Python
-lists of tokens. Checkpoints are Hugging Face directories (weights, config, tokenizer files) plus
-``optimizer.pt`` and ``trainer_state.json``, written to a temporary directory, renamed into place, and
-marked finished by a ``DONE`` file written last.
+Samples are read and checked by :func:`lgt.trainer.backends.samples.read_samples` (numpy views over the
+Arrow list buffers, never Python lists of tokens). Checkpoints are Hugging Face directories (weights,
+config, tokenizer files) plus ``optimizer.pt`` and ``trainer_state.json``, written to a temporary
+directory, renamed into place, and marked finished by a ``DONE`` file written last.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ import math
 import shutil
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,23 +66,19 @@ from lgt.trainer.backends.checkpoints import (
     tokenizer_files,
     write_checkpoint,
 )
+from lgt.trainer.backends.samples import SampleError, TokenBatch, as_table, read_samples
 from lgt.trainer.models import ModelError, check_model_dir
 from lgt.trainer.rl import loss as rl
 from lgt.trainer.serving.hardware import resolve_dtype
 
-__all__ = ["CheckpointError", "SampleError", "SampleTooLongError", "TorchBackend", "TorchConfig",
-           "freeze_below", "latest_checkpoint", "pack_micro_batches", "read_samples"]
+__all__ = ["CheckpointError", "SampleTooLongError", "TorchBackend", "TorchConfig", "freeze_below",
+           "latest_checkpoint", "pack_micro_batches"]
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 OPTIMIZER_FILE = "optimizer.pt"
-REQUIRED_COLUMNS = ("sample_id", "input_ids", "loss_mask", "behaviour_logprobs", "advantage", "loss_weight")
 ENTROPY_CHUNK_ROWS = 1024  # token rows of logits per chunk when computing the entropy metric
-
-
-class SampleError(ValueError):
-    """A batch of samples the backend cannot train on; the message names the sample and the problem."""
 
 
 class SampleTooLongError(SampleError):
@@ -91,149 +86,8 @@ class SampleTooLongError(SampleError):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Samples: Arrow columns -> numpy views -> padded micro-batch tensors
-
-
-@dataclass(frozen=True)
-class TokenBatch:
-    """A batch of samples as flat numpy arrays over the Arrow buffers (no per-token Python objects).
-
-    Sample ``i``'s tokens are ``input_ids[starts[i]:starts[i] + lengths[i]]`` (same for ``loss_mask``
-    and ``behaviour_logprobs``); ``advantage``, ``loss_weight`` are per sample (N,);
-    ``token_advantage`` (total tokens,) float32 when the samples carry per-token advantages (then the
-    loss uses it instead of ``advantage``).
-    """
-
-    sample_ids: pa.Array
-    input_ids: np.ndarray  # (total tokens,) int32
-    loss_mask: np.ndarray  # (total tokens,) int8
-    behaviour_logprobs: np.ndarray  # (total tokens,) float32
-    starts: np.ndarray  # (N,) int64
-    lengths: np.ndarray  # (N,) int64
-    masked: np.ndarray  # (N,) int64: loss_mask tokens per sample
-    advantage: np.ndarray  # (N,) float32
-    loss_weight: np.ndarray  # (N,) float32
-    token_advantage: np.ndarray | None = None  # (total tokens,) float32: per-token advantages (OPD)
-    top_k_ids: np.ndarray | None = None  # (total tokens, k) int64: the teacher's top k (OPD, top_k > 0)
-    top_k_logprobs: np.ndarray | None = None  # (total tokens, k) float32: their teacher log-probs
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def sample_id(self, i: int) -> str:
-        return str(self.sample_ids[i].as_py())
-
-
-def _as_table(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) -> pa.Table:
-    if isinstance(samples, pa.Table):
-        return samples
-    if isinstance(samples, pa.RecordBatch):
-        return pa.Table.from_batches([samples])
-    batches = list(samples)
-    if not batches:
-        raise SampleError("the batch of samples is empty: give at least one sample row")
-    return pa.Table.from_batches(batches)
-
-
-def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(values, offsets)`` of a list column: row i is ``values[offsets[i]:offsets[i + 1]]`` (zero-copy)."""
-    arr = table.column(name).combine_chunks()
-    if arr.null_count:
-        row = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
-        raise SampleError(f"sample {table.column('sample_id')[row].as_py()} has no {name} (null)")
-    offsets = arr.offsets.to_numpy().astype(np.int64, copy=False)
-    values = arr.values.to_numpy(zero_copy_only=False)
-    return values, offsets
-
-
-def _scalar_column(table: pa.Table, name: str) -> np.ndarray:
-    col = table.column(name)
-    if col.null_count:
-        row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
-        raise SampleError(f"sample {table.column('sample_id')[row].as_py()} has no {name} (null)")
-    values = col.to_numpy().astype(np.float32)
-    bad = np.flatnonzero(~np.isfinite(values))
-    if len(bad):
-        raise SampleError(f"sample {table.column('sample_id')[int(bad[0])].as_py()} has a non-finite "
-                          f"{name} ({values[bad[0]]})")
-    return values
-
-
-def read_samples(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) -> TokenBatch:
-    """The token lists and per-sample scalars of rows with the SAMPLES schema, checked for consistency."""
-    table = _as_table(samples)
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
-    if missing:
-        raise SampleError(f"the samples lack column(s) {', '.join(missing)}: give rows with the store's "
-                          "SAMPLES schema (lgt.store.samples.SAMPLES)")
-    if table.num_rows == 0:
-        raise SampleError("the batch of samples is empty: give at least one sample row")
-    ids, ids_off = _list_column(table, "input_ids")
-    mask, mask_off = _list_column(table, "loss_mask")
-    blp, blp_off = _list_column(table, "behaviour_logprobs")
-    lists = [("loss_mask", mask_off), ("behaviour_logprobs", blp_off)]
-    per_token = "token_advantage" in table.column_names
-    if per_token:
-        tadv, tadv_off = _list_column(table, "token_advantage")
-        lists.append(("token_advantage", tadv_off))
-    lengths = np.diff(ids_off)
-    for name, off in lists:
-        bad = np.flatnonzero(np.diff(off) != lengths)
-        if len(bad):
-            i = int(bad[0])
-            raise SampleError(f"sample {table.column('sample_id')[i].as_py()} has {lengths[i]} input_ids but "
-                              f"{off[i + 1] - off[i]} {name}: the token lists must have equal lengths")
-    if len(lengths) and lengths.min() < 1:
-        i = int(np.argmin(lengths))
-        raise SampleError(f"sample {table.column('sample_id')[i].as_py()} has no tokens")
-    # Rebase the three lists onto offsets from 0 (zero-copy views; the lengths match row by row).
-    ids = ids[ids_off[0]:ids_off[-1]]
-    mask = mask[mask_off[0]:mask_off[-1]]
-    blp = blp[blp_off[0]:blp_off[-1]]
-    token_advantage = None
-    if per_token:
-        token_advantage = tadv[tadv_off[0]:tadv_off[-1]].astype(np.float32, copy=False)
-        bad = np.flatnonzero(~np.isfinite(token_advantage))
-        if len(bad):
-            i = int(np.searchsorted(ids_off[:-1] - ids_off[0], bad[0], side="right") - 1)
-            raise SampleError(f"sample {table.column('sample_id')[i].as_py()} has a non-finite "
-                              "token_advantage")
-    starts = ids_off[:-1] - ids_off[0]
-    top_ids = top_lps = None
-    if "teacher_top_k_ids" in table.column_names:
-        top_ids, top_lps = _top_k_columns(table, lengths, len(ids))
-    if len(mask) and (mask.min() < 0 or mask.max() > 1):
-        bad = int(np.flatnonzero((mask < 0) | (mask > 1))[0])
-        i = int(np.searchsorted(starts, bad, side="right") - 1)
-        raise SampleError(f"sample {table.column('sample_id')[i].as_py()} has loss_mask value {mask[bad]}: "
-                          "loss_mask holds 0 or 1 per token")
-    cum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
-    masked = cum[starts + lengths] - cum[starts]
-    return TokenBatch(sample_ids=table.column("sample_id").combine_chunks(), input_ids=ids, loss_mask=mask,
-                      behaviour_logprobs=blp, starts=starts, lengths=lengths, masked=masked,
-                      advantage=_scalar_column(table, "advantage"),
-                      loss_weight=_scalar_column(table, "loss_weight"), token_advantage=token_advantage,
-                      top_k_ids=top_ids, top_k_logprobs=top_lps)
-
-
-def _top_k_columns(table: pa.Table, lengths: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
-    """``teacher_top_k_ids`` / ``teacher_top_k_logprobs`` as (total tokens, k) arrays: each row holds k
-    entries per token, the same k in every row."""
-    if "teacher_top_k_logprobs" not in table.column_names:
-        raise SampleError("the samples have teacher_top_k_ids but no teacher_top_k_logprobs")
-    ids, ids_off = _list_column(table, "teacher_top_k_ids")
-    lps, lps_off = _list_column(table, "teacher_top_k_logprobs")
-    per_row = np.diff(ids_off)
-    k = int(per_row[0] // lengths[0])  # every sample has a token (checked before)
-    bad = np.flatnonzero((per_row != k * lengths) | (np.diff(lps_off) != per_row))
-    if k < 1 or len(bad):
-        i = int(bad[0]) if len(bad) else 0
-        raise SampleError(f"sample {table.column('sample_id')[i].as_py()} has {np.diff(ids_off)[i]} teacher "
-                          f"top-k ids and {np.diff(lps_off)[i]} logprobs for {lengths[i]} tokens: each "
-                          "token needs the same k of both")
-    ids = ids[ids_off[0]:ids_off[-1]].astype(np.int64).reshape(total, k)
-    lps = lps[lps_off[0]:lps_off[-1]].astype(np.float32, copy=False).reshape(total, k)
-    return ids, lps
+# Samples: a TokenBatch (numpy views over the Arrow columns, lgt.trainer.backends.samples) -> padded
+# micro-batch tensors
 
 
 def pack_micro_batches(lengths: Sequence[int] | np.ndarray, budget: int) -> list[list[int]]:
@@ -317,7 +171,8 @@ def pad_micro_batch(batch: TokenBatch, rows: Sequence[int], device: torch.device
 
     # per-token advantages, when the batch has them, replace the per-sample ones
     return {"input_ids": put(ids), "positions": put(positions), "target_ids": put(targets),
-            "advantages": put(batch.advantage[idx]), "loss_weight": put(batch.loss_weight[idx]),
+            "advantages": put(batch.advantage[idx].astype(np.float32)),
+            "loss_weight": put(batch.loss_weight[idx].astype(np.float32)),
             **{name: put(a) for name, a in per_token.items()}}
 
 
@@ -499,7 +354,7 @@ class TorchBackend:
                                      f"max_seq_len {self.max_seq_len}: raise max_seq_len or drop the sample")
         if len(batch.input_ids) and (batch.input_ids.min() < 0 or batch.input_ids.max() >= self.vocab_size):
             bad = np.flatnonzero((batch.input_ids < 0) | (batch.input_ids >= self.vocab_size))[0]
-            i = int(np.searchsorted(batch.starts, bad, side="right") - 1)
+            i = batch.sample_at(bad)
             raise SampleError(f"sample {batch.sample_id(i)} holds token id {batch.input_ids[bad]}, outside "
                               f"the model's vocabulary of {self.vocab_size}: was it built with another "
                               "tokenizer?")
@@ -586,7 +441,7 @@ class TorchBackend:
         had a trained token: no update is made, the step still counts).
         """
         started = time.perf_counter()
-        samples = _as_table(samples)  # an iterator of batches is read once, for every pass
+        samples = as_table(samples)  # an iterator of batches is read once, for every pass
         old: list[torch.Tensor] | None = [] if self.cfg.epochs > 1 else None
         for _ in range(self.cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)

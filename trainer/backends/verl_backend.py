@@ -158,9 +158,8 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
 from lgt.trainer.backends.base import VERL_STRATEGIES, BackendError, VerlConfig  # noqa: E402
-from lgt.trainer.backends.checkpoints import (  # noqa: E402
-    CheckpointError,
-)
+from lgt.trainer.backends.checkpoints import CheckpointError  # noqa: E402
+from lgt.trainer.backends.samples import SampleError, TokenBatch, read_samples  # noqa: E402
 from lgt.trainer.rl.loss import fill_behaviour, importance_weights  # noqa: E402
 
 STATE_FILE = "lgt_verl.json"  # in a checkpoint's verl/ folder: the step count and world size, written last
@@ -171,26 +170,7 @@ STATE_FILE = "lgt_verl.json"  # in a checkpoint's verl/ folder: the step count a
 VerlConfigError = BackendError  # a verl backend setting is invalid (one sentence naming it)
 
 
-class SampleConversionError(ValueError):
-    """A samples table cannot be turned into verl's batch (one sentence naming the sample)."""
-
-
 # -- samples -> DataProto ---------------------------------------------------------------------------
-
-REQUIRED_COLUMNS = ("sample_id", "input_ids", "loss_mask", "behaviour_logprobs", "advantage", "loss_weight")
-
-
-def _list_column(samples: pa.Table, name: str, dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    """A list column as (flat values, offsets (N+1,)) numpy arrays, whatever its chunking."""
-    col = samples.column(name).combine_chunks()
-    if isinstance(col, pa.ChunkedArray):  # an empty table keeps zero chunks
-        col = pa.array([], type=col.type)
-    if col.null_count:
-        raise SampleConversionError(f"column {name!r} has {col.null_count} null row(s).")
-    offsets = col.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
-    values = col.values.to_numpy(zero_copy_only=False).astype(dtype)
-    base = offsets[0]
-    return values[base:offsets[-1]], offsets - base
 
 
 def samples_to_dataproto(
@@ -202,7 +182,10 @@ def samples_to_dataproto(
     temperature: float = 1.0,
     fold_loss_weight: bool = False,
 ) -> DataProto:
-    """Turn store samples (``SAMPLES`` schema, B rows) into verl's padded actor batch.
+    """Turn store samples (``SAMPLES`` schema, B rows) into verl's padded actor batch: read and checked
+    by :func:`~lgt.trainer.backends.samples.read_samples` as for every backend, split into prompt and
+    response (:func:`split_points`), padded (:func:`widths`, :func:`padded_rows`), the advantages put on
+    the response tokens (:func:`response_advantages`).
 
     Widths: P = ``max_prompt_len`` (or the longest prompt), R = ``max_response_len`` (or the longest
     response); a sample longer than a given cap is an error (it is never cut: cutting a prompt would
@@ -223,94 +206,108 @@ def samples_to_dataproto(
     ``non_tensor_batch["uid"]`` the sample ids; ``meta_info``: ``temperature`` (the sampling temperature
     the behaviour logprobs were recorded at; verl divides the logits by it).
     """
-    missing = [c for c in REQUIRED_COLUMNS if c not in samples.column_names]
-    if missing:
-        raise SampleConversionError(f"the samples table lacks the column(s) {', '.join(missing)}.")
-    if samples.num_rows == 0:
-        raise SampleConversionError("the samples table is empty: nothing to train on.")
+    batch = read_samples(samples)
     if not (temperature > 0 and math.isfinite(temperature)):
-        raise SampleConversionError(f"temperature must be a positive number, got {temperature!r}.")
+        raise SampleError(f"temperature must be a positive number, got {temperature!r}.")
+    prompt_lens = split_points(batch, fold_loss_weight=fold_loss_weight)
+    width_p, width_r = widths(batch, prompt_lens, max_prompt_len, max_response_len)
+    rows = padded_rows(batch, prompt_lens, width_p, width_r, pad_token_id)
+    advantages = response_advantages(batch, rows.pop("token_advantages", None), rows["response_mask"],
+                                     fold_loss_weight=fold_loss_weight)
+    tensors = {key: torch.from_numpy(value) for key, value in rows.items()} | {
+        "advantages": torch.from_numpy(advantages)}
+    return DataProto.from_dict(tensors=tensors,
+                               non_tensors={"uid": np.array(batch.sample_ids.to_pylist(), dtype=object)},
+                               meta_info={"temperature": float(temperature)})
 
-    ids, off = _list_column(samples, "input_ids", np.int64)
-    mask, moff = _list_column(samples, "loss_mask", np.int64)
-    blp, boff = _list_column(samples, "behaviour_logprobs", np.float32)
-    sample_ids = samples.column("sample_id").to_pylist()
-    adv = samples.column("advantage").to_numpy(zero_copy_only=False).astype(np.float64)
-    weight = samples.column("loss_weight").to_numpy(zero_copy_only=False).astype(np.float64)
 
-    per_token = "token_advantage" in samples.column_names
-    if per_token:
-        tadv, toff = _list_column(samples, "token_advantage", np.float64)
-    lengths = np.diff(off)
-    firsts = np.empty(len(lengths), dtype=np.int64)
-    for i, sid in enumerate(sample_ids):
-        if not (moff[i + 1] - moff[i] == boff[i + 1] - boff[i] == lengths[i]):
-            raise SampleConversionError(
-                f"sample {sid!r}: input_ids, loss_mask and behaviour_logprobs differ in length.")
-        row_mask = mask[moff[i]:moff[i + 1]]
-        hits = np.flatnonzero(row_mask)
-        if hits.size == 0:
-            raise SampleConversionError(f"sample {sid!r} has no generated token (loss_mask is all 0).")
-        if hits[0] == 0:
-            raise SampleConversionError(f"sample {sid!r} starts with a generated token: it has no prompt.")
-        if not (math.isfinite(adv[i]) and math.isfinite(weight[i])):
-            raise SampleConversionError(f"sample {sid!r} has a non-finite advantage or loss_weight.")
-        if per_token:
-            if toff[i + 1] - toff[i] != lengths[i]:
-                raise SampleConversionError(
-                    f"sample {sid!r}: token_advantage and input_ids differ in length.")
-            if not np.isfinite(tadv[toff[i]:toff[i + 1]][row_mask != 0]).all():
-                raise SampleConversionError(f"sample {sid!r} has a non-finite token_advantage on a "
-                                            "generated token.")
-        if fold_loss_weight and weight[i] <= 0:
-            raise SampleConversionError(f"sample {sid!r} has loss_weight {weight[i]}, not > 0.")
-        firsts[i] = hits[0]
+def split_points(batch: TokenBatch, *, fold_loss_weight: bool = False) -> np.ndarray:
+    """Each sample's prompt length (N,): the index of its first generated token, where verl's row splits
+    into ``prompt | response``. SampleError for a sample without a generated token or without a
+    prompt, and (``fold_loss_weight``) one whose ``loss_weight`` is not > 0."""
+    no_generated = np.flatnonzero(batch.masked == 0)
+    if len(no_generated):
+        sid = batch.sample_id(int(no_generated[0]))
+        raise SampleError(f"sample {sid!r} has no generated token (loss_mask is all 0).")
+    generated = np.flatnonzero(batch.loss_mask)
+    firsts = generated[np.searchsorted(generated, batch.starts)] - batch.starts  # each row has one
+    no_prompt = np.flatnonzero(firsts == 0)
+    if len(no_prompt):
+        sid = batch.sample_id(int(no_prompt[0]))
+        raise SampleError(f"sample {sid!r} starts with a generated token: it has no prompt.")
+    unweighted = np.flatnonzero(batch.loss_weight <= 0) if fold_loss_weight else []
+    if len(unweighted):
+        i = int(unweighted[0])
+        raise SampleError(f"sample {batch.sample_id(i)!r} has loss_weight {batch.loss_weight[i]}, not > 0.")
+    return firsts
 
-    prompt_lens, response_lens = firsts, lengths - firsts
+
+def widths(batch: TokenBatch, prompt_lens: np.ndarray, max_prompt_len: int | None,
+           max_response_len: int | None) -> tuple[int, int]:
+    """``(P, R)``: the caps, or the longest prompt and response; SampleError for a sample over a cap (it
+    is never cut: cutting a prompt would change what the recorded logprobs were conditioned on)."""
+    response_lens = batch.lengths - prompt_lens
     width_p = int(prompt_lens.max()) if max_prompt_len is None else max_prompt_len
     width_r = int(response_lens.max()) if max_response_len is None else max_response_len
     for name, lens, cap in (("prompt", prompt_lens, width_p), ("response", response_lens, width_r)):
         if lens.max() > cap:
             i = int(lens.argmax())
-            raise SampleConversionError(
-                f"sample {sample_ids[i]!r} has a {name} of {int(lens[i])} tokens, over the {name} "
+            raise SampleError(
+                f"sample {batch.sample_id(i)!r} has a {name} of {int(lens[i])} tokens, over the {name} "
                 f"length limit of {cap}.")
+    return width_p, width_r
 
-    n = len(lengths)
+
+def padded_rows(batch: TokenBatch, prompt_lens: np.ndarray, width_p: int, width_r: int,
+                pad_token_id: int) -> dict[str, np.ndarray]:
+    """The batch's tokens in verl's padded layout (:func:`samples_to_dataproto`'s keys but
+    ``advantages``; ``token_advantages`` (B, R) float64 too when the samples carry them): each token
+    put in place at once by its (row, column), prompts right-aligned in (B, P), responses left-aligned
+    in (B, R)."""
+    n, lengths = len(batch), batch.lengths
+    row = np.repeat(np.arange(n), lengths)
+    first = np.repeat(prompt_lens, lengths)
+    pos = np.arange(len(batch.input_ids)) - np.repeat(batch.starts, lengths)  # within its sample
+    prompt = pos < first
+    response = ~prompt
+    r_row, r_col = row[response], pos[response] - first[response]
+
     prompts = np.full((n, width_p), pad_token_id, dtype=np.int64)
+    prompts[row[prompt], width_p - first[prompt] + pos[prompt]] = batch.input_ids[prompt]
     responses = np.full((n, width_r), pad_token_id, dtype=np.int64)
-    attention = np.zeros((n, width_p + width_r), dtype=np.int64)
+    responses[r_row, r_col] = batch.input_ids[response]
     response_mask = np.zeros((n, width_r), dtype=np.int64)
+    response_mask[r_row, r_col] = batch.loss_mask[response]
     old_lp = np.zeros((n, width_r), dtype=np.float32)
-    token_adv = np.zeros((n, width_r), dtype=np.float64) if per_token else None
-    for i in range(n):
-        start, first, end, pl, rl = off[i], off[i] + firsts[i], off[i + 1], prompt_lens[i], response_lens[i]
-        prompts[i, width_p - pl:] = ids[start:first]
-        responses[i, :rl] = ids[first:end]
-        attention[i, width_p - pl:width_p + rl] = 1
-        response_mask[i, :rl] = mask[moff[i] + firsts[i]:moff[i + 1]]
-        old_lp[i, :rl] = blp[boff[i] + firsts[i]:boff[i + 1]]
-        if token_adv is not None:
-            token_adv[i, :rl] = tadv[toff[i] + firsts[i]:toff[i + 1]]
+    old_lp[r_row, r_col] = batch.behaviour_logprobs[response]
     old_lp = np.where(response_mask != 0, old_lp, np.float32(0))  # 0 off the mask, whatever was there
-    per_token_adv = token_adv if token_adv is not None else adv[:, None]
-    if fold_loss_weight:
-        per_token_adv = per_token_adv * weight[:, None]
-    advantages = np.where(response_mask != 0, per_token_adv, 0.0).astype(np.float32)
-    position = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
-
-    tensors = {
-        "prompts": torch.from_numpy(prompts),
-        "responses": torch.from_numpy(responses),
-        "input_ids": torch.from_numpy(np.concatenate([prompts, responses], axis=1)),
-        "attention_mask": torch.from_numpy(attention),
-        "position_ids": torch.from_numpy(position),
-        "response_mask": torch.from_numpy(response_mask),
-        "old_log_probs": torch.from_numpy(old_lp),
-        "advantages": torch.from_numpy(advantages),
+    columns = np.arange(width_p + width_r)
+    attention = ((columns >= width_p - prompt_lens[:, None])
+                 & (columns < width_p + (lengths - prompt_lens)[:, None])).astype(np.int64)
+    rows = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": np.concatenate([prompts, responses], axis=1),
+        "attention_mask": attention,
+        "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None),
+        "response_mask": response_mask,
+        "old_log_probs": old_lp,
     }
-    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": np.array(sample_ids, dtype=object)},
-                               meta_info={"temperature": float(temperature)})
+    if batch.token_advantage is not None:
+        token_adv = np.zeros((n, width_r), dtype=np.float64)
+        token_adv[r_row, r_col] = batch.token_advantage[response]
+        rows["token_advantages"] = token_adv
+    return rows
+
+
+def response_advantages(batch: TokenBatch, token_advantages: np.ndarray | None, response_mask: np.ndarray,
+                        *, fold_loss_weight: bool = False) -> np.ndarray:
+    """(B, R) float32: each sample's advantage (or its tokens' own, ``token_advantages``) on the response
+    mask, × its ``loss_weight`` when ``fold_loss_weight``, 0 elsewhere."""
+    per_token = token_advantages if token_advantages is not None else batch.advantage[:, None]
+    if fold_loss_weight:
+        per_token = per_token * batch.loss_weight[:, None]
+    return np.where(response_mask != 0, per_token, 0.0).astype(np.float32)
 
 
 # -- the backend -------------------------------------------------------------------------------------
@@ -521,7 +518,7 @@ class VerlActor:
         tokens = batch.batch["response_mask"].sum()
         mini = self.config.ppo_mini_batch_size or size
         if size % mini:
-            raise SampleConversionError(
+            raise SampleError(
                 f"the batch of {size} samples is not a multiple of ppo_mini_batch_size ({mini}).")
         batch, pad = pad_batch(batch, self.rows_multiple)
         extra = fill_missing_behaviour(batch, self._logprobs)
@@ -551,6 +548,18 @@ class VerlActor:
         batch = self.to_dataproto(samples)
         padded, _ = pad_batch(batch, self.rows_multiple)
         return self._logprobs(padded)[:len(batch)]
+
+    def sample_logprobs(self, samples: pa.Table) -> list[np.ndarray]:
+        """The policy's log-prob of each sample's tokens (float32 arrays aligned with ``input_ids``),
+        from the first generated token on (verl scores the response part only; 0 before it)."""
+        batch = self.to_dataproto(samples)
+        padded, _ = pad_batch(batch, self.rows_multiple)
+        response = self._logprobs(padded)[:len(batch)].numpy()
+        attention = batch.batch["attention_mask"].numpy()
+        width_p = batch.batch["prompts"].shape[1]
+        prompt_lens, response_lens = attention[:, :width_p].sum(1), attention[:, width_p:].sum(1)
+        return [np.concatenate([np.zeros(p, np.float32), response[i, :r]])
+                for i, (p, r) in enumerate(zip(prompt_lens, response_lens, strict=True))]
 
 
 class VerlBackend(VerlActor):

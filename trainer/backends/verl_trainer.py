@@ -17,7 +17,7 @@ import torch
 
 from lgt.trainer.backends.base import VerlConfig
 from lgt.trainer.backends.checkpoints import CheckpointError, read_state, tokenizer_files, write_checkpoint
-from lgt.trainer.backends.verl_backend import VerlBackend, _list_column
+from lgt.trainer.backends.verl_backend import VerlBackend
 
 VERL_STATE_DIR = "verl"  # a checkpoint's folder for verl's own sharded state (resume)
 HF_WEIGHTS = "model.safetensors"
@@ -75,16 +75,7 @@ class VerlTrainer:
         """The policy's log-prob of each sample's tokens (float32 arrays aligned with ``input_ids``), as
         the torch backend's :meth:`~lgt.trainer.backends.torch_backend.TorchBackend.sample_logprobs`,
         from the first generated token on (verl scores the response part only; 0 before it)."""
-        response = self.actor.logprobs(samples).numpy()  # converts (and checks) the samples first
-        mask, off = _list_column(samples, "loss_mask", np.int64)
-        out = []
-        for i in range(samples.num_rows):
-            length = int(off[i + 1] - off[i])
-            first = int(np.flatnonzero(mask[off[i]:off[i + 1]])[0])
-            row = np.zeros(length, np.float32)
-            row[first:] = response[i, :length - first]
-            out.append(row)
-        return out
+        return self.actor.sample_logprobs(samples)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.actor.named_weights()
