@@ -200,12 +200,12 @@ def timed(fn, cpu_clock=time.process_time) -> tuple[float, float]:
 def verl_sides(model_dir: Path, args: argparse.Namespace) -> dict[str, tuple[object, object]]:
     """``{name: (actor, cpu_seconds)}``: the verl backend in this process and on 2 Ray ranks."""
     from lgt.trainer.backends.base import VerlConfig
-    from lgt.trainer.backends.verl_backend import VerlBackend
+    from lgt.trainer.backends.verl_actor import VerlInProcessActor
     from lgt.trainer.backends.verl_ray import VerlRayActor
 
     cfg = VerlConfig(model_path=str(model_dir), lr=1e-5, param_dtype="fp32",
                      micro_batch_tokens=args.micro_batch_tokens)
-    one = VerlBackend(cfg)
+    one = VerlInProcessActor(cfg)
     two = VerlRayActor(cfg, world_size=2)
     return {"verl, world size 1": (one, time.process_time), "verl, 2 Ray ranks": (two, two.cpu_seconds)}
 

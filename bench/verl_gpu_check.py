@@ -8,7 +8,7 @@ Builds a tiny random Qwen2 model (lgt.testing.models; nothing downloaded) unless
 ``--model-dir`` names one, and a synthetic samples table in the store's SAMPLES schema: single- and
 multi-turn samples (tool tokens masked out), GRPO-style advantages of +1 / -1, loss weights
 1/(R * tokens of the rollout), and behaviour logprobs recorded by a plain transformers forward pass, as
-a freshly synced engine would record them. Then ``VerlBackend.train_step`` runs ``--steps`` times.
+a freshly synced engine would record them. Then ``VerlInProcessActor.train_step`` runs ``--steps`` times.
 
 Checks (exit status 1 when one fails, each printed with its numbers):
   * alignment: verl's logprobs of the response tokens before training equal the recorded ones;
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu and device == "cpu":
         print("no CUDA here: pass --cpu to run the check on the CPU", file=sys.stderr)
         return 2
-    from lgt.trainer.backends.verl_backend import VerlBackend, VerlConfig
+    from lgt.trainer.backends.verl_actor import VerlConfig, VerlInProcessActor
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lgt-verl-check-") as tmp:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = VerlConfig(model_path=str(model_dir), lr=args.lr, param_dtype=args.param_dtype,
                          ppo_micro_batch_size_per_gpu=args.micro_batch, seed=args.seed,
                          old_logprobs=args.old_logprobs)
-        backend = VerlBackend(cfg)
+        backend = VerlInProcessActor(cfg)
         t_built = time.perf_counter()
         try:
             batch = backend.to_dataproto(samples)

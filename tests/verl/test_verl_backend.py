@@ -21,10 +21,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 from lgt.store.samples import SAMPLES  # noqa: E402
 from lgt.trainer.backends.samples import SampleError  # noqa: E402
-from lgt.trainer.backends.verl_backend import (  # noqa: E402
-    VerlBackend,
+from lgt.trainer.backends.verl_actor import (  # noqa: E402
     VerlConfig,
     VerlConfigError,
+    VerlInProcessActor,
     samples_to_dataproto,
 )
 from lgt.trainer.rl.algorithm import LossConfig, training_schema  # noqa: E402
@@ -312,7 +312,7 @@ def run_actor(model_dir, old_logprobs: str = "behaviour"):
         samples = table(rows)
     cfg = VerlConfig(model_path=str(model_dir), lr=2e-4, param_dtype="fp32", ppo_micro_batch_size_per_gpu=2,
                      old_logprobs=old_logprobs)
-    backend = VerlBackend(cfg)
+    backend = VerlInProcessActor(cfg)
     try:
         before = backend.logprobs(samples)
         dp = backend.to_dataproto(samples)
@@ -381,7 +381,7 @@ def test_missing_behaviour_logprobs_are_recomputed_before_the_update(tiny_model_
     missing = table(rows)
     out = {}
     for name, samples in (("recorded", recorded), ("missing", missing)):
-        backend = VerlBackend(VerlConfig(model_path=str(tiny_model_dir), lr=2e-4, param_dtype="fp32",
+        backend = VerlInProcessActor(VerlConfig(model_path=str(tiny_model_dir), lr=2e-4, param_dtype="fp32",
                                          ppo_micro_batch_size_per_gpu=2))
         try:
             metrics = backend.train_step(samples)

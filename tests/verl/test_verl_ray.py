@@ -1,6 +1,6 @@
 """verl's own Ray worker groups (``backends.verl_ray``): two CPU ranks over gloo train exactly like the
-in-process world-size-1 ``VerlBackend``, checkpoints continue exactly, and ``close()`` leaves no Ray
-process behind.
+in-process world-size-1 ``VerlInProcessActor``, checkpoints continue exactly, and ``close()`` leaves no
+Ray process behind.
 
 Run in verl's environment: ``.venv-verl/bin/python -m pytest -q tests/verl/test_verl_ray.py``. The slow
 tests share one module fixture per world size: on 2 cores a local Ray starts in ~5 s and two ranks in
@@ -29,10 +29,10 @@ import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
 from lgt.trainer.backends.checkpoints import CheckpointError  # noqa: E402
-from lgt.trainer.backends.verl_backend import (  # noqa: E402
-    VerlBackend,
+from lgt.trainer.backends.verl_actor import (  # noqa: E402
     VerlConfig,
     VerlConfigError,
+    VerlInProcessActor,
     pad_batch,
     rank_major_order,
     samples_to_dataproto,
@@ -198,13 +198,13 @@ def test_settings_that_cannot_split_over_the_ranks_are_refused_before_ray_starts
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, tmp_path_factory):
-    """In-process VerlBackend: full batch of 4, each half alone, a checkpoint after step 1 and the
+    """VerlInProcessActor: full batch of 4, each half alone, a checkpoint after step 1 and the
     steps after it (step 2: the 4 samples again; step 3: 6 samples, one without recorded logprobs)."""
     if torch.cuda.is_available():
         pytest.skip("CPU check (gloo ranks)")
     four, six = samples_table(tiny_model_dir, 4), samples_table(tiny_model_dir, 6, seed=1, nan_row=0)
     out = {"four": four, "six": six, "ckpt": tmp_path_factory.mktemp("ref-ckpt") / "verl"}
-    backend = VerlBackend(config(tiny_model_dir))
+    backend = VerlInProcessActor(config(tiny_model_dir))
     try:
         out["initial"] = weights(backend)
         out["lp0"] = backend.logprobs(six)
@@ -218,7 +218,7 @@ def reference(tiny_model_dir, tmp_path_factory):
     finally:
         backend.close()
     for name, half in (("half0", four.slice(0, 2)), ("half1", four.slice(2, 2))):
-        backend = VerlBackend(config(tiny_model_dir))
+        backend = VerlInProcessActor(config(tiny_model_dir))
         try:
             backend.train_step(half)
             out[name] = weights(backend)
@@ -228,7 +228,7 @@ def reference(tiny_model_dir, tmp_path_factory):
     # the same with the mini-batches a two-rank dispatch would make without reordering ((0,1,4,5), ...)
     out["eight"] = eight = samples_table(tiny_model_dir, 8, seed=2)
     for name, rows in (("mini", eight), ("mini_unordered", eight.take([0, 1, 4, 5, 2, 3, 6, 7]))):
-        backend = VerlBackend(config(tiny_model_dir, ppo_mini_batch_size=4))
+        backend = VerlInProcessActor(config(tiny_model_dir, ppo_mini_batch_size=4))
         try:
             backend.load_state(out["ckpt"])
             out[f"{name}_steps"] = backend.steps
@@ -248,7 +248,7 @@ def test_in_process_state_round_trip_continues_exactly(reference):
     assert max_diff(reference["mini_w2"], reference["w2"]) == 0.0
     assert reference["mini_m2"]["loss/pg"] == reference["m2"]["loss/pg"]
     with pytest.raises(CheckpointError, match="no finished verl state"):
-        from lgt.trainer.backends.verl_backend import _read_state
+        from lgt.trainer.backends.verl_actor import _read_state
 
         _read_state(reference["ckpt"].parent, 1)  # the directory above holds no lgt_verl.json
 

@@ -3,7 +3,7 @@
 ``VerlRayActor(config, world_size=N)`` runs verl's ``TrainingWorker`` (FSDP2 engine) on N ranks through
 verl's ``RayResourcePool`` + ``RayWorkerGroup``, the way verl's ``RayPPOTrainer`` drives its actor: the
 driver converts samples to verl's batch (``samples_to_dataproto``, loss weights folded exactly as the
-in-process ``VerlBackend`` does), verl's dispatch splits it across the ranks, FSDP reduces the
+in-process ``VerlInProcessActor`` does), verl's dispatch splits it across the ranks, FSDP reduces the
 gradients, and rank 0's metrics come back. Nothing here distributes anything itself.
 
 Departures from verl's own trainer, on purpose:
@@ -26,7 +26,7 @@ Departures from verl's own trainer, on purpose:
   A ``ppo_mini_batch_size`` must itself be such a multiple (checked before anything starts).
 * With several mini-batches the rows are reordered before dispatch so that each rank's k-th mini-batch
   holds its share of the in-process k-th mini-batch: the optimizer steps see the same samples as
-  ``VerlBackend`` (verl would otherwise give each optimizer step a different mix).
+  ``VerlInProcessActor`` (verl would otherwise give each optimizer step a different mix).
 * The ranks' own output (verl's warnings, its checkpoint log lines) stays in Ray's session logs
   (``/tmp/ray/session_latest/logs``) instead of the trainer's terminal; their errors still reach the
   driver as exceptions.
@@ -34,8 +34,8 @@ Departures from verl's own trainer, on purpose:
   rank 0's copy through Ray's object store to the driver as CPU tensors: fine for small models; big
   models want verl's checkpoint engines instead.
 
-Checkpoints: ``save_state(dir)`` / ``load_state(dir)`` (and the module functions of the same names for
-an in-process ``VerlBackend``) write and read verl's own FSDP checkpoint (model, optimizer, lr scheduler
+Checkpoints: ``save_state(dir)`` / ``load_state(dir)`` (and the methods of the same names of
+``VerlInProcessActor``) write and read verl's own FSDP checkpoint (model, optimizer, lr scheduler
 and RNG state; one shard file per rank, so resume with the same world size) plus ``lgt_verl.json`` (the
 step count that seeds verl's data loader, the world size), written last. They fill one directory, the
 ``verl/`` part of a checkpoint that ``lgt.trainer.backends.checkpoints.write_checkpoint`` writes (temporary
@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from lgt.trainer.backends.verl_backend import (
+from lgt.trainer.backends.verl_actor import (
     VerlActor,
     VerlConfig,
     VerlConfigError,
@@ -149,7 +149,7 @@ class LgtTrainingWorker(TrainingWorker):
 
 
 class VerlRayActor(VerlActor):
-    """verl's FSDP actor on ``world_size`` ranks of a Ray cluster; the calls of ``VerlBackend``.
+    """verl's FSDP actor on ``world_size`` ranks of a Ray cluster; the calls of ``VerlInProcessActor``.
 
     ``world_size`` and ``ray_address`` default to the config's. No ``ray_address``: a local Ray starts
     in this process (``num_cpus`` CPUs, default this machine's; on CPU each rank runs

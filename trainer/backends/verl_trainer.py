@@ -1,5 +1,5 @@
 """The verl backend as ``lgt-train`` runs it (``backend.name: verl``): one verl actor — in this process
-(:class:`~lgt.trainer.backends.verl_backend.VerlBackend`) or on Ray's ranks
+(:class:`~lgt.trainer.backends.verl_actor.VerlInProcessActor`) or on Ray's ranks
 (:class:`~lgt.trainer.backends.verl_ray.VerlRayActor`) — behind lgt's backend interface, with checkpoints
 in lgt's layout."""
 
@@ -17,7 +17,7 @@ import torch
 
 from lgt.trainer.backends.base import VerlConfig
 from lgt.trainer.backends.checkpoints import CheckpointError, read_state, tokenizer_files, write_checkpoint
-from lgt.trainer.backends.verl_backend import VerlBackend
+from lgt.trainer.backends.verl_actor import VerlInProcessActor
 
 VERL_STATE_DIR = "verl"  # a checkpoint's folder for verl's own sharded state (resume)
 HF_WEIGHTS = "model.safetensors"
@@ -26,7 +26,7 @@ MODEL_FILES = ("config.json", "generation_config.json")
 
 class VerlTrainer:
     """The verl backend behind lgt's backend interface (:mod:`lgt.trainer.backends.base`): one verl actor —
-    :class:`VerlBackend` in this process for ``world_size: 1``, verl's own Ray worker groups
+    :class:`VerlInProcessActor` in this process for ``world_size: 1``, verl's own Ray worker groups
     (:class:`~.verl_ray.VerlRayActor`) for more or with ``ray_address`` — plus checkpoints in
     lgt's layout: a Hugging Face model directory (the weights gathered from the ranks, the starting
     model's config and tokenizer files) that vLLM serves on ``--resume``, and verl's own state under
@@ -45,7 +45,7 @@ class VerlTrainer:
             from lgt.trainer.backends.verl_ray import VerlRayActor
 
             return cls(VerlRayActor(config), config, Path(model_dir))
-        return cls(VerlBackend(config), config, Path(model_dir))
+        return cls(VerlInProcessActor(config), config, Path(model_dir))
 
     @classmethod
     def resume(cls, ckpt_dir: str | Path, config: VerlConfig) -> tuple[VerlTrainer, dict[str, Any]]:

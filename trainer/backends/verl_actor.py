@@ -35,7 +35,7 @@ How a store sample maps onto verl's row (``samples_to_dataproto``):
   mini-batch's share of the weighted sum (the weights are not renormalised per mini-batch).
 
 On a machine without CUDA, importing this module installs a CPU platform for verl (verl only ships
-CUDA/NPU platforms) and ``VerlBackend`` registers verl's FSDP engine for it; the engine then runs
+CUDA/NPU platforms) and ``VerlInProcessActor`` registers verl's FSDP engine for it; the engine then runs
 FSDP2 over a gloo process group of one rank. That is for tests and small checks, not for speed.
 """
 
@@ -199,7 +199,7 @@ def samples_to_dataproto(
       0: left padding at 0, right padding repeating the last position);
       ``response_mask`` (B, R) int64 = the sample's ``loss_mask`` over the response part;
       ``old_log_probs`` (B, R) float32 = ``behaviour_logprobs`` there (0 off the mask; NaN where the
-      proxy recorded none: ``VerlBackend.train_step`` recomputes those);
+      proxy recorded none: ``VerlInProcessActor.train_step`` recomputes those);
       ``advantages`` (B, R) float32 = advantage (× ``loss_weight`` when ``fold_loss_weight``) on the
       mask, 0 elsewhere; with a ``token_advantage`` column (list<float32> aligned with ``input_ids``)
       each token's own advantage in place of the sample's;
@@ -360,8 +360,8 @@ def _mean(value: Any) -> float:
 
 
 def training_worker_config(config: VerlConfig):
-    """``(TrainingWorkerConfig, actor config, model config)`` for ``config``: what ``VerlBackend`` builds
-    its in-process worker from, built the same way for the ranks."""
+    """``(TrainingWorkerConfig, actor config, model config)`` for ``config``: what
+    ``VerlInProcessActor`` builds its worker from, built the same way for the ranks."""
     from verl.workers.config import TrainingWorkerConfig
 
     model_config = config.to_verl_model()
@@ -439,7 +439,7 @@ def recompute_old_logprobs(batch: DataProto, logprobs, config: VerlConfig) -> di
 
 
 def metrics_of(raw: dict[str, Any], samples: int, tokens: float) -> dict[str, float]:
-    """verl's training metrics under lgt's names (as ``VerlBackend.train_step`` reports them)."""
+    """verl's training metrics under lgt's names (as ``VerlInProcessActor.train_step`` reports them)."""
     metrics = {f"actor/{k}" if not k.startswith("actor/") else k: _mean(v) for k, v in raw.items()
                if not k.startswith("perf/") and k != "mfu"}
     metrics["loss/pg"] = metrics.pop("actor/pg_loss", float("nan"))
@@ -562,7 +562,7 @@ class VerlActor:
                 for i, (p, r) in enumerate(zip(prompt_lens, response_lens, strict=True))]
 
 
-class VerlBackend(VerlActor):
+class VerlInProcessActor(VerlActor):
     """One verl FSDP actor in this process: ``train_step(samples)`` runs verl's PPO update on them.
 
     Built once (``setup`` in the constructor): the process group (one rank), verl's ``TrainingWorker``
