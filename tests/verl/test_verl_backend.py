@@ -21,12 +21,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from lgt.store.samples import SAMPLES  # noqa: E402
 from lgt.trainer.backends.samples import SampleError  # noqa: E402
-from lgt.trainer.backends.verl_actor import (  # noqa: E402
-    VerlConfig,
-    VerlConfigError,
-    VerlInProcessActor,
-    samples_to_dataproto,
-)
+from lgt.trainer.backends.verl_actor import VerlConfig, VerlConfigError, VerlInProcessActor  # noqa: E402
+from lgt.trainer.backends.verl_batch import samples_to_dataproto  # noqa: E402
 from lgt.trainer.rl.algorithm import LossConfig, training_schema  # noqa: E402
 
 PAD = 0

@@ -29,14 +29,8 @@ import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
 from lgt.trainer.backends.checkpoints import CheckpointError  # noqa: E402
-from lgt.trainer.backends.verl_actor import (  # noqa: E402
-    VerlConfig,
-    VerlConfigError,
-    VerlInProcessActor,
-    pad_batch,
-    rank_major_order,
-    samples_to_dataproto,
-)
+from lgt.trainer.backends.verl_actor import VerlConfig, VerlConfigError, VerlInProcessActor  # noqa: E402
+from lgt.trainer.backends.verl_batch import pad_batch, rank_major_order, samples_to_dataproto  # noqa: E402
 from lgt.trainer.backends.verl_ray import LOCAL_RAY_ENV, VerlRayActor  # noqa: E402
 
 LR = 2e-4

@@ -10,10 +10,11 @@ Departures from verl's own trainer, on purpose:
 
 * On a machine without CUDA (tests, small checks) the ranks are CPU processes over gloo. verl ships no
   CPU platform, and its ``initialize_global_process_group_ray`` asks torch for ``"cpu:gloo,cpu:gloo"``,
-  which torch rejects; so each actor imports this module (which installs the backend's CPU platform
-  before any verl engine is imported), registers verl's FSDP engine for CPU and creates the gloo process
-  group itself from the ``MASTER_ADDR``/``MASTER_PORT`` verl gives each worker, before
-  ``TrainingWorker.__init__``. With CUDA none of that happens: verl's own path (NCCL + gloo) runs.
+  which torch rejects; so each actor imports this module (which installs the CPU platform of
+  :mod:`~lgt.trainer.backends.verl_platform` before any verl engine is imported), registers verl's
+  FSDP engine for CPU and creates the gloo process group itself from the ``MASTER_ADDR``/``MASTER_PORT``
+  verl gives each worker, before ``TrainingWorker.__init__``. With CUDA none of that happens: verl's
+  own path (NCCL + gloo) runs.
 * The resource pool is built directly (``RayResourcePool(use_gpu=..., max_colocate_count=1)``): verl's
   ``ResourcePoolManager`` hard-codes ``use_gpu=True`` and its default colocate count asks 10 CPUs a
   bundle.
@@ -53,24 +54,21 @@ from typing import Any
 
 import torch
 
+from lgt.trainer.backends import verl_platform  # before verl's engines are imported, here and in every rank
 from lgt.trainer.backends.verl_actor import (
     VerlActor,
     VerlConfig,
     VerlConfigError,
-    _install_cpu_platform,
     _read_state,
-    _register_cpu_engine,
     _save_state,
     pad_token_of,
     training_worker_config,
 )
 
-if not torch.cuda.is_available():
-    _install_cpu_platform()  # before verl's engines are imported, here and in every actor
-
-import ray  # noqa: E402
-from verl.single_controller.base.decorator import Dispatch, register  # noqa: E402
-from verl.workers.engine_workers import TrainingWorker  # noqa: E402
+# isort: split
+import ray
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.workers.engine_workers import TrainingWorker
 
 OBJECT_STORE_BYTES = 100 * 2**20  # a local Ray's shared memory; bigger objects spill to disk
 
@@ -118,7 +116,7 @@ class LgtTrainingWorker(TrainingWorker):
 
     def __init__(self, config):
         if not torch.cuda.is_available():
-            _register_cpu_engine()
+            verl_platform.register_cpu_engine()
             _init_gloo_from_env()
         super().__init__(config)
 
