@@ -398,7 +398,7 @@ def test_missing_behaviour_logprobs_are_recomputed_before_the_update(tiny_model_
 
 @pytest.mark.slow
 def test_the_verl_backend_checkpoints_as_an_hf_model_and_resumes_exactly(tiny_model_dir, tmp_path):
-    # lgt-train's verl backend (VerlTrainer): a checkpoint is a model directory vLLM can serve, plus
+    # lgt-train's verl backend (VerlBackend): a checkpoint is a model directory vLLM can serve, plus
     # verl's own state; --resume rebuilds the actor on it and continues as if it had not stopped.
     if torch.cuda.is_available():
         pytest.skip("CPU check")

@@ -309,7 +309,7 @@ class BackendEntry:
 
 BACKENDS: dict[str, BackendEntry] = {
     "torch": BackendEntry(TorchConfig, "lgt.trainer.backends.torch_backend", "TorchBackend", "torch"),
-    "verl": BackendEntry(VerlConfig, "lgt.trainer.backends.verl_trainer", "VerlTrainer", "verl"),
+    "verl": BackendEntry(VerlConfig, "lgt.trainer.backends.verl_backend", "VerlBackend", "verl"),
 }
 
 

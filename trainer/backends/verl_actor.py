@@ -6,7 +6,7 @@ verl (0.9) trains through ``TrainingWorker`` + an engine (FSDP/FSDP2 here) with 
 samples into that batch (:mod:`~lgt.trainer.backends.verl_batch`) and runs verl's update on it, the way
 verl's own ``RayPPOTrainer._update_actor`` drives its worker group; :class:`VerlInProcessActor` is one
 ``TrainingWorker`` in this process (world size 1, no Ray), :class:`~.verl_ray.VerlRayActor` verl's Ray
-worker groups. :class:`~lgt.trainer.backends.verl_trainer.VerlTrainer` puts either behind lgt's backend
+worker groups. :class:`~lgt.trainer.backends.verl_backend.VerlBackend` puts either behind lgt's backend
 interface.
 
 On a machine without CUDA the engine runs FSDP2 over a gloo process group of one rank

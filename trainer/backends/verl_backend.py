@@ -1,7 +1,7 @@
 """The verl backend as ``lgt-train`` runs it (``backend.name: verl``): one verl actor — in this process
 (:class:`~lgt.trainer.backends.verl_actor.VerlInProcessActor`) or on Ray's ranks
 (:class:`~lgt.trainer.backends.verl_ray.VerlRayActor`) — behind lgt's backend interface, with checkpoints
-in lgt's layout."""
+in lgt's layout. verl itself is imported when an actor is made: this module imports without it."""
 
 from __future__ import annotations
 
@@ -17,17 +17,16 @@ import torch
 
 from lgt.trainer.backends.base import VerlConfig
 from lgt.trainer.backends.checkpoints import CheckpointError, read_state, tokenizer_files, write_checkpoint
-from lgt.trainer.backends.verl_actor import VerlInProcessActor
 
 VERL_STATE_DIR = "verl"  # a checkpoint's folder for verl's own sharded state (resume)
 HF_WEIGHTS = "model.safetensors"
 MODEL_FILES = ("config.json", "generation_config.json")
 
 
-class VerlTrainer:
+class VerlBackend:
     """The verl backend behind lgt's backend interface (:mod:`lgt.trainer.backends.base`): one verl actor —
-    :class:`VerlInProcessActor` in this process for ``world_size: 1``, verl's own Ray worker groups
-    (:class:`~.verl_ray.VerlRayActor`) for more or with ``ray_address`` — plus checkpoints in
+    :class:`~.verl_actor.VerlInProcessActor` in this process for ``world_size: 1``, verl's own Ray worker
+    groups (:class:`~.verl_ray.VerlRayActor`) for more or with ``ray_address`` — plus checkpoints in
     lgt's layout: a Hugging Face model directory (the weights gathered from the ranks, the starting
     model's config and tokenizer files) that vLLM serves on ``--resume``, and verl's own state under
     ``verl/`` (model, optimizer, scheduler, RNG; one shard per rank: resume with the same world size).
@@ -39,30 +38,32 @@ class VerlTrainer:
         self.base_model = base_model  # config and tokenizer files come from here
 
     @classmethod
-    def load(cls, model_dir: str | Path, config: VerlConfig) -> VerlTrainer:
+    def load(cls, model_dir: str | Path, config: VerlConfig) -> VerlBackend:
         config = dataclasses.replace(config, model_path=str(model_dir))
         if config.world_size > 1 or config.ray_address:
             from lgt.trainer.backends.verl_ray import VerlRayActor
 
             return cls(VerlRayActor(config), config, Path(model_dir))
+        from lgt.trainer.backends.verl_actor import VerlInProcessActor
+
         return cls(VerlInProcessActor(config), config, Path(model_dir))
 
     @classmethod
-    def resume(cls, ckpt_dir: str | Path, config: VerlConfig) -> tuple[VerlTrainer, dict[str, Any]]:
+    def resume(cls, ckpt_dir: str | Path, config: VerlConfig) -> tuple[VerlBackend, dict[str, Any]]:
         """The actor rebuilt on the checkpoint's weights, verl's state loaded; and the run's ``extra``."""
         ckpt = Path(ckpt_dir)
         _, extra, base = read_state(ckpt)
         if not (ckpt / VERL_STATE_DIR).is_dir():
             raise CheckpointError(f"{ckpt} holds no verl state ({VERL_STATE_DIR}/): it was not written by "
                                   "the verl backend")
-        trainer = cls.load(ckpt, config)
-        trainer.base_model = base
+        backend = cls.load(ckpt, config)
+        backend.base_model = base
         try:
-            trainer.actor.load_state(ckpt / VERL_STATE_DIR)
+            backend.actor.load_state(ckpt / VERL_STATE_DIR)
         except BaseException:
-            trainer.close()
+            backend.close()
             raise
-        return trainer, extra
+        return backend, extra
 
     @property
     def step(self) -> int:
