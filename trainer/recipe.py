@@ -25,7 +25,7 @@ made and started here, or one at a URL). Nothing after setup reads the run confi
      and the per-token advantages (:mod:`lgt.trainer.distill.opd`), still while the rollouts run;
   3. ``POST /pause`` to the proxy: new model calls are held, in-flight ones drain (seconds recorded);
   4. on a GPU the engine sleeps (its memory freed for the update); the backend trains; the engine
-     wakes and gets the new weights without a restart (``backend.push_weights``);
+     wakes and gets the new weights without a restart (``backend.named_weights``);
   5. a checkpoint (weights, optimizer, the trained groups) before ``POST /resume`` with the new policy
      version; held calls continue on the new weights; the step's metrics row.
 
@@ -280,7 +280,7 @@ class Recipe:
             write_json(self.run_dir / cfgmod.RUN_FILE, cfg.to_json())
         self.tokenizer = _decoder(model_dir)
         teacher_dir = self.ensure_teacher(model_dir)  # made and its tokenizer checked before any engine
-        self.serve(ckpt or model_dir, push_weights=self.backend.push_weights)
+        self.serve(ckpt or model_dir, weights=self.backend.named_weights)
         if cfg.teacher is not None:
             self.start_teacher(teacher_dir)
         self.scheduler = GroupScheduler(
@@ -318,7 +318,7 @@ class Recipe:
         if not self.resume:
             write_json(self.run_dir / cfgmod.RUN_FILE, self.cfg.to_json())
 
-    def serve(self, serve_dir: Path, push_weights: Callable[[Any], None] | None = None) -> None:
+    def serve(self, serve_dir: Path, weights: Callable[[], Any] | None = None) -> None:
         """The engine on ``serve_dir`` and lgt-proxy in front of it (the supervisor), the rollout
         controller."""
         from lgt.trainer.rollout.controller import RolloutController
@@ -328,7 +328,7 @@ class Recipe:
                                      store_url=self.remote.url if self.remote is not None else self.store,
                                      logs_dir=self.run_dir / "logs", seed=cfg.seed, restarts=cfg.restarts,
                                      progress=self.progress, log=self.runlog.log)
-        self.supervisor.serve(serve_dir, push_weights)
+        self.supervisor.serve(serve_dir, weights)
         resources = None
         if cfg.resources:
             from lgt.trainer.rollout.resources import Resources
@@ -507,7 +507,8 @@ class Recipe:
             metrics = await timed("train", self.train_on, prepared.samples)
             if asleep:
                 await timed("wake", sup.engine.wake_up)
-            await timed("sync", lambda: self.backend.push_weights(sup.engine), paused=True)  # a new engine
+            await timed("sync", lambda: sup.engine.update_weights(self.backend.named_weights()),
+                        paused=True)  # a new engine
         progress.trained([g.group_id for g in batch], prepared.samples.num_rows)
         self.scheduler.trained(batch)
         if progress.step % self.checkpoint_every == 0 or progress.step >= self.stop_rules.steps:

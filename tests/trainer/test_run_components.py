@@ -299,6 +299,7 @@ class FakeEngine:
     cfg: EngineCfg = field(default_factory=EngineCfg)
     stopped: bool = False
     base_url: str = "http://127.0.0.1:8100"
+    updates: list[list[Any]] = field(default_factory=list)
 
     def check_alive(self) -> None:
         if self.died:
@@ -306,6 +307,9 @@ class FakeEngine:
 
     def stop(self, timeout: float = 30) -> None:
         self.stopped = True
+
+    def update_weights(self, weights: Any) -> None:
+        self.updates.append(list(weights))
 
 
 class FakeProxy:
@@ -348,13 +352,13 @@ def test_a_dead_engine_is_started_again_with_the_current_weights(tmp_path, monke
                         lambda cfg: started.append(cfg) or FakeEngine(port=cfg.port))
     progress = Progress(version=3, version_at_start=1)
     sup, lines = make_supervisor(tmp_path, 2, progress)
-    pushed: list[Any] = []
-    sup.push_weights = pushed.append
+    sup.weights = lambda: iter([("w", 1)])
     old = sup.engine
     old.died = True
     asyncio.run(sup.keep_alive())
     assert old.stopped and sup.engine is not old and started == [EngineCfg(port=8100)]
-    assert pushed == [sup.engine]  # two updates since the weights the engine starts from
+    # two updates since the weights the engine starts from: the new engine gets the current ones
+    assert sup.engine.updates == [[("w", 1)]] and old.updates == []
     assert sup.proxy.calls == [("pause", 10), ("resume", 3)]  # new calls held while it starts
     assert lines[0] == ("the vLLM engine (pid 42) exited with code -9; starting it again at policy "
                         "version 3 (restart 1 of 2)")

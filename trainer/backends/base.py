@@ -1,18 +1,21 @@
 """The trainer backend interface, its registry, and each backend's config. No torch, no verl here.
 
-A backend trains the policy on batches of samples. Every backend has the same five verbs::
+A backend trains the policy on batches of samples. What the run (:mod:`lgt.trainer.recipe`), SFT
+(:mod:`lgt.trainer.distill.sft`) and on-policy distillation call on one is :class:`Backend`::
 
     backend = Backend.load(model_dir, cfg)            # or: backend, extra = Backend.resume(ckpt, cfg)
     metrics = backend.train_step(samples)             # one update on a pyarrow table of samples
+    logprobs = backend.sample_logprobs(samples)       # the policy's log-prob of every token (OPD)
+    engine.update_weights(backend.named_weights())    # the new weights into the running engine
     ckpt = backend.save_checkpoint(root, extra)       # an HF model dir + the backend's state + DONE
-    timings = backend.push_weights(engine)            # the new weights into the running engine
     backend.close()
 
-:data:`BACKENDS` maps a name to its config class (defined here, so a run config is checked in
-milliseconds without importing torch or verl) and to the class that trains, imported only when a run
-starts. ``backend.name`` in a run config picks one; the rest of the section is that backend's
-config. Loss settings are not part of it: they come from the run's ``algorithm`` section
-(:class:`lgt.trainer.rl.algorithm.LossConfig`), the same for every backend.
+Each reads the table with :func:`lgt.trainer.backends.samples.read_samples`. :data:`BACKENDS` maps a
+name to its config class (defined here, so a run config is checked in milliseconds without importing
+torch or verl) and to the class that trains, imported only when a run starts. ``backend.name`` in a
+run config picks one; the rest of the section is that backend's config. Loss settings are not part of
+it: they come from the run's ``algorithm`` section (:class:`lgt.trainer.rl.algorithm.LossConfig`), the
+same for every backend.
 """
 
 from __future__ import annotations
@@ -34,16 +37,55 @@ class BackendError(ValueError):
 
 
 class Backend(Protocol):
-    def train_step(self, samples: Any) -> dict[str, float]: ...
+    """A policy being trained and its optimizer state (``tests/trainer/test_backend_contract.py`` holds
+    every backend in :data:`BACKENDS` to these names and signatures).
 
-    def save_checkpoint(self, root: Path, extra: dict[str, Any] | None = None, *,
-                        name: int | None = None) -> Path: ...
+    ``samples`` is a pyarrow table of the store's samples with the trainer's columns (N rows:
+    ``sample_id``, ``input_ids``, ``loss_mask``, ``behaviour_logprobs`` as lists of T_i entries,
+    ``advantage`` and ``loss_weight``; optionally ``token_advantage`` and the teacher's top k), as
+    :func:`lgt.trainer.backends.samples.read_samples` reads and checks it (SampleError otherwise).
+    """
 
-    def named_weights(self) -> Iterator[tuple[str, Any]]: ...
+    summary: str  # one line for the run's log (device, dtype, what it trains); "" when there is none
 
-    def push_weights(self, engine: Any) -> Any: ...
+    @classmethod
+    def load(cls, model_dir: str | Path, cfg: Any) -> Backend:
+        """The model in the Hugging Face directory ``model_dir``, ready to train under ``cfg`` (its
+        config class in :data:`BACKENDS`)."""
+        ...
 
-    def close(self) -> None: ...
+    @classmethod
+    def resume(cls, ckpt_dir: str | Path, cfg: Any) -> tuple[Backend, dict[str, Any]]:
+        """The backend as ``save_checkpoint`` left it in ``ckpt_dir`` (weights, optimizer, update count),
+        and the ``extra`` it was saved with; CheckpointError when that is no finished checkpoint."""
+        ...
+
+    def train_step(self, samples: Any) -> dict[str, float]:
+        """One update of the policy on every sample (a backend may split it into micro- or
+        mini-batches); its metrics as floats (``loss/pg``, ``actor/*``, token and sample counts)."""
+        ...
+
+    def sample_logprobs(self, samples: Any) -> list[Any]:
+        """The current policy's log-prob of every token of every sample: N float32 numpy arrays, row i
+        of length T_i aligned with its ``input_ids`` (0 where a backend scores nothing: the first token,
+        and on verl everything before the first generated one)."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, Any]]:
+        """``(Hugging Face parameter name, tensor)`` for every weight, what ``Engine.update_weights``
+        takes; the tensors may be views of the live weights: use them before the next ``train_step``."""
+        ...
+
+    def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None, *,
+                        name: int | None = None) -> Path:
+        """``root/step-<name:08d>`` (default: the update count): an HF model directory vLLM can serve,
+        the backend's own state, the JSON-serialisable ``extra``, ``DONE`` written last
+        (:mod:`lgt.trainer.backends.checkpoints`)."""
+        ...
+
+    def close(self) -> None:
+        """Free the model (and whatever the backend started to train it)."""
+        ...
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:

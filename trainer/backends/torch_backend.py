@@ -281,6 +281,8 @@ class TorchBackend:
     ``step`` counts the updates made (restored by ``resume``).
     """
 
+    summary: str  # the device, what it computes in and why, what it trains (set in __init__)
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TorchConfig, *,
                  model_dir: Path, base_model_dir: Path, max_seq_len: int, vocab_size: int,
                  ref: torch.nn.Module | None, device: torch.device) -> None:
@@ -528,10 +530,6 @@ class TorchBackend:
                                   "train_embeddings it was saved with") from None
         backend.step = step
         return backend, extra
-
-    def push_weights(self, engine: Any) -> Any:
-        """Hand the current weights to a running engine (``Engine.update_weights``): its timings."""
-        return engine.update_weights(self.named_weights())
 
     def close(self) -> None:
         """Free the model, its optimizer and the reference copy."""

@@ -32,14 +32,16 @@ class VerlBackend:
     ``verl/`` (model, optimizer, scheduler, RNG; one shard per rank: resume with the same world size).
     """
 
+    summary = ""  # nothing beyond the config to say in the run's log
+
     def __init__(self, actor: Any, config: VerlConfig, base_model: Path) -> None:
         self.actor = actor
         self.config = config
         self.base_model = base_model  # config and tokenizer files come from here
 
     @classmethod
-    def load(cls, model_dir: str | Path, config: VerlConfig) -> VerlBackend:
-        config = dataclasses.replace(config, model_path=str(model_dir))
+    def load(cls, model_dir: str | Path, cfg: VerlConfig) -> VerlBackend:
+        config = dataclasses.replace(cfg, model_path=str(model_dir))
         if config.world_size > 1 or config.ray_address:
             from lgt.trainer.backends.verl_ray import VerlRayActor
 
@@ -49,14 +51,14 @@ class VerlBackend:
         return cls(VerlInProcessActor(config), config, Path(model_dir))
 
     @classmethod
-    def resume(cls, ckpt_dir: str | Path, config: VerlConfig) -> tuple[VerlBackend, dict[str, Any]]:
+    def resume(cls, ckpt_dir: str | Path, cfg: VerlConfig) -> tuple[VerlBackend, dict[str, Any]]:
         """The actor rebuilt on the checkpoint's weights, verl's state loaded; and the run's ``extra``."""
         ckpt = Path(ckpt_dir)
         _, extra, base = read_state(ckpt)
         if not (ckpt / VERL_STATE_DIR).is_dir():
             raise CheckpointError(f"{ckpt} holds no verl state ({VERL_STATE_DIR}/): it was not written by "
                                   "the verl backend")
-        backend = cls.load(ckpt, config)
+        backend = cls.load(ckpt, cfg)
         backend.base_model = base
         try:
             backend.actor.load_state(ckpt / VERL_STATE_DIR)
@@ -80,10 +82,6 @@ class VerlBackend:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.actor.named_weights()
-
-    def push_weights(self, engine: Any) -> Any:
-        """Hand the current weights to a running engine (``Engine.update_weights``)."""
-        return engine.update_weights(self.named_weights())
 
     def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None, *,
                         name: int | None = None) -> Path:

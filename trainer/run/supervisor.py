@@ -28,8 +28,8 @@ class Supervisor:
     """The engine (``.engine``, an :class:`~lgt.trainer.serving.engine.Engine`: a new one after a
     restart, so read it from here each time) and the proxy replicas (``.proxy``, a
     :class:`~lgt.trainer.serving.proxy.ProxyGroup`), from the run config's ``engine`` and ``proxy``
-    sections. ``progress`` gives the policy version to serve; ``push_weights`` (the backend's, given to
-    :meth:`serve`) gives a restarted engine the current weights."""
+    sections. ``progress`` gives the policy version to serve; ``weights`` (the backend's
+    ``named_weights``, given to :meth:`serve`) gives a restarted engine the current weights."""
 
     def __init__(self, engine: EngineConfig, proxy: ProxySection, *, store: Path, store_url: str | Path,
                  logs_dir: Path, seed: int, restarts: int, progress: Progress,
@@ -44,22 +44,22 @@ class Supervisor:
         self.restarts = 0  # engine and proxy restarts in this process
         self.progress = progress
         self.log = log
-        self.push_weights: Callable[[Any], None] | None = None
+        self.weights: Callable[[], Any] | None = None
         self.engine: Any = None
         self.proxy: Any = None
 
-    def serve(self, model_dir: Path, push_weights: Callable[[Any], None] | None = None) -> None:
-        """The engine on ``model_dir`` (or the weights ``push_weights`` gives, for an attached engine),
+    def serve(self, model_dir: Path, weights: Callable[[], Any] | None = None) -> None:
+        """The engine on ``model_dir`` (or the weights ``weights()`` yields, for an attached engine),
         lgt-proxy in front of it at the current policy version, and one warm-up request."""
         from lgt.trainer.serving import engine as enginemod
 
-        self.push_weights = push_weights
+        self.weights = weights
         cfg, version = self.engine_cfg, self.progress.version
         if cfg.url:  # a running engine: it serves this run's weights from now on
             self.log(f"using the vLLM engine at {cfg.url} (engine.url): loading {model_dir.name} ...")
             self.engine = enginemod.Engine.attach(dataclasses.replace(cfg, model=model_dir))
-            if push_weights is not None:
-                push_weights(self.engine)
+            if weights is not None:
+                self.engine.update_weights(weights())
             else:
                 self.engine.update_weights(enginemod.checkpoint_tensors(model_dir))
         else:
@@ -148,8 +148,8 @@ class Supervisor:
         self.engine = await asyncio.to_thread(enginemod.Engine.start,
                                               dataclasses.replace(old.cfg, port=old.port))
         # it serves the weights the run started from
-        if self.progress.updates_this_run and self.push_weights is not None:
-            await asyncio.to_thread(self.push_weights, self.engine)
+        if self.progress.updates_this_run and self.weights is not None:
+            await asyncio.to_thread(self.engine.update_weights, self.weights())
         if not paused:
             await asyncio.to_thread(self.proxy.resume, self.progress.version)
 
