@@ -60,7 +60,7 @@ class TokenBatch:
         return int(np.searchsorted(self.starts, token, side="right") - 1)
 
 
-def as_table(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) -> pa.Table:
+def _as_table(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) -> pa.Table:
     """``samples`` as one table (an iterator of record batches is read here, once)."""
     if isinstance(samples, pa.Table):
         return samples
@@ -103,7 +103,7 @@ def read_samples(samples: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch]) 
     the required columns, no nulls, one token per entry of every per-token list, at least one token a
     sample, ``loss_mask`` 0 or 1, finite advantages and loss weights, a finite ``token_advantage`` on
     every trained token, the same k of teacher top-k ids and logprobs per token."""
-    table = as_table(samples)
+    table = _as_table(samples)
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise SampleError(f"the samples lack column(s) {', '.join(missing)}: give rows with the store's "

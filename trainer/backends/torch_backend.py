@@ -66,7 +66,7 @@ from lgt.trainer.backends.checkpoints import (
     tokenizer_files,
     write_checkpoint,
 )
-from lgt.trainer.backends.samples import SampleError, TokenBatch, as_table, read_samples
+from lgt.trainer.backends.samples import SampleError, TokenBatch, read_samples
 from lgt.trainer.models import ModelError, check_model_dir
 from lgt.trainer.rl import loss as rl
 from lgt.trainer.serving.hardware import resolve_dtype
@@ -384,8 +384,10 @@ class TorchBackend:
         ``old``: the old policy's log-probs of the PPO ratio, one tensor per micro-batch — an empty list
         is filled with this pass's own (the weights before the update); a filled one is used.
         """
+        return self._accumulate(read_samples(samples), old)
+
+    def _accumulate(self, batch: TokenBatch, old: list[torch.Tensor] | None) -> dict[str, float]:
         started = time.perf_counter()
-        batch = read_samples(samples)
         self.check_samples(batch)
         num_tokens = float(batch.masked.sum())
         trained = np.flatnonzero(batch.masked > 0)
@@ -443,11 +445,11 @@ class TorchBackend:
         had a trained token: no update is made, the step still counts).
         """
         started = time.perf_counter()
-        samples = as_table(samples)  # an iterator of batches is read once, for every pass
+        batch = read_samples(samples)  # read and checked once, for every pass
         old: list[torch.Tensor] | None = [] if self.cfg.epochs > 1 else None
         for _ in range(self.cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            out = self.accumulate(samples, old)
+            out = self._accumulate(batch, old)
             skipped = out["trained_tokens"] == 0
             if skipped:
                 out["grad_norm"] = 0.0
