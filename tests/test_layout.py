@@ -10,14 +10,14 @@ ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"proxy": "lgt.proxy", "store": "lgt.store", "trainer": "lgt.trainer", "testing": "lgt.testing"}
 
 # A room may import the rooms listed after it (and itself). Rooms are the top folders, and inside the
-# trainer its subpackages; a module directly in trainer/ (cli, recipe, config, models) is its own room.
+# trainer its subpackages; a module directly in trainer/ (cli, recipe, config, model_dir ...) is its own room.
 ORDER = [
     "lgt.testing",
     "lgt.trainer.cli", "lgt.trainer.distill.record", "lgt.trainer.distill.sft", "lgt.trainer.recipe",
     "lgt.trainer.config",
-    "lgt.trainer.distill", "lgt.trainer.run", "lgt.trainer.apo",
+    "lgt.trainer.distill", "lgt.trainer.run", "lgt.trainer.apo", "lgt.trainer.make_model",
     "lgt.trainer.rollout", "lgt.trainer.backends", "lgt.trainer.serving", "lgt.trainer.report",
-    "lgt.trainer.rl", "lgt.trainer.models", "lgt.trainer.demo",
+    "lgt.trainer.rl", "lgt.trainer.gguf", "lgt.trainer.model_dir", "lgt.trainer.demo",
     "lgt.proxy", "lgt.store",
 ]
 

@@ -21,7 +21,7 @@ import click
 from lgt.store import cli as store_cli
 from lgt.store import show as show_mod
 from lgt.store.cli import build_streamed, check_out, store_option, tokenizer_option, user_errors
-from lgt.trainer.models import DTYPES, SOURCES
+from lgt.trainer.gguf import DTYPES, SOURCES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -449,22 +449,22 @@ def make_model_cmd(ctx: click.Context, out: Path, preset: str, warm_start: str, 
     if tiny_only:
         raise click.ClickException(f"{tiny_only[0]} is a setting of the tiny demo models, not of an import "
                                    "from GGUF: leave it out")
-    from lgt.trainer import models, recipe
+    from lgt.trainer import make_model, model_dir, recipe
 
     try:
         template = None
         if chat_template is not None:
-            template = models.read_chat_template(chat_template)
-            models.check_chat_template(template, name=f"--chat-template {chat_template}")
-        path = recipe.import_model(models.MakeModel(pretrained=pretrained, gguf=gguf, dtype=dtype), out,
+            template = model_dir.read_chat_template(chat_template)
+            model_dir.check_chat_template(template, name=f"--chat-template {chat_template}")
+        path = recipe.import_model(make_model.MakeModel(pretrained=pretrained, gguf=gguf, dtype=dtype), out,
                                    chat_template=template, dtype_key="--dtype",
                                    log=lambda line: click.echo(line, err=True))
     except ValueError as e:  # ModelError: one sentence
         raise click.ClickException(str(e)) from None
     try:
-        models.check_chat_template((path / "chat_template.jinja").read_text(encoding="utf-8"),
+        model_dir.check_chat_template((path / "chat_template.jinja").read_text(encoding="utf-8"),
                                    name=f"{path}'s chat template")
-    except (OSError, models.ModelError) as e:
+    except (OSError, model_dir.ModelError) as e:
         click.echo(f"note: {e}; an agent that calls tools needs another one (--chat-template FILE here, or "
                    "model.chat_template in a run config)", err=True)
     click.echo(str(path))
@@ -484,7 +484,7 @@ def engine_cmd(model_dir: Path, vllm_args: tuple[str, ...], port: int, max_model
     (e.g. -- --enable-auto-tool-choice --tool-call-parser hermes)."""
     import signal as sig
 
-    from lgt.trainer.models import ModelError
+    from lgt.trainer.model_dir import ModelError
     from lgt.trainer.serving.engine import Engine, EngineConfig, EngineError
 
     try:

@@ -29,7 +29,7 @@ from lgt.trainer.apo.optimize import ApoConfig
 from lgt.trainer.backends.base import BACKENDS, TorchConfig, VerlConfig
 from lgt.trainer.distill.opd import TeacherSection, tokenizer_mismatch
 from lgt.trainer.distill.traces import SftConfig
-from lgt.trainer.models import MakeModel
+from lgt.trainer.make_model import MakeModel
 from lgt.trainer.report import trackers
 from lgt.trainer.rl.algorithm import AlgorithmConfig, LossConfig
 from lgt.trainer.rollout.agent import AgentSpec
@@ -59,7 +59,7 @@ class ModelSection:
     path: Path = Path("model")
     make: MakeModel | None = None
     # a Jinja chat template used instead of the model's own by the engine and by everything that renders
-    # (lgt.trainer.models.with_chat_template); checked before anything starts (recipe.validate)
+    # (lgt.trainer.model_dir.with_chat_template); checked before anything starts (recipe.validate)
     chat_template: Path | None = None
 
 

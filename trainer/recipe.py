@@ -75,7 +75,7 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     ConfigError (or another ValueError: one sentence) names what is wrong. Fast: reads the tasks file and
     a few small JSON files, looks commands up on PATH; imports no torch, verl or vLLM.
     """
-    from lgt.trainer import models
+    from lgt.trainer import model_dir
     from lgt.trainer.rollout import controller as rollouts
     from lgt.trainer.serving.engine import EngineError, engine_python
     from lgt.trainer.serving.proxy import ProxyError, find_proxy_command
@@ -90,13 +90,13 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     if m.make is not None:
         _check_make(m.make, m.path, "model")
     else:
-        models.check_model_dir(m.path, need_chat_template=m.chat_template is None).check_context(
+        model_dir.check_model_dir(m.path, need_chat_template=m.chat_template is None).check_context(
             cfg.engine.max_model_len)
     t = cfg.teacher
     if t is not None and t.make is not None and t.path is not None:
         _check_make(t.make, t.path, "teacher")
     elif t is not None and t.path is not None:
-        models.check_model_dir(t.path)
+        model_dir.check_model_dir(t.path)
     if resume_dir is not None and not (resume_dir / "config.json").exists():
         raise ConfigError(f"{resume_dir} is not a run directory (it has no config.json)")
     target = run_dir or cfg.run_dir
@@ -117,12 +117,12 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
 
 
 def chat_template(cfg: RunConfig) -> str | None:
-    """The text of ``model.chat_template``, checked (:func:`lgt.trainer.models.check_chat_template`:
+    """The text of ``model.chat_template``, checked (:func:`lgt.trainer.model_dir.check_chat_template`:
     tools, tool calls and results render, later prompts extend earlier ones) with the model's special
     tokens when the model exists already; None without one. ConfigError (one sentence) otherwise; the
     engine's own ``--chat-template`` is refused (vLLM would render with a template the trainer does not
     use)."""
-    from lgt.trainer import models
+    from lgt.trainer import model_dir
 
     flag = next((a for a in cfg.engine.extra_args if a.split("=")[0] == "--chat-template"), None)
     if flag is not None:
@@ -132,10 +132,10 @@ def chat_template(cfg: RunConfig) -> str | None:
     if path is None:
         return None
     try:
-        text = models.read_chat_template(path)
-        special = models.special_tokens(cfg.model.path) if cfg.model.path.is_dir() else {}
-        models.check_chat_template(text, name=f"model.chat_template {path}", special_tokens=special)
-    except models.ModelError as e:
+        text = model_dir.read_chat_template(path)
+        special = model_dir.special_tokens(cfg.model.path) if cfg.model.path.is_dir() else {}
+        model_dir.check_chat_template(text, name=f"model.chat_template {path}", special_tokens=special)
+    except model_dir.ModelError as e:
         raise ConfigError(f"model.chat_template: {e}" if str(e).startswith("chat template") else str(e)) \
             from None
     return text
@@ -144,19 +144,19 @@ def chat_template(cfg: RunConfig) -> str | None:
 def with_chat_template(cfg: RunConfig, model_dir: Path, run_dir: Path, name: str = "model") -> Path:
     """``model_dir`` as the run serves, trains and renders it: with ``model.chat_template``, the folder
     ``<run_dir>/<name>`` that holds ``model_dir``'s files (linked) and that template
-    (:func:`lgt.trainer.models.with_chat_template`: vLLM, transformers and the checkpoints all read it
+    (:func:`lgt.trainer.model_dir.with_chat_template`: vLLM, transformers and the checkpoints all read it
     from there); without one, ``model_dir`` itself. ``name``: ``model`` for the config's model (the
     checkpoints name it as their starting model), another for a checkpoint served."""
-    from lgt.trainer import models
+    from lgt.trainer import model_dir as dirs
 
     text = chat_template(cfg)
-    return model_dir if text is None else models.with_chat_template(model_dir, text, run_dir / name)
+    return model_dir if text is None else dirs.with_chat_template(model_dir, text, run_dir / name)
 
 
 def _check_make(make: Any, path: Path, key: str) -> None:
     """``model.make`` or ``teacher.make``: settings tiny can build or a GGUF file transformers can import
     (unless that import is made already), a path it may build at."""
-    from lgt.trainer import models
+    from lgt.trainer import gguf, make_model, model_dir
     from lgt.trainer.demo import tiny
 
     if path.exists() and tiny.read_marker(path) is None and any(path.iterdir()):
@@ -164,11 +164,11 @@ def _check_make(make: Any, path: Path, key: str) -> None:
                           f"choose another path for {key}.make")
     if make.imported:
         try:
-            gguf, template = models.import_source(make)
-            if not models.import_is_made(path, gguf, pretrained=make.pretrained, dtype=make.dtype,
+            source, template = make_model.import_source(make)
+            if not gguf.import_is_made(path, source, pretrained=make.pretrained, dtype=make.dtype,
                                          chat_template=template):
-                models.check_gguf(gguf)
-        except models.ModelError as e:
+                gguf.check_gguf(source)
+        except model_dir.ModelError as e:
             raise ConfigError(f"{key}.make: {e}") from None
         return
     if make.preset not in tiny.PRESETS:
@@ -187,21 +187,21 @@ def import_model(make: Any, path: Path, what: str = "model", *, chat_template: s
     bfloat16 where this machine computes in bf16 natively, else float32, and a line says which and why
     (``dtype_key`` names the setting in it). ModelError (one sentence) for a bad input; nothing is left
     at ``path``."""
-    from lgt.trainer import models
+    from lgt.trainer import gguf, make_model
     from lgt.trainer.serving.hardware import resolve_dtype
 
-    gguf, template = models.import_source(make)
+    source, template = make_model.import_source(make)
     template = chat_template if chat_template is not None else template
-    if models.import_is_made(path, gguf, pretrained=make.pretrained, dtype=make.dtype,
+    if gguf.import_is_made(path, source, pretrained=make.pretrained, dtype=make.dtype,
                              chat_template=template):
         return path
-    info = models.check_gguf(gguf)  # a file transformers cannot import: one sentence before torch is imported
+    info = gguf.check_gguf(source)  # a file transformers cannot import: one sentence before torch is imported
     device = "cpu"
     if make.dtype == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype, why = resolve_dtype(make.dtype, device, key=dtype_key or f"{what}.make.dtype")
-    return models.import_gguf(info, path, dtype=dtype, requested_dtype=make.dtype, chat_template=template,
+    return gguf.import_gguf(info, path, dtype=dtype, requested_dtype=make.dtype, chat_template=template,
                               pretrained=make.pretrained, why=why, log=log)
 
 
@@ -363,12 +363,12 @@ class Recipe:
     def make(self, make: Any, path: Path, what: str, *, need_chat_template: bool = False) -> None:
         """``model.make`` or ``teacher.make``: the model built at ``path`` (reused when it was made with
         the same settings): a tiny demo model, or an import from GGUF."""
-        from lgt.trainer import models
+        from lgt.trainer import model_dir
         from lgt.trainer.demo import tiny
 
         if make.imported:
             import_model(make, path, what, log=self.runlog.log)
-            models.check_model_dir(path, need_chat_template=need_chat_template).check_context(
+            model_dir.check_model_dir(path, need_chat_template=need_chat_template).check_context(
                 self.cfg.engine.max_model_len)
             return
         # the held-out tasks are never shown in the warm start either: eval measures the unseen
@@ -382,7 +382,7 @@ class Recipe:
                             f"{make.warm_start or 'none'}, {size}, {make.correct_fraction:g} right) ...")
         tiny.make_model(path, preset=make.preset, warm_start_task=make.warm_start, progress=not made,
                         **budget)
-        info = models.check_model_dir(path, need_chat_template=need_chat_template)
+        info = model_dir.check_model_dir(path, need_chat_template=need_chat_template)
         info.check_context(self.cfg.engine.max_model_len)
 
     def ensure_teacher(self, student_dir: Path) -> Path | None:

@@ -26,7 +26,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
-from lgt.trainer.models import ModelError
+from lgt.trainer.model_dir import ModelError
 from lgt.trainer.serving import engine as engine_mod
 from lgt.trainer.serving.children import free_port
 from lgt.trainer.serving.engine import (

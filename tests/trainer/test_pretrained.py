@@ -24,7 +24,8 @@ from click.testing import CliRunner
 
 from lgt.trainer import config, recipe
 from lgt.trainer.cli import main
-from lgt.trainer.models import CHATML_TOOLS, MakeModel, ModelError, check_chat_template, check_model_dir
+from lgt.trainer.make_model import MakeModel
+from lgt.trainer.model_dir import CHATML_TOOLS, ModelError, check_chat_template, check_model_dir
 
 if TYPE_CHECKING:
     from lgt.trainer.serving.engine import Engine

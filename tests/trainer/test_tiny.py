@@ -1,4 +1,4 @@
-"""The model-directory check (trainer/models.py) and the local model factory (trainer/demo/tiny.py)."""
+"""The model-directory check (trainer/model_dir.py) and the local model factory (trainer/demo/tiny.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from lgt.trainer.demo.tiny import (
     words_reward,
     words_tasks,
 )
-from lgt.trainer.models import ModelError, ModelInfo, check_model_dir
+from lgt.trainer.model_dir import ModelError, ModelInfo, check_model_dir
 
 QWEN_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 300,
                "max_position_embeddings": 1024, "tie_word_embeddings": True, "eos_token_id": 2}

@@ -67,7 +67,7 @@ from lgt.trainer.backends.checkpoints import (
     write_checkpoint,
 )
 from lgt.trainer.backends.samples import SampleError, TokenBatch, read_samples
-from lgt.trainer.models import ModelError, check_model_dir
+from lgt.trainer.model_dir import ModelError, check_model_dir
 from lgt.trainer.rl import loss as rl
 from lgt.trainer.serving.hardware import resolve_dtype
 

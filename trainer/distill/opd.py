@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from lgt.trainer.models import MakeModel
+from lgt.trainer.make_model import MakeModel
 from lgt.trainer.serving.engine import EngineConfig, EngineError
 
 SERVED_NAME = "teacher"  # the name a started teacher engine serves under

@@ -28,8 +28,8 @@ def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = pr
 
     from transformers import AutoTokenizer
 
-    from lgt.trainer import models
     from lgt.trainer.backends.base import entry
+    from lgt.trainer.model_dir import ModelError, check_model_dir
     from lgt.trainer.recipe import chat_template, with_chat_template
 
     chat_template(cfg)  # model.chat_template, checked before anything is read or written
@@ -47,8 +47,8 @@ def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = pr
     else:
         summary_eval = {}
     try:
-        models.check_model_dir(cfg.model.path, need_chat_template=cfg.model.chat_template is None)
-    except models.ModelError as e:
+        check_model_dir(cfg.model.path, need_chat_template=cfg.model.chat_template is None)
+    except ModelError as e:
         raise SftError(str(e)) from None
     model_dir = with_chat_template(cfg, cfg.model.path, run_dir)  # the template the traces render with
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     import torch
 
 from lgt.store.files import atomic_path
-from lgt.trainer.models import check_model_dir
+from lgt.trainer.model_dir import check_model_dir
 from lgt.trainer.serving import children, vllm_plugin
 from lgt.trainer.serving.hardware import resolve_dtype
 
