@@ -46,7 +46,7 @@ def config(args: argparse.Namespace, mode: str) -> dict:
 
 def run_mode(args: argparse.Namespace, mode: str, target_samples: float | None = None) -> dict:
     from lgt.trainer import config as cfgmod
-    from lgt.trainer import recipe
+    from lgt.trainer import preflight, recipe
     from lgt.trainer.run.runlog import default_display
 
     out = args.out / mode
@@ -57,7 +57,7 @@ def run_mode(args: argparse.Namespace, mode: str, target_samples: float | None =
     path.write_text(yaml.safe_dump(raw))
     cfg = cfgmod.load(path)
     t = time.monotonic()
-    recipe.run(cfg, run_dir=out, display=default_display())
+    recipe.run(cfg, preflight.validate(cfg, run_dir=out), run_dir=out, display=default_display())
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     if target_samples is not None:
         total = 0.0

@@ -424,8 +424,7 @@ def variant_row(writer: Writer, r: dict[str, Any]) -> list[str]:
 def model_dir(arg: str | None, base: Path) -> Path:
     if arg:
         return Path(arg)
-    from lgt.trainer.make_model import MakeModel
-    from lgt.trainer.recipe import import_model
+    from lgt.trainer.make_model import MakeModel, import_model
 
     print("importing SmolLM2-135M-Instruct (pass --model DIR to reuse one) ...", file=sys.stderr)
     return import_model(MakeModel(pretrained="smollm2-135m-instruct"), base / "smollm2",

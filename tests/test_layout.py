@@ -13,8 +13,9 @@ FOLDERS = {"proxy": "lgt.proxy", "store": "lgt.store", "trainer": "lgt.trainer",
 # trainer its subpackages; a module directly in trainer/ (cli, recipe, config, model_dir ...) is its own room.
 ORDER = [
     "lgt.testing",
-    "lgt.trainer.cli", "lgt.trainer.distill.record", "lgt.trainer.distill.sft", "lgt.trainer.recipe",
-    "lgt.trainer.config",
+    "lgt.trainer.cli", "lgt.trainer.distill.record", "lgt.trainer.distill.sft",
+    "lgt.trainer.run.evaluate", "lgt.trainer.apo.command", "lgt.trainer.recipe", "lgt.trainer.policy",
+    "lgt.trainer.preflight", "lgt.trainer.config",
     "lgt.trainer.distill", "lgt.trainer.run", "lgt.trainer.apo", "lgt.trainer.make_model",
     "lgt.trainer.rollout", "lgt.trainer.backends", "lgt.trainer.serving", "lgt.trainer.report",
     "lgt.trainer.rl", "lgt.trainer.gguf", "lgt.trainer.model_dir", "lgt.trainer.demo",

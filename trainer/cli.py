@@ -120,7 +120,7 @@ def run_cmd(config_file: Path | None, mode: str | None, steps: int | None, max_m
     """Train the agent of CONFIG_FILE (a run YAML) with RL; see examples/arith/run.yaml. With --resume
     RUN_DIR, CONFIG_FILE may be left out: the run goes on as it was configured."""
     from lgt.trainer import config as cfgmod
-    from lgt.trainer import recipe
+    from lgt.trainer import preflight, recipe
 
     overrides = _overrides(sets)
     for key, value in (("mode", mode), ("steps", steps), ("max_minutes", max_minutes)):
@@ -142,8 +142,8 @@ def run_cmd(config_file: Path | None, mode: str | None, steps: int | None, max_m
                 _note_config_differences(cfgmod, config_file, overrides, cfg, resume_dir)
         else:
             cfg = cfgmod.load(config_file, overrides)
-        recipe.validate(cfg, resume_dir=resume_dir, run_dir=run_dir)  # everything, before anything starts
-        python = recipe.backend_python(cfg)
+        tasks = preflight.validate(cfg, resume_dir=resume_dir, run_dir=run_dir)  # before anything starts
+        python = preflight.backend_python(cfg)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     if python != sys.executable:  # the backend lives in its own environment (verl on CPU machines)
@@ -164,7 +164,7 @@ def run_cmd(config_file: Path | None, mode: str | None, steps: int | None, max_m
             raise click.ClickException(str(e)) from None
     try:
         with _display() as display:
-            out = recipe.run(cfg, run_dir=target, resume=resume_dir is not None, display=display)
+            out = recipe.run(cfg, tasks, run_dir=target, resume=resume_dir is not None, display=display)
     except KeyboardInterrupt:
         raise click.ClickException("interrupted; continue with --resume") from None
     except (ValueError, FileNotFoundError, RuntimeError) as e:
@@ -219,13 +219,15 @@ def eval_cmd(config_file: Path, checkpoint: Path | None, run_dir: Path | None, s
     """Evaluate a checkpoint (or the base model) on CONFIG_FILE's held-out tasks (its eval section),
     through the same agent, proxy and engine as training: greedy and sampled reward."""
     from lgt.trainer import config as cfgmod
-    from lgt.trainer import recipe
+    from lgt.trainer import preflight
+    from lgt.trainer.run.evaluate import evaluate
 
     try:
         cfg = cfgmod.load(config_file, _overrides(sets))
         checkpoint = checkpoint and _checkpoint(checkpoint)
+        tasks = preflight.validate_eval(cfg, checkpoint)
         with _display() as display:
-            out, res = recipe.evaluate(cfg, checkpoint=checkpoint, run_dir=run_dir, display=display)
+            out, res = evaluate(cfg, tasks, checkpoint=checkpoint, run_dir=run_dir, display=display)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(_run_error(e)) from None
     click.echo(f"{cfg.name}: {res.line()}")
@@ -307,15 +309,17 @@ def apo_cmd(config_file: Path, run_dir: Path | None, resume_dir: Path | None, ch
     """Optimise CONFIG_FILE's prompt resource (its apo section) with real rollouts: a critic reads the
     worst and best traces, rewrites the prompt, and the best rewrites by validation reward go on."""
     from lgt.trainer import config as cfgmod
-    from lgt.trainer import recipe
+    from lgt.trainer import preflight
     from lgt.trainer.apo import optimize as apo
+    from lgt.trainer.apo.command import optimize_prompt
 
     try:
         cfg = cfgmod.load(config_file, _overrides(sets))
         checkpoint = checkpoint and _checkpoint(checkpoint)
+        tasks = preflight.validate_apo(cfg)
         with _display() as display:
-            out, best = recipe.optimize_prompt(cfg, run_dir=resume_dir or run_dir, checkpoint=checkpoint,
-                                               resume=resume_dir is not None, display=display)
+            out, best = optimize_prompt(cfg, tasks, run_dir=resume_dir or run_dir, checkpoint=checkpoint,
+                                        resume=resume_dir is not None, display=display)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(_run_error(e)) from None
     rows = apo.table(out)
@@ -449,16 +453,16 @@ def make_model_cmd(ctx: click.Context, out: Path, preset: str, warm_start: str, 
     if tiny_only:
         raise click.ClickException(f"{tiny_only[0]} is a setting of the tiny demo models, not of an import "
                                    "from GGUF: leave it out")
-    from lgt.trainer import make_model, model_dir, recipe
+    from lgt.trainer import make_model, model_dir
 
     try:
         template = None
         if chat_template is not None:
             template = model_dir.read_chat_template(chat_template)
             model_dir.check_chat_template(template, name=f"--chat-template {chat_template}")
-        path = recipe.import_model(make_model.MakeModel(pretrained=pretrained, gguf=gguf, dtype=dtype), out,
-                                   chat_template=template, dtype_key="--dtype",
-                                   log=lambda line: click.echo(line, err=True))
+        make = make_model.MakeModel(pretrained=pretrained, gguf=gguf, dtype=dtype)
+        path = make_model.import_model(make, out, chat_template=template, dtype_key="--dtype",
+                                       log=lambda line: click.echo(line, err=True))
     except ValueError as e:  # ModelError: one sentence
         raise click.ClickException(str(e)) from None
     try:

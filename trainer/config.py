@@ -59,7 +59,7 @@ class ModelSection:
     path: Path = Path("model")
     make: MakeModel | None = None
     # a Jinja chat template used instead of the model's own by the engine and by everything that renders
-    # (lgt.trainer.model_dir.with_chat_template); checked before anything starts (recipe.validate)
+    # (lgt.trainer.model_dir.with_chat_template); checked before anything starts (preflight.validate)
     chat_template: Path | None = None
 
 
@@ -422,7 +422,7 @@ def validate_teacher(cfg: RunConfig) -> None:
     """On-policy distillation's rules: ``estimator: opd`` needs a teacher, a teacher is for ``opd`` only,
     the torch backend trains it, and the teacher's tokenizer is the student's (compared when both model
     directories exist already; a model still to be made is compared once made, before any engine
-    starts: :meth:`lgt.trainer.recipe.Recipe.setup`)."""
+    starts: :meth:`lgt.trainer.policy.Policy.ensure_teacher`)."""
     opd = cfg.algorithm.estimator == "opd"
     if opd and cfg.teacher is None:
         raise ConfigError("algorithm.estimator: opd needs a teacher section to score the student's tokens "

@@ -1,15 +1,20 @@
 """Making a model (``model.make``, ``teacher.make``, ``lgt-train make-model``), in one of two ways: the
 tiny demo models trained here (:mod:`lgt.trainer.demo.tiny`), or a pretrained model imported from a
-GGUF file (:mod:`lgt.trainer.gguf`). Nothing is downloaded either way."""
+GGUF file (:mod:`lgt.trainer.gguf`). Nothing is downloaded either way.
+
+:func:`check_make` says before anything starts whether a ``make`` can be built where it is asked to be;
+:func:`make` builds it (or finds it built with the same settings); :func:`import_model` is an import's
+half of it, ``lgt-train make-model --from``'s too."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from lgt.trainer.gguf import DTYPES, SOURCES, find_source
-from lgt.trainer.model_dir import ModelError, read_chat_template
+from lgt.trainer.model_dir import ModelError, check_model_dir, read_chat_template
 
 
 @dataclass(frozen=True)
@@ -76,3 +81,79 @@ def import_source(make: MakeModel) -> tuple[Path, str | None]:
     path = find_source(make.pretrained)
     template = SOURCES[make.pretrained].chat_template
     return path, read_chat_template(template) if template is not None else None
+
+
+def check_make(make: MakeModel, path: Path, key: str) -> None:
+    """``model.make`` or ``teacher.make`` (``key``), checked before anything starts: settings tiny can
+    build or a GGUF file transformers can import (unless that import is made already), a path it may
+    build at. ModelError (one sentence) otherwise."""
+    from lgt.trainer.demo import tiny
+    from lgt.trainer.gguf import check_gguf, import_is_made
+
+    if path.exists() and tiny.read_marker(path) is None and any(path.iterdir()):
+        raise ModelError(f"{key}.path {path} holds something that is not a model made by lgt: "
+                         f"choose another path for {key}.make")
+    if make.imported:
+        try:
+            source, template = import_source(make)
+            if not import_is_made(path, source, pretrained=make.pretrained, dtype=make.dtype,
+                                  chat_template=template):
+                check_gguf(source)
+        except ModelError as e:
+            raise ModelError(f"{key}.make: {e}") from None
+        return
+    if make.preset not in tiny.PRESETS:
+        raise ModelError(f"{key}.make.preset must be one of {', '.join(tiny.PRESETS)}, not {make.preset!r}")
+    if make.steps is not None and make.steps < 1:
+        raise ModelError(f"{key}.make.steps must be 1 or more, not {make.steps}")
+    if make.warm_start is not None and make.warm_start not in tiny.TASKS:
+        raise ModelError(f"{key}.make.warm_start must be one of {', '.join(tiny.TASKS)} or null, not "
+                         f"{make.warm_start!r}")
+
+
+def import_model(make: MakeModel, path: Path, what: str = "model", *, chat_template: str | None = None,
+                 dtype_key: str | None = None, log: Callable[[str], None] = print) -> Path:
+    """``make`` (an import from GGUF: ``pretrained`` or ``gguf``) built at ``path`` unless it is there
+    already, with ``chat_template`` (else the named source's, else the file's own); ``dtype: auto`` is
+    bfloat16 where this machine computes in bf16 natively, else float32, and a line says which and why
+    (``dtype_key`` names the setting in it). ModelError (one sentence) for a bad input; nothing is left
+    at ``path``."""
+    from lgt.trainer.gguf import check_gguf, import_gguf, import_is_made
+    from lgt.trainer.serving.hardware import resolve_dtype
+
+    source, template = import_source(make)
+    template = chat_template if chat_template is not None else template
+    if import_is_made(path, source, pretrained=make.pretrained, dtype=make.dtype, chat_template=template):
+        return path
+    info = check_gguf(source)  # a file transformers cannot import: one sentence before torch is imported
+    device = "cpu"
+    if make.dtype == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype, why = resolve_dtype(make.dtype, device, key=dtype_key or f"{what}.make.dtype")
+    return import_gguf(info, path, dtype=dtype, requested_dtype=make.dtype, chat_template=template,
+                       pretrained=make.pretrained, why=why, log=log)
+
+
+def make(make: MakeModel, path: Path, what: str, *, max_model_len: int | None,
+         need_chat_template: bool = False, exclude: Sequence[str] = (),
+         log: Callable[[str], None] = print) -> None:
+    """The model ``make`` describes built at ``path`` (reused when it was made with the same settings): a
+    tiny demo model (its warm start never shown the questions in ``exclude``: the held-out tasks), or an
+    import from GGUF; then checked as a model folder the run can serve with ``max_model_len``."""
+    from lgt.trainer.demo import tiny
+
+    if make.imported:
+        import_model(make, path, what, log=log)
+        check_model_dir(path, need_chat_template=need_chat_template).check_context(max_model_len)
+        return
+    budget = dict(seconds=make.seconds, steps=make.steps, seed=make.seed, exclude=list(exclude),
+                  correct_fraction=make.correct_fraction)
+    made = tiny.is_made(path, preset=make.preset, warm_start_task=make.warm_start, **budget)
+    if not made:
+        size = f"{make.steps} steps" if make.steps else f"~{make.seconds:.0f} s"
+        log(f"building the {what} {path} (preset {make.preset}, warm start "
+            f"{make.warm_start or 'none'}, {size}, {make.correct_fraction:g} right) ...")
+    tiny.make_model(path, preset=make.preset, warm_start_task=make.warm_start, progress=not made, **budget)
+    info = check_model_dir(path, need_chat_template=need_chat_template)
+    info.check_context(max_model_len)

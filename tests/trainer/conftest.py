@@ -62,8 +62,7 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             ("gguf", "pip install gguf accelerate")):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed ({install}): the real pretrained model's tests need it")
-    from lgt.trainer.make_model import MakeModel
-    from lgt.trainer.recipe import import_model
+    from lgt.trainer.make_model import MakeModel, import_model
 
     return import_model(MakeModel(pretrained="smollm2-135m-instruct"),
                         tmp_path_factory.mktemp("smollm2") / "m", log=lambda line: None)

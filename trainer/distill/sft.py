@@ -30,7 +30,8 @@ def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = pr
 
     from lgt.trainer.backends.base import entry
     from lgt.trainer.model_dir import ModelError, check_model_dir
-    from lgt.trainer.recipe import chat_template, with_chat_template
+    from lgt.trainer.policy import with_chat_template
+    from lgt.trainer.preflight import chat_template, validate_eval
 
     chat_template(cfg)  # model.chat_template, checked before anything is read or written
     sft: SftConfig = cfg.sft or SftConfig()
@@ -42,8 +43,9 @@ def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = pr
     kept = choose_rollouts(rollouts, sft)
     if not kept:
         raise SftError(f"the reward filter kept none of the {len(rollouts)} rollouts in {store}")
-    if cfg.eval is not None:  # first: it builds the model when model.make says so
-        summary_eval = {"eval_before": _evaluate(cfg, None, run_dir)}
+    tasks = validate_eval(cfg) if cfg.eval is not None else None  # checked once, for both evaluations
+    if tasks is not None:  # first: it builds the model when model.make says so
+        summary_eval = {"eval_before": _evaluate(cfg, tasks, None, run_dir)}
     else:
         summary_eval = {}
     try:
@@ -83,18 +85,18 @@ def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = pr
     summary |= {"steps": len(nll), "nll_first": nll[0] if nll else None, "nll_last": nll[-1] if nll else None,
                 "minutes": round((time.perf_counter() - started) / 60, 3),  # training and its checkpoint
                 "checkpoint": str(ckpt)}
-    if cfg.eval is not None:
-        summary["eval_after"] = _evaluate(cfg, Path(ckpt), run_dir)
+    if tasks is not None:
+        summary["eval_after"] = _evaluate(cfg, tasks, Path(ckpt), run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def _evaluate(cfg: Any, checkpoint: Path | None, run_dir: Path) -> dict[str, Any]:
+def _evaluate(cfg: Any, tasks: Any, checkpoint: Path | None, run_dir: Path) -> dict[str, Any]:
     """One held-out evaluation (``lgt-train eval``'s), its row appended to RUN_DIR/eval.jsonl:
     ``{"greedy", "sampled"}`` mean rewards, as a run's summary gives them."""
-    from lgt.trainer.recipe import evaluate
+    from lgt.trainer.run.evaluate import evaluate
 
-    _, result = evaluate(cfg, checkpoint=checkpoint, run_dir=run_dir)
+    _, result = evaluate(cfg, tasks, checkpoint=checkpoint, run_dir=run_dir)
     row = result.row(result.seconds)
     return {"greedy": row["eval/reward_greedy"], "sampled": row["eval/reward_sampled"]}
 

@@ -1,0 +1,57 @@
+"""On-policy distillation as the training step sees it (``algorithm.estimator: opd``): between the
+batch's samples and the update, the teacher scores every token and the per-token advantages replace the
+rollout's (:mod:`lgt.trainer.distill.opd`). Without a teacher, :class:`NoTeacher` leaves the samples as
+they are, so the step calls one or the other the same way."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from lgt.trainer.distill import opd
+
+# the step's stopwatch: timed(name, fn, *args) runs fn off the event loop, its seconds in perf/<name>_s
+Timed = Callable[..., Awaitable[Any]]
+
+
+class Distillation:
+    """The teacher (:class:`~lgt.trainer.distill.opd.Teacher`: an engine the run started, or one at a
+    URL) scoring the student's samples; ``backend`` recomputes a behaviour logprob the proxy could not
+    record."""
+
+    def __init__(self, teacher: opd.Teacher, backend: Any, reward_coef: float) -> None:
+        self.teacher, self.backend, self.reward_coef = teacher, backend, reward_coef
+
+    async def apply(self, prepared: Any, timed: Timed) -> tuple[Any, dict[str, float]]:
+        """The batch with per-token advantages and the step's ``teacher/*`` and ``opd/*`` metrics (timed
+        as ``teacher``); an empty batch as it is."""
+        if not prepared.samples.num_rows:
+            return prepared, {}
+        return await timed("teacher", self.score, prepared)
+
+    def score(self, prepared: Any) -> tuple[Any, dict[str, float]]:
+        """The teacher's logprob of every token of the batch's samples, and the per-token advantages
+        (:func:`~lgt.trainer.distill.opd.token_advantages`; a generated token without a recorded behaviour
+        logprob uses the backend's own before the update)."""
+        samples = prepared.samples
+        scored = self.teacher.score(samples.column("input_ids").to_pylist())
+        recomputed = self.backend.sample_logprobs(samples) if opd.needs_recompute(samples) else None
+        samples, metrics = opd.token_advantages(samples, scored.logprobs, self.reward_coef, recomputed,
+                                                scored.top)
+        return dataclasses.replace(prepared, samples=samples), {**scored.metrics(), **metrics}
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.teacher.stop()
+
+
+class NoTeacher:
+    """No on-policy distillation: the samples train as they are; nothing to time, nothing to stop."""
+
+    async def apply(self, prepared: Any, timed: Timed) -> tuple[Any, dict[str, float]]:
+        return prepared, {}
+
+    def stop(self) -> None:
+        pass

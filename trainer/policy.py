@@ -1,0 +1,216 @@
+"""The policy served, the one way ``lgt-train run``, ``eval`` and ``apo`` serve it: the run directory and
+its store, the model (made first when ``model.make`` says so, with ``model.chat_template`` given to it),
+the vLLM engine serving it and ``lgt-proxy`` in front (the :class:`~lgt.trainer.run.supervisor.Supervisor`:
+started or attached, and their restarts), the rollout controller that runs the unmodified agent through
+them; with ``algorithm.estimator: opd``, the teacher's model (made, or attached at a URL) and its engine.
+
+:class:`Policy` takes the config a command has checked (:mod:`lgt.trainer.preflight`) and the tasks it
+read; nothing here checks the config again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lgt.trainer import config as cfgmod
+from lgt.trainer.config import ConfigError, RunConfig
+from lgt.trainer.distill.onpolicy import Distillation, NoTeacher
+from lgt.trainer.preflight import Tasks, chat_template, teacher_matches
+from lgt.trainer.run.progress import Progress
+from lgt.trainer.run.runlog import Display, RunLog, write_json
+from lgt.trainer.run.supervisor import Supervisor
+
+
+class Policy:
+    """What a command serves from ``run_dir`` (see the module docstring): build it with :meth:`prepare`,
+    the model with :meth:`ensure_model` (or a checkpoint: :meth:`serve_checkpoint`), then :meth:`serve`;
+    :meth:`stop` stops what it started."""
+
+    def __init__(self, cfg: RunConfig, tasks: Tasks, run_dir: Path, *, resume: bool = False,
+                 display: Display | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.resume = resume
+        self.tasks, self.eval_tasks = tasks  # held out: evaluated, never trained
+        self.store = cfg.store_path(run_dir)
+        remote = cfg.store_remote()  # the store on S3: self.store is its local mirror
+        self.remote: StoreMirror | LocalStore = StoreMirror(remote) if remote is not None else LocalStore()
+        self.runlog = RunLog(run_dir, display, steps=cfg.steps, trackers=cfg.log)
+        self.progress = Progress()
+        self.supervisor: Supervisor | None = None
+        self.controller: Any = None
+
+    def prepare(self) -> None:
+        """The run directory, its store and (a new run's) config.json. A resumed run's config.json is
+        rewritten only once its checkpoint was loaded (:meth:`lgt.trainer.recipe.Recipe.setup`): a
+        resume that fails leaves the record as it was."""
+        _quiet_transformers()
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.store.mkdir(parents=True, exist_ok=True)
+        self.remote.pull()  # what the bucket holds already (a resumed run, other replicas)
+        if not self.resume:
+            write_json(self.run_dir / cfgmod.RUN_FILE, self.cfg.to_json())
+
+    # ------------------------------------------------------------------------------------ models
+    def ensure_model(self) -> Path:
+        """The model's directory as the run trains and serves it: made first when ``model.make`` says
+        so; with ``model.chat_template``, the run's folder that gives it that template
+        (:func:`with_chat_template`)."""
+        m = self.cfg.model
+        if m.make is not None:
+            self.make(m.make, m.path, "model", need_chat_template=m.chat_template is None)
+        return with_chat_template(self.cfg, m.path, self.run_dir)
+
+    def make(self, make: Any, path: Path, what: str, *, need_chat_template: bool = False) -> None:
+        """``model.make`` or ``teacher.make`` built at ``path`` (:func:`lgt.trainer.make_model.make`);
+        the held-out tasks are never shown in a warm start either: eval measures the unseen."""
+        from lgt.trainer import make_model
+
+        exclude = sorted({str(t["question"]) for t in self.eval_tasks if "question" in t})
+        make_model.make(make, path, what, max_model_len=self.cfg.engine.max_model_len,
+                        need_chat_template=need_chat_template, exclude=exclude, log=self.runlog.log)
+
+    def ensure_teacher(self, student_dir: Path) -> Path | Any:
+        """The teacher's model directory (made when ``teacher.make`` says so), its tokenizer checked
+        against the student's; for a teacher at a URL, the teacher attached (its tokenizer probed here,
+        before the student's engine starts); None without a teacher."""
+        from lgt.trainer.distill.opd import Teacher, TeacherError, probe_mismatch
+
+        t = self.cfg.teacher
+        if t is None:
+            return None
+        if t.path is None:
+            try:
+                teacher = Teacher.attach(t, log=self.runlog.log)
+                mismatch = probe_mismatch(student_dir, teacher.tokenize)
+            except TeacherError as e:
+                raise ConfigError(str(e)) from None
+            if mismatch:
+                raise ConfigError(mismatch)
+            return teacher
+        if t.make is not None:
+            self.make(t.make, t.path, "teacher")
+        teacher_matches(student_dir, t.path)
+        return t.path
+
+    def start_teacher(self, teacher: Path | Any, backend: Any) -> Distillation | NoTeacher:
+        """On-policy distillation with the teacher :meth:`ensure_teacher` found: its engine started on a
+        model directory, or the one attached; :class:`NoTeacher` without one."""
+        from lgt.trainer.distill.opd import Teacher
+
+        cfg = self.cfg
+        if teacher is None:
+            return NoTeacher()
+        if isinstance(teacher, Path):
+            teacher = Teacher.start(cfg.teacher, teacher, cfg.engine,
+                                    log_path=self.run_dir / "logs" / "teacher-engine.log",
+                                    seed=cfg.seed, restarts=cfg.restarts, log=self.runlog.log)
+        return Distillation(teacher, backend, cfg.algorithm.opd_reward_coef)
+
+    # ------------------------------------------------------------------------------------ serving
+    def serve(self, serve_dir: Path, weights: Callable[[], Any] | None = None) -> None:
+        """The engine on ``serve_dir`` and lgt-proxy in front of it (the supervisor), the rollout
+        controller."""
+        from lgt.trainer.rollout.controller import RolloutController
+
+        cfg = self.cfg
+        self.supervisor = Supervisor(cfg.engine, cfg.proxy, store=self.store,
+                                     store_url=self.remote.url or self.store,
+                                     logs_dir=self.run_dir / "logs", seed=cfg.seed, restarts=cfg.restarts,
+                                     progress=self.progress, log=self.runlog.log)
+        self.supervisor.serve(serve_dir, weights)
+        resources = None
+        if cfg.resources:
+            from lgt.trainer.rollout.resources import Resources
+            resources = Resources(cfg.resources)
+            resources.save(self.run_dir)
+        self.controller = RolloutController(cfg.agent, self.supervisor.endpoints(), self.store, self.run_dir,
+                                            cfg.max_inflight, batch_records=True, resources=resources,
+                                            hide=hidden_from_agents(cfg))
+
+    def serve_checkpoint(self, checkpoint: Path | None) -> None:
+        """``lgt-train eval`` and ``apo``: the engine serves ``checkpoint`` (its step and policy version
+        the progress) or the config's model; no backend."""
+        from lgt.trainer.backends import checkpoints
+
+        self.prepare()
+        if checkpoint is not None:
+            updates, extra, _ = checkpoints.read_state(checkpoint)
+            step = int(extra.get("step", updates))  # the run's step; the backend may update more often
+            self.progress = Progress(step=step, version=int(extra.get("version", step)))
+        self.serve(with_chat_template(self.cfg, checkpoint, self.run_dir, f"model-{checkpoint.name}")
+                   if checkpoint is not None else self.ensure_model())
+
+    async def close_rollouts(self) -> None:
+        if self.controller is not None:
+            with contextlib.suppress(Exception):
+                await self.controller.aclose()
+
+    def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+
+
+def with_chat_template(cfg: RunConfig, model_dir: Path, run_dir: Path, name: str = "model") -> Path:
+    """``model_dir`` as the run serves, trains and renders it: with ``model.chat_template``, the folder
+    ``<run_dir>/<name>`` that holds ``model_dir``'s files (linked) and that template
+    (:func:`lgt.trainer.model_dir.with_chat_template`: vLLM, transformers and the checkpoints all read it
+    from there); without one, ``model_dir`` itself. ``name``: ``model`` for the config's model (the
+    checkpoints name it as their starting model), another for a checkpoint served."""
+    from lgt.trainer import model_dir as dirs
+
+    text = chat_template(cfg)
+    return model_dir if text is None else dirs.with_chat_template(model_dir, text, run_dir / name)
+
+
+def hidden_from_agents(cfg: RunConfig) -> list[Path]:
+    """What a sandboxed agent must not see even when its folder holds it: the tasks (answers and the
+    held-out ones), the config, the model (the store and the run directory are hidden anyway)."""
+    paths = [cfg.tasks, cfg.model.path]
+    if cfg.teacher is not None and cfg.teacher.path is not None:
+        paths.append(cfg.teacher.path)
+    if cfg.eval is not None and cfg.eval.tasks:
+        paths.append(cfg.eval.tasks)
+    if cfg.source is not None:
+        paths.append(cfg.source)
+    return paths
+
+
+class StoreMirror:
+    """The store on S3 (:class:`lgt.store.remote.RemoteStore`), the run's store its local mirror."""
+
+    def __init__(self, remote: Any) -> None:
+        self.remote = remote
+        self.url: str | None = remote.url
+
+    def pull(self) -> None:
+        self.remote.pull()
+
+    async def sync(self, timed: Callable[..., Any]) -> None:
+        """The rollouts just recorded up; other replicas' calls down (timed as ``store_sync``)."""
+        await timed("store_sync", lambda: (self.remote.push_all(), self.remote.pull()))
+
+
+class LocalStore:
+    """A store in a folder: nothing to pull or push."""
+
+    url: str | None = None
+
+    def pull(self) -> None:
+        pass
+
+    async def sync(self, timed: Callable[..., Any]) -> None:
+        pass
+
+
+def _quiet_transformers() -> None:
+    """No per-call progress bars from transformers (loading / writing shards at every checkpoint)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
