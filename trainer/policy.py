@@ -74,42 +74,39 @@ class Policy:
         make_model.make(make, path, what, max_model_len=self.cfg.engine.max_model_len,
                         need_chat_template=need_chat_template, exclude=exclude, log=self.runlog.log)
 
-    def ensure_teacher(self, student_dir: Path) -> Path | Any:
-        """The teacher's model directory (made when ``teacher.make`` says so), its tokenizer checked
-        against the student's; for a teacher at a URL, the teacher attached (its tokenizer probed here,
-        before the student's engine starts); None without a teacher."""
+    def ensure_teacher(self, student_dir: Path, backend: Any) -> Distillation | NoTeacher:
+        """On-policy distillation's teacher, its tokenizer checked against the student's before any
+        engine starts: its model directory made when ``teacher.make`` says so (its engine started by
+        ``start()``, once the student's runs), or the teacher at ``teacher.url`` attached (its tokenizer
+        probed); :class:`NoTeacher` without a teacher."""
         from lgt.trainer.distill.opd import Teacher, TeacherError, probe_mismatch
 
-        t = self.cfg.teacher
+        cfg, t = self.cfg, self.cfg.teacher
         if t is None:
-            return None
+            return NoTeacher()
+        coef = cfg.algorithm.opd_reward_coef
         if t.path is None:
             try:
                 teacher = Teacher.attach(t, log=self.runlog.log)
-                mismatch = probe_mismatch(student_dir, teacher.tokenize)
             except TeacherError as e:
                 raise ConfigError(str(e)) from None
+            distillation = Distillation(backend, coef, teacher=teacher)
+            try:
+                mismatch = probe_mismatch(student_dir, teacher.tokenize)
+            except TeacherError as e:
+                distillation.stop()
+                raise ConfigError(str(e)) from None
             if mismatch:
+                distillation.stop()
                 raise ConfigError(mismatch)
-            return teacher
+            return distillation
         if t.make is not None:
             self.make(t.make, t.path, "teacher")
         teacher_matches(student_dir, t.path)
-        return t.path
-
-    def start_teacher(self, teacher: Path | Any, backend: Any) -> Distillation | NoTeacher:
-        """On-policy distillation with the teacher :meth:`ensure_teacher` found: its engine started on a
-        model directory, or the one attached; :class:`NoTeacher` without one."""
-        from lgt.trainer.distill.opd import Teacher
-
-        cfg = self.cfg
-        if teacher is None:
-            return NoTeacher()
-        if isinstance(teacher, Path):
-            teacher = Teacher.start(cfg.teacher, teacher, cfg.engine,
-                                    log_path=self.run_dir / "logs" / "teacher-engine.log",
-                                    seed=cfg.seed, restarts=cfg.restarts, log=self.runlog.log)
-        return Distillation(teacher, backend, cfg.algorithm.opd_reward_coef)
+        path = t.path
+        return Distillation(backend, coef, start=lambda: Teacher.start(
+            t, path, cfg.engine, log_path=self.run_dir / "logs" / "teacher-engine.log", seed=cfg.seed,
+            restarts=cfg.restarts, log=self.runlog.log))
 
     # ------------------------------------------------------------------------------------ serving
     def serve(self, serve_dir: Path, weights: Callable[[], Any] | None = None) -> None:

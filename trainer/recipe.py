@@ -108,10 +108,10 @@ class Recipe:
         if self.resume:  # the run's record of its config changes once the backend took the config
             write_json(self.run_dir / cfgmod.RUN_FILE, cfg.to_json())
         self.tokenizer = _decoder(model_dir)
-        teacher = policy.ensure_teacher(model_dir)  # made and its tokenizer checked before any engine
+        self.teacher = policy.ensure_teacher(model_dir, self.backend)  # made, checked before any engine
         policy.serve(ckpt or model_dir, weights=self.backend.named_weights)
         self.supervisor, self.controller = policy.supervisor, policy.controller
-        self.teacher = policy.start_teacher(teacher, self.backend)
+        self.teacher.start()  # the teacher's engine, once the student's runs
         self.scheduler = GroupScheduler(
             self.controller, self.store, policy.tasks,
             admission.Limits(cfg.mode, cfg.group_size, cfg.batch_groups, cfg.max_inflight, cfg.max_staleness),

@@ -17,12 +17,19 @@ Timed = Callable[..., Awaitable[Any]]
 
 
 class Distillation:
-    """The teacher (:class:`~lgt.trainer.distill.opd.Teacher`: an engine the run started, or one at a
-    URL) scoring the student's samples; ``backend`` recomputes a behaviour logprob the proxy could not
-    record."""
+    """The teacher (:class:`~lgt.trainer.distill.opd.Teacher`: one at a URL, attached already, or an
+    engine ``start`` starts once the student's runs) scoring the student's samples; ``backend``
+    recomputes a behaviour logprob the proxy could not record."""
 
-    def __init__(self, teacher: opd.Teacher, backend: Any, reward_coef: float) -> None:
-        self.teacher, self.backend, self.reward_coef = teacher, backend, reward_coef
+    def __init__(self, backend: Any, reward_coef: float, *, teacher: opd.Teacher | None = None,
+                 start: Callable[[], opd.Teacher] | None = None) -> None:
+        self.backend, self.reward_coef = backend, reward_coef
+        self.teacher, self._start = teacher, start
+
+    def start(self) -> None:
+        """The teacher's engine started (a teacher at a URL is there already)."""
+        if self.teacher is None and self._start is not None:
+            self.teacher = self._start()
 
     async def apply(self, prepared: Any, timed: Timed) -> tuple[Any, dict[str, float]]:
         """The batch with per-token advantages and the step's ``teacher/*`` and ``opd/*`` metrics (timed
@@ -43,12 +50,16 @@ class Distillation:
         return dataclasses.replace(prepared, samples=samples), {**scored.metrics(), **metrics}
 
     def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.teacher.stop()
+        if self.teacher is not None:
+            with contextlib.suppress(Exception):
+                self.teacher.stop()
 
 
 class NoTeacher:
-    """No on-policy distillation: the samples train as they are; nothing to time, nothing to stop."""
+    """No on-policy distillation: the samples train as they are; nothing to start, time or stop."""
+
+    def start(self) -> None:
+        pass
 
     async def apply(self, prepared: Any, timed: Timed) -> tuple[Any, dict[str, float]]:
         return prepared, {}
