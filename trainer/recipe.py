@@ -8,12 +8,12 @@ the backend (:data:`lgt.trainer.backends.base.BACKENDS`: load, or resume from th
 the policy served (:class:`~lgt.trainer.policy.Policy`, as ``eval`` and ``apo`` serve it: the
 :class:`~lgt.trainer.run.supervisor.Supervisor` — the vLLM engine and ``lgt-proxy`` in front of it, or
 running ones; their restarts — and the rollout controller that launches the unmodified agent once per
-rollout), the :class:`~lgt.trainer.run.scheduler.GroupScheduler` (which groups
-run; on a resume, what was left), the :class:`~lgt.trainer.run.evaluation.Evaluator` (held-out tasks) and
-the :class:`~lgt.trainer.run.runlog.RunLog` (metrics, the display, the report); with
-``algorithm.estimator: opd``, the teacher (:class:`~lgt.trainer.distill.onpolicy.Distillation`: a second
-engine, made and started here, or one at a URL; without one, :class:`~lgt.trainer.distill.onpolicy.NoTeacher`
-leaves the samples as they are). Nothing after setup reads the run config.
+rollout), the :class:`~lgt.trainer.run.scheduler.GroupScheduler` (which groups run; on a resume, what
+was left), the :class:`~lgt.trainer.run.evaluation.Evaluator` (held-out tasks) and the
+:class:`~lgt.trainer.run.runlog.RunLog` (metrics, the display, the report); with ``algorithm.estimator:
+opd``, the teacher (:class:`~lgt.trainer.distill.onpolicy.Distillation`: a second engine, made and
+started here, or one at a URL; without one, :class:`~lgt.trainer.distill.onpolicy.NoTeacher` leaves the
+samples as they are). Nothing after setup reads the run config.
 
 **train**, each step:
   1. enough complete groups are ready (sync: the whole batch launched for this step; async: the
