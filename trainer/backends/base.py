@@ -235,7 +235,7 @@ class VerlConfig:
     seed: int = 42
     world_size: int = 1
     ray_address: str | None = None
-    python: str | None = None  # an interpreter with verl, when this one has none (see recipe.backend_python)
+    python: str | None = None  # an interpreter with verl when this one has none (preflight.backend_python)
     updates_per_step: int = 1
     loss: LossConfig = field(default_factory=LossConfig)
 
