@@ -34,7 +34,13 @@ from lgt.trainer.rollout.sandbox import SandboxSpec
 from lgt.trainer.serving.proxy import PROXY_VARS
 
 PROXY_MODES = ("https_proxy", "base_url")
-RUNNER_NAMES = ("local", "kubernetes")  # the keys of lgt.trainer.rollout.runners.RUNNERS, which sits above
+# agent.runner → where its runner is: "module:name", a runner class (rollout/runners/base.py) or a
+# function that picks one for the agent spec; imported only when a controller is made
+# (lgt.trainer.rollout.runners.runner_class). A new runner is a file in rollout/runners/ and a line here.
+RUNNERS: Mapping[str, str] = MappingProxyType({
+    "local": "lgt.trainer.rollout.runners.sandboxed:local_runner",  # in a sandbox unless agent.sandbox: none
+    "kubernetes": "lgt.trainer.rollout.runners.kubernetes:KubernetesRunner",
+})
 # Taken out of the machine's environment before a rollout's are added: proxy and CA settings the
 # machine sets globally (they would send the agent elsewhere or distrust the proxy's CA), and the
 # proxy's secrets (an agent holding them could mint other rollouts' credentials).
@@ -98,8 +104,8 @@ class AgentSpec:
     private: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.runner not in RUNNER_NAMES:
-            raise RolloutError(f"agent runner must be one of {', '.join(RUNNER_NAMES)}, not {self.runner!r}")
+        if self.runner not in RUNNERS:
+            raise RolloutError(f"agent runner must be one of {', '.join(RUNNERS)}, not {self.runner!r}")
         command = (self.command,) if isinstance(self.command, str) else tuple(self.command or ())
         if self.runner == "kubernetes":
             _check_kubernetes(self, command)

@@ -1,38 +1,28 @@
-"""Where a rollout attempt runs: the runners behind one small protocol (:mod:`.base`), and their registry.
+"""Where a rollout attempt runs: the runners behind one small protocol (:mod:`.base`).
 
-``agent.runner`` names one of :data:`RUNNERS`: ``local`` (a process of this machine, in a sandbox of its
-own unless ``agent.sandbox: none``) or ``kubernetes`` (a Job). A new runner is a file here with a class
-that has the verbs of :class:`~.base.Runner` and a ``check(agent, environ)`` static method, and an entry
-in :data:`RUNNERS` (and its name in :data:`lgt.trainer.rollout.agent.RUNNER_NAMES`).
+``agent.runner`` names an entry of :data:`lgt.trainer.rollout.agent.RUNNERS`: ``local`` (a process of
+this machine, in a sandbox of its own unless ``agent.sandbox: none``: :mod:`.local`, :mod:`.sandboxed`)
+or ``kubernetes`` (a Job: :mod:`.kubernetes`). A new runner is a file here with a class that has the
+verbs of :class:`~.base.Runner` and a ``check(agent, environ)`` static method, and one line in
+``RUNNERS``; any options it takes are fields of :class:`~lgt.trainer.rollout.agent.AgentSpec`.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from lgt.trainer.rollout.agent import RUNNER_NAMES, AgentSpec
+from lgt.trainer.rollout.agent import RUNNERS, AgentSpec
 from lgt.trainer.rollout.runners.base import Runner
-from lgt.trainer.rollout.runners.kubernetes import KubernetesRunner
-from lgt.trainer.rollout.runners.local import LocalRunner
-from lgt.trainer.rollout.runners.sandboxed import SandboxedRunner
-
-
-def _local(agent: AgentSpec) -> type[LocalRunner]:
-    return SandboxedRunner if agent.sandbox.on else LocalRunner
-
-
-# agent.runner → the runner's class for that agent
-RUNNERS: dict[str, Callable[[AgentSpec], type]] = {
-    "local": _local,
-    "kubernetes": lambda agent: KubernetesRunner,
-}
-assert tuple(RUNNERS) == RUNNER_NAMES
 
 
 def runner_class(agent: AgentSpec) -> type:
-    return RUNNERS[agent.runner](agent)
+    """The class of ``agent``'s runner, imported from its :data:`RUNNERS` entry."""
+    module, _, name = RUNNERS[agent.runner].partition(":")
+    found = getattr(importlib.import_module(module), name)
+    return found if isinstance(found, type) else found(agent)
 
 
 def make_runner(agent: AgentSpec, *, run_dir: Path, kill_grace_s: float = 5.0,

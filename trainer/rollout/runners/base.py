@@ -78,7 +78,7 @@ class Attempt:
 
 
 class Runner(Protocol):
-    """Where attempts run; one per controller, made by :data:`lgt.trainer.rollout.runners.RUNNERS`."""
+    """Where attempts run; one per controller, named in :data:`lgt.trainer.rollout.agent.RUNNERS`."""
 
     def place(self, a: Attempt, filename: str, data: bytes) -> str:
         """Give the attempt a file; the path the agent reads it at."""
