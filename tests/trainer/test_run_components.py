@@ -279,9 +279,9 @@ def test_a_group_recovery_counts_finished_is_adopted_while_its_retry_job_still_r
     assert lines[-1] == "resumed 1 group(s) whose Jobs outlived the last run: 1 Job(s) adopted"
 
 
-def test_the_sql_queries_live_in_files_next_to_the_scheduler() -> None:
-    for name in ("next_group", "recorded_groups", "recorded_attempts"):
-        assert "SELECT" in scheduler.query(name)
+def test_the_sql_queries_live_in_a_file_next_to_the_scheduler() -> None:
+    assert sorted(scheduler.QUERIES) == ["next_group", "recorded_attempts", "recorded_groups"]
+    assert all(q.startswith("SELECT") for q in scheduler.QUERIES.values())
 
 
 # -- the supervisor ----------------------------------------------------------------------------------

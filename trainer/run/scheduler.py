@@ -3,10 +3,11 @@ finished ones to the recipe in batches — and, on a resume, what the store and 
 
 A *group* is ``group_size`` rollouts of one task launched under one policy version (:class:`Group`).
 The decisions are :mod:`lgt.trainer.run.admission`'s pure functions; this module does the launching and
-the bookkeeping around them. A resumed run finds in the store where the group numbers go on
-(``sql/next_group.sql``) and the groups that finished before the crash but were never trained
-(``sql/recorded_groups.sql``); with Kubernetes Jobs, the Jobs that outlived the old trainer are adopted
-(``sql/recorded_attempts.sql`` says which attempts the store holds already).
+the bookkeeping around them. A resumed run finds in the store (the named queries of
+``sql/scheduler.sql``) where the group numbers go on (``next_group``) and the groups that finished
+before the crash but were never trained (``recorded_groups``); with Kubernetes Jobs, the Jobs that
+outlived the old trainer are adopted (``recorded_attempts`` says which attempts the store holds
+already).
 """
 
 from __future__ import annotations
@@ -15,20 +16,17 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from lgt.store.query import connect
+from lgt.store.query import connect, named_queries
 from lgt.trainer.run import admission
 from lgt.trainer.run.progress import Progress
 
 FAIL_FAST_GROUPS = 2  # groups that all failed, with no rollout ever ok, end the run
 
 
-def query(name: str) -> str:
-    """The SQL of ``sql/<name>.sql``."""
-    return resources.files("lgt.trainer.run").joinpath(f"sql/{name}.sql").read_text()
+QUERIES = named_queries("lgt.trainer.run", "sql/scheduler.sql")
 
 
 @dataclass
@@ -58,7 +56,7 @@ def next_group(store: Path) -> int:
     """The index of the first group not in the store."""
     con = connect(store)
     try:
-        return int(con.execute(query("next_group")).fetchone()[0])
+        return int(con.execute(QUERIES["next_group"]).fetchone()[0])
     finally:
         con.close()
 
@@ -68,7 +66,7 @@ def finished_groups(store: Path, tasks: list[dict[str, Any]], group_size: int, t
     """The groups whose ``group_size`` rollouts are all recorded, of a task in ``tasks``, not ``trained``."""
     con = connect(store)
     try:
-        rows = con.execute(query("recorded_groups")).fetchall()
+        rows = con.execute(QUERIES["recorded_groups"]).fetchall()
     finally:
         con.close()
     by_id = {t["task_id"]: t for t in tasks}
@@ -82,7 +80,8 @@ def recorded_attempts(store: Path, group_ids: list[str]) -> dict[str, dict[int, 
     con = connect(store)
     try:
         recorded: dict[str, dict[int, str]] = {}
-        for rid, attempt, status in con.execute(query("recorded_attempts"), {"groups": group_ids}).fetchall():
+        rows = con.execute(QUERIES["recorded_attempts"], {"groups": group_ids}).fetchall()
+        for rid, attempt, status in rows:
             recorded.setdefault(rid, {})[attempt] = status
     finally:
         con.close()
