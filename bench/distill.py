@@ -233,7 +233,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['arm']:>15} {r['seed']:>4} {steps:>16} "
                      f"{_f(r['seconds'], '.0f'):>8} {r['teacher_calls']:>14} "
                      f"{_f(g[0]):>7} → {_f(g[1]):<6} {_f(s[0]):>8} → {_f(s[1]):<6}")
-    from lgt.trainer.run.runlog import TARGET_WINDOW
+    from lgt.trainer.run.stopping import TARGET_WINDOW
 
     rl = {r["seed"]: r for r in rows if r["arm"] == "rl"}
     if rl:

@@ -86,8 +86,8 @@ DEFAULTS = {"": {"samples": 32, "min_len": 64, "max_len": 256, "repeats": 5},
 
 
 def make_tiny(out: Path) -> Path:
-    """The tests' tiny model (lgt.testing.models) in ``out``."""
-    from lgt.testing.models import make_test_model
+    """The tests' tiny model (lgt.testing.random_model) in ``out``."""
+    from lgt.testing.random_model import make_test_model
 
     return make_test_model(out)
 

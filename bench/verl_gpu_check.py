@@ -4,7 +4,7 @@
     .venv-verl/bin/python bench/verl_gpu_check.py --cpu      # same check on the CPU (FSDP2 over gloo)
     .venv-verl/bin/python bench/verl_gpu_check.py --model-dir DIR --param-dtype bf16
 
-Builds a tiny random Qwen2 model (lgt.testing.models; nothing downloaded) unless
+Builds a tiny random Qwen2 model (lgt.testing.random_model; nothing downloaded) unless
 ``--model-dir`` names one, and a synthetic samples table in the store's SAMPLES schema: single- and
 multi-turn samples (tool tokens masked out), GRPO-style advantages of +1 / -1, loss weights
 1/(R * tokens of the rollout), and behaviour logprobs recorded by a plain transformers forward pass, as
@@ -33,7 +33,7 @@ import pyarrow as pa
 
 
 def build_tiny_model(out: Path) -> Path:
-    from lgt.testing.models import make_test_model
+    from lgt.testing.random_model import make_test_model
 
     return make_test_model(out)
 

@@ -29,7 +29,7 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lgt.testing.models import make_test_model
+from lgt.testing.random_model import make_test_model
 from lgt.trainer.serving import engine as engine_mod
 from lgt.trainer.serving.engine import Engine, EngineConfig
 
@@ -37,7 +37,7 @@ PROMPT_IDS = [1, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150]
 
 
 def make_tiny(out: Path) -> Path:
-    """The tests' tiny Qwen2 (lgt.testing.models) in ``out``."""
+    """The tests' tiny Qwen2 (lgt.testing.random_model) in ``out``."""
     return make_test_model(out)
 
 

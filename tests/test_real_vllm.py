@@ -45,11 +45,11 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def serve_tiny_model(work: Path, *model_args: str) -> Iterator[str]:
-    """vLLM's CPU build serving the tests' tiny model (lgt.testing.models); its /v1 URL."""
+    """vLLM's CPU build serving the tests' tiny model (lgt.testing.random_model); its /v1 URL."""
     if not _engine_ok():
         pytest.skip(f"no vLLM engine environment at {ENGINE_PY} (run scripts/setup.sh)")
     model = work / "tiny"
-    subprocess.run([ENGINE_PY, "-m", "lgt.testing.models", str(model), *model_args],
+    subprocess.run([ENGINE_PY, "-m", "lgt.testing.random_model", str(model), *model_args],
                    check=True, capture_output=True)
     try:
         with vllm_server(model, work / "vllm.log", python=ENGINE_PY) as engine:

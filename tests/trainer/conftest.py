@@ -25,7 +25,7 @@ def _agents_can_read_tmp_path(tmp_path: Path) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen2 model + local byte-level BPE tokenizer with a ChatML template (HF format)."""
-    from lgt.testing.models import make_test_model
+    from lgt.testing.random_model import make_test_model
 
     return make_test_model(tmp_path_factory.mktemp("tiny-model"))
 

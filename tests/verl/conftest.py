@@ -28,6 +28,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen2 model + local byte-level BPE tokenizer (HF format; nothing downloaded)."""
-    from lgt.testing.models import make_test_model
+    from lgt.testing.random_model import make_test_model
 
     return make_test_model(tmp_path_factory.mktemp("tiny-model"))

@@ -2,7 +2,7 @@
 tokenizer of ~400 tokens trained here and a plain ChatML template; nothing is downloaded.
 
 For tests and benchmarks that need a real model (the torch and verl backends, a real vLLM engine):
-``make_test_model(OUT_DIR)``, or ``python -m lgt.testing.models OUT_DIR [--nan-logits]`` from an
+``make_test_model(OUT_DIR)``, or ``python -m lgt.testing.random_model OUT_DIR [--nan-logits]`` from an
 environment that has torch, transformers and tokenizers (the proxy's environment runs it that way).
 
 It is not ``lgt.trainer.demo.tiny``'s ``tiny`` preset (the same shape) because the tests lean on two
