@@ -63,8 +63,9 @@ from lgt.trainer.policy import Policy
 from lgt.trainer.preflight import Tasks
 from lgt.trainer.run import admission, evaluation
 from lgt.trainer.run.progress import Progress
-from lgt.trainer.run.runlog import TARGET_WINDOW, Display, StopRules, finish, step_row, write_json
+from lgt.trainer.run.runlog import Display, finish, step_row, write_json
 from lgt.trainer.run.scheduler import Group, GroupScheduler
+from lgt.trainer.run.stopping import TARGET_WINDOW, StopRules
 from lgt.trainer.run.supervisor import Supervisor, undrained
 
 

@@ -15,8 +15,9 @@ import pytest
 from lgt.store.ingest import add_rollout
 from lgt.trainer.run import admission, evaluation, scheduler
 from lgt.trainer.run.progress import Progress
-from lgt.trainer.run.runlog import TARGET_WINDOW, RunLog, StopRules, finish, metric_rows, step_row
+from lgt.trainer.run.runlog import RunLog, finish, metric_rows, step_row
 from lgt.trainer.run.scheduler import GroupScheduler, finished_groups, next_group, recorded_attempts
+from lgt.trainer.run.stopping import TARGET_WINDOW, StopRules
 from lgt.trainer.run.supervisor import Supervisor
 from lgt.trainer.serving.engine import EngineError
 from lgt.trainer.serving.proxy import ProxyError

@@ -4,8 +4,8 @@
 rollout, shows log lines and the live status line (:func:`default_display`), keeps the mean reward
 of the last steps (``target_reward``) and passes the steps, the evaluations and the end of the run to
 the experiment trackers (:mod:`lgt.trainer.report.trackers`). :func:`finish` turns what the run wrote
-into ``summary.json``, ``metrics.csv``, the plots and the report pages. :class:`StopRules` says when
-training ends.
+into ``summary.json``, ``metrics.csv``, the plots and the report pages.
+(:mod:`lgt.trainer.run.stopping` says when training ends.)
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from typing import Any
 
 from lgt.store.files import atomic_path, write_atomic
 from lgt.store.query import connect
-from lgt.trainer.report.summary import WINDOW, read_jsonl
+from lgt.trainer.report.summary import read_jsonl
 from lgt.trainer.report.trackers import Trackers
-
-TARGET_WINDOW = WINDOW  # target_reward is reached when the mean reward of this many last steps reaches it
+from lgt.trainer.run.stopping import TARGET_WINDOW
 
 
 @dataclass
@@ -45,33 +44,6 @@ class StepStats:
 
 
 Display = Callable[[StepStats, str], None]
-
-
-@dataclass(frozen=True)
-class StopRules:
-    """When training ends: the run config's ``steps``, ``max_minutes``, ``max_samples``, ``target_reward``."""
-
-    steps: int
-    max_minutes: float | None = None
-    max_samples: int | None = None
-    target_reward: float | None = None
-
-    def limit(self, *, step: int, minutes: float, samples: int) -> str | None:
-        """The limit reached before a step (the summary's ``stopped``), or None to train on."""
-        if step >= self.steps:
-            return f"step limit ({self.steps} steps)"
-        if self.max_minutes and minutes >= self.max_minutes:
-            return f"time limit ({self.max_minutes:g} min)"
-        if self.max_samples is not None and samples >= self.max_samples:
-            return f"sample limit ({self.max_samples} samples)"
-        return None
-
-    def target(self, recent_rewards: list[float]) -> float | None:
-        """The mean reward of the last :data:`TARGET_WINDOW` steps when it reached ``target_reward``."""
-        if self.target_reward is None or len(recent_rewards) < TARGET_WINDOW:
-            return None
-        mean = sum(recent_rewards[-TARGET_WINDOW:]) / TARGET_WINDOW
-        return mean if mean >= self.target_reward else None
 
 
 class RunLog:
