@@ -90,11 +90,11 @@ def teacher_dir() -> Path:
     cfg = cfgmod.load(OPD)
     assert cfg.teacher is not None and cfg.teacher.path is not None
     if not cfg.teacher.path.exists():
-        from lgt.trainer.demo import tiny
+        from lgt.trainer.demo.factory import make_model
 
         m = cfg.teacher.make
-        tiny.make_model(cfg.teacher.path, preset=m.preset, warm_start_task=m.warm_start, steps=m.steps,
-                        seconds=m.seconds, seed=m.seed, correct_fraction=m.correct_fraction)
+        make_model(cfg.teacher.path, preset=m.preset, warm_start_task=m.warm_start, steps=m.steps,
+                   seconds=m.seconds, seed=m.seed, correct_fraction=m.correct_fraction)
     return cfg.teacher.path
 
 

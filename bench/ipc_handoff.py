@@ -47,7 +47,7 @@ for line in sys.stdin:
 
 
 def main() -> int:
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo.model import build_model
     from lgt.trainer.serving.engine import ipc_payload, shm_pack
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -60,7 +60,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = AutoModelForCausalLM.from_pretrained(tiny.build_model(Path(tmp) / "m", preset=args.preset),
+        model = AutoModelForCausalLM.from_pretrained(build_model(Path(tmp) / "m", preset=args.preset),
                                                      dtype=getattr(torch, args.dtype)).to("cuda")
     tensors = {n: p.detach() for n, p in model.named_parameters()}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())

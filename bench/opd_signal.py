@@ -40,14 +40,14 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo.factory import make_model
 
     work = Path(tempfile.mkdtemp(prefix="lgt-opd-signal-"))
     # the arith warm start (knows the format, mostly wrong) and a teacher trained on right answers only
-    student_dir = tiny.make_model(work / "student", preset="tiny", warm_start_task="arith", steps=40,
-                                  progress=False)
-    teacher_dir = tiny.make_model(work / "teacher", preset="tiny", warm_start_task="arith", steps=150,
-                                  correct_fraction=1.0, progress=False)
+    student_dir = make_model(work / "student", preset="tiny", warm_start_task="arith", steps=40,
+                             progress=False)
+    teacher_dir = make_model(work / "teacher", preset="tiny", warm_start_task="arith", steps=150,
+                             correct_fraction=1.0, progress=False)
 
     def load(d: Path) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, local_files_only=True)

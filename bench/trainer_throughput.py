@@ -147,9 +147,9 @@ def make_batch(n: int, min_len: int, max_len: int, vocab: int, gen_frac: float, 
 
 def make_05b(out: Path) -> Path:
     """lgt's 0.5b preset (Qwen2-0.5B's shape, random weights, lgt's small vocabulary; ~0.36B params)."""
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo.model import build_model
 
-    return tiny.build_model(out, preset="0.5b")
+    return build_model(out, preset="0.5b")
 
 
 class BareLoop:

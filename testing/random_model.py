@@ -5,7 +5,7 @@ For tests and benchmarks that need a real model (the torch and verl backends, a 
 ``make_test_model(OUT_DIR)``, or ``python -m lgt.testing.random_model OUT_DIR [--nan-logits]`` from an
 environment that has torch, transformers and tokenizers (the proxy's environment runs it that way).
 
-It is not ``lgt.trainer.demo.tiny``'s ``tiny`` preset (the same shape) because the tests lean on two
+It is not ``lgt.trainer.demo``'s ``tiny`` preset (the same shape) because the tests lean on two
 things that factory does not offer: weights drawn with ``initializer_range`` 0.5, whose peaked logits
 keep greedy decoding off near-ties (two identical requests must decode alike whatever the batch), and
 ``nan_logits``: the final norm's weight set to infinity, so every logit is NaN and vLLM cannot write a

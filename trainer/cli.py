@@ -440,11 +440,10 @@ def make_model_cmd(ctx: click.Context, out: Path, preset: str, warm_start: str, 
         if import_only:
             raise click.ClickException(f"{import_only[0]} is a setting of an import from GGUF: give --from "
                                        "NAME or --from-gguf FILE, or leave it out")
-        from lgt.trainer.demo import tiny
+        from lgt.trainer.demo.factory import make_model
 
-        path = tiny.make_model(out, preset=preset,
-                               warm_start_task=None if warm_start == "none" else warm_start,
-                               seconds=seconds, steps=steps, seed=seed)
+        path = make_model(out, preset=preset, warm_start_task=None if warm_start == "none" else warm_start,
+                          seconds=seconds, steps=steps, seed=seed)
         click.echo(str(path))
         return
     if pretrained is not None and gguf is not None:

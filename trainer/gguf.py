@@ -205,7 +205,7 @@ def import_is_made(out_dir: str | Path, gguf: Path, *, pretrained: str | None, d
                    chat_template: str | None) -> bool:
     """``out_dir`` holds a finished import (its ``lgt-model.json`` written last) of ``gguf`` with these
     settings (:func:`import_spec`); False while ``gguf`` is not a file."""
-    from lgt.trainer.demo.tiny import read_marker
+    from lgt.trainer.demo.factory import read_marker
 
     if not Path(gguf).is_file():
         return False
@@ -244,7 +244,7 @@ def import_gguf(info: GgufInfo, out_dir: str | Path, *, dtype: str, chat_templat
     import time
 
     from lgt.store.files import atomic_dir
-    from lgt.trainer.demo.tiny import MARKER, read_marker
+    from lgt.trainer.demo.factory import MARKER, read_marker
 
     gguf, out = info.path, Path(out_dir)
     if dtype not in DTYPES[1:]:

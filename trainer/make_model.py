@@ -1,5 +1,5 @@
 """Making a model (``model.make``, ``teacher.make``, ``lgt-train make-model``), in one of two ways: the
-tiny demo models trained here (:mod:`lgt.trainer.demo.tiny`), or a pretrained model imported from a
+tiny demo models trained here (:mod:`lgt.trainer.demo`), or a pretrained model imported from a
 GGUF file (:mod:`lgt.trainer.gguf`). Nothing is downloaded either way.
 
 :func:`check_make` says before anything starts whether a ``make`` can be built where it is asked to be;
@@ -23,7 +23,7 @@ class MakeModel:
     ``teacher.make`` (a stronger teacher the example makes itself, e.g. the same warm start trained
     longer on right answers: ``correct_fraction: 0.95``). One of two kinds:
 
-    - a tiny demo model trained here (:func:`lgt.trainer.demo.tiny.make_model`): ``preset``,
+    - a tiny demo model trained here (:func:`lgt.trainer.demo.factory.make_model`): ``preset``,
       ``warm_start``, ``seconds`` or ``steps``, ``seed``, ``correct_fraction``;
     - a pretrained model imported from GGUF (:func:`import_gguf`): ``pretrained`` (a name in
       :data:`SOURCES`) or ``gguf`` (a file), and ``dtype``, the weights' type in the folder (``auto``:
@@ -87,10 +87,12 @@ def check_make(make: MakeModel, path: Path, key: str) -> None:
     """``model.make`` or ``teacher.make`` (``key``), checked before anything starts: settings tiny can
     build or a GGUF file transformers can import (unless that import is made already), a path it may
     build at. ModelError (one sentence) otherwise."""
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo.factory import read_marker
+    from lgt.trainer.demo.model import PRESETS
+    from lgt.trainer.demo.tasks import TASKS
     from lgt.trainer.gguf import check_gguf, import_is_made
 
-    if path.exists() and tiny.read_marker(path) is None and any(path.iterdir()):
+    if path.exists() and read_marker(path) is None and any(path.iterdir()):
         raise ModelError(f"{key}.path {path} holds something that is not a model made by lgt: "
                          f"choose another path for {key}.make")
     if make.imported:
@@ -102,12 +104,12 @@ def check_make(make: MakeModel, path: Path, key: str) -> None:
         except ModelError as e:
             raise ModelError(f"{key}.make: {e}") from None
         return
-    if make.preset not in tiny.PRESETS:
-        raise ModelError(f"{key}.make.preset must be one of {', '.join(tiny.PRESETS)}, not {make.preset!r}")
+    if make.preset not in PRESETS:
+        raise ModelError(f"{key}.make.preset must be one of {', '.join(PRESETS)}, not {make.preset!r}")
     if make.steps is not None and make.steps < 1:
         raise ModelError(f"{key}.make.steps must be 1 or more, not {make.steps}")
-    if make.warm_start is not None and make.warm_start not in tiny.TASKS:
-        raise ModelError(f"{key}.make.warm_start must be one of {', '.join(tiny.TASKS)} or null, not "
+    if make.warm_start is not None and make.warm_start not in TASKS:
+        raise ModelError(f"{key}.make.warm_start must be one of {', '.join(TASKS)} or null, not "
                          f"{make.warm_start!r}")
 
 
@@ -141,7 +143,7 @@ def make(make: MakeModel, path: Path, what: str, *, max_model_len: int | None,
     """The model ``make`` describes built at ``path`` (reused when it was made with the same settings): a
     tiny demo model (its warm start never shown the questions in ``exclude``: the held-out tasks), or an
     import from GGUF; then checked as a model folder the run can serve with ``max_model_len``."""
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo import factory
 
     if make.imported:
         import_model(make, path, what, log=log)
@@ -149,11 +151,11 @@ def make(make: MakeModel, path: Path, what: str, *, max_model_len: int | None,
         return
     budget = dict(seconds=make.seconds, steps=make.steps, seed=make.seed, exclude=list(exclude),
                   correct_fraction=make.correct_fraction)
-    made = tiny.is_made(path, preset=make.preset, warm_start_task=make.warm_start, **budget)
+    made = factory.is_made(path, preset=make.preset, warm_start_task=make.warm_start, **budget)
     if not made:
         size = f"{make.steps} steps" if make.steps else f"~{make.seconds:.0f} s"
         log(f"building the {what} {path} (preset {make.preset}, warm start "
             f"{make.warm_start or 'none'}, {size}, {make.correct_fraction:g} right) ...")
-    tiny.make_model(path, preset=make.preset, warm_start_task=make.warm_start, progress=not made, **budget)
+    factory.make_model(path, preset=make.preset, warm_start_task=make.warm_start, progress=not made, **budget)
     info = check_model_dir(path, need_chat_template=need_chat_template)
     info.check_context(max_model_len)

@@ -33,10 +33,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def arith_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny preset after a few seconds of the arith warm start (knows the answer format)."""
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo.factory import make_model
 
-    return tiny.make_model(tmp_path_factory.mktemp("arith-model") / "m", preset="tiny",
-                           warm_start_task="arith", seconds=3, progress=False)
+    return make_model(tmp_path_factory.mktemp("arith-model") / "m", preset="tiny",
+                      warm_start_task="arith", seconds=3, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -44,10 +44,10 @@ def arith_student_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny preset after 40 steps of the arith warm start: the same student on every machine (the
     seconds-made ``arith_model_dir`` is not), for tests whose assertion depends on where it starts.
     Knows the format, rarely the answer (greedy 1 of 64)."""
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo.factory import make_model
 
-    return tiny.make_model(tmp_path_factory.mktemp("arith-student") / "m", preset="tiny",
-                           warm_start_task="arith", steps=40, seconds=None, progress=False)
+    return make_model(tmp_path_factory.mktemp("arith-student") / "m", preset="tiny",
+                      warm_start_task="arith", steps=40, seconds=None, progress=False)
 
 
 @pytest.fixture(scope="session")

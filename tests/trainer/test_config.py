@@ -25,7 +25,7 @@ def test_examples_load(path: Path) -> None:
 
 def test_examples_that_share_a_model_build_it_the_same_way() -> None:
     """A model folder two examples name is built by one recipe: another one would make each run
-    rebuild it (``tiny.is_made`` compares the settings) and the examples train different models."""
+    rebuild it (``factory.is_made`` compares the settings) and the examples train different models."""
     made: dict[Path, tuple] = {}
     for path in EXAMPLES:
         cfg = config.load(path)

@@ -56,10 +56,10 @@ def _hf_logprobs(model_dir: Path, seqs: list[list[int]]) -> list[np.ndarray]:
 
 def test_teacher_logprobs_equal_what_transformers_computes(arith_model_dir: Path, tiny_model_dir: Path,
                                                           engines: Callable[[Path], Engine]) -> None:
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo.tokenizer import load_tokenizer
 
     engine = engines(arith_model_dir, own_weights=True)  # the session's engine serves the teacher here
-    tok = tiny.load_tokenizer(arith_model_dir)
+    tok = load_tokenizer(arith_model_dir)
     chat = tok.apply_chat_template([{"role": "user", "content": "What is 3+4?"},
                                     {"role": "assistant", "content": "The answer is 7."}], tokenize=False)
     rng = np.random.default_rng(0)
@@ -365,10 +365,10 @@ def seeded_batch(tmp_path_factory: pytest.TempPathFactory, arith_student_dir: Pa
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo.factory import make_model
 
-    teacher = tiny.make_model(tmp_path_factory.mktemp("opd-teacher") / "t", preset="tiny",
-                              warm_start_task="arith", steps=150, correct_fraction=1.0, progress=False)
+    teacher = make_model(tmp_path_factory.mktemp("opd-teacher") / "t", preset="tiny",
+                         warm_start_task="arith", steps=150, correct_fraction=1.0, progress=False)
     tok = AutoTokenizer.from_pretrained(str(arith_student_dir), local_files_only=True)
     student = AutoModelForCausalLM.from_pretrained(str(arith_student_dir), dtype=torch.float32,
                                                    local_files_only=True).eval()
@@ -565,13 +565,13 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_load(tmp_path: Path, tin
 
 
 def test_make_correct_fraction_reaches_the_warm_start(tmp_path: Path) -> None:
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo.factory import is_made, make_model, read_marker
 
-    out = tiny.make_model(tmp_path / "m", preset="tiny", warm_start_task="arith", steps=1,
-                          correct_fraction=1.0, progress=False)
-    assert tiny.read_marker(out)["warm_start_correct_fraction"] == 1.0
-    assert tiny.is_made(out, preset="tiny", warm_start_task="arith", steps=1, seed=0, correct_fraction=1.0)
-    assert not tiny.is_made(out, preset="tiny", warm_start_task="arith", steps=1, seed=0)  # 0.4: another
+    out = make_model(tmp_path / "m", preset="tiny", warm_start_task="arith", steps=1,
+                     correct_fraction=1.0, progress=False)
+    assert read_marker(out)["warm_start_correct_fraction"] == 1.0
+    assert is_made(out, preset="tiny", warm_start_task="arith", steps=1, seed=0, correct_fraction=1.0)
+    assert not is_made(out, preset="tiny", warm_start_task="arith", steps=1, seed=0)  # 0.4: another
 
 
 # --- (e) a real run -------------------------------------------------------------------------------

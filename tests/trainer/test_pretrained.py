@@ -304,7 +304,7 @@ def test_smollm2_imports_as_a_model_folder_lgt_accepts(smollm2_dir: Path, tmp_pa
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lgt.trainer.demo.tiny import read_marker
+    from lgt.trainer.demo.factory import read_marker
     from lgt.trainer.serving.hardware import resolve_dtype
 
     info = check_model_dir(smollm2_dir, need_chat_template=True)

@@ -207,7 +207,7 @@ def test_record_claude_code_on_a_hosted_teacher_and_its_traces_render_as_samples
     import subprocess
 
     from lgt.testing import harnesses
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo.tokenizer import load_tokenizer
     from lgt.trainer.distill.traces import SftConfig, build_samples, choose_rollouts, read_traces
     from lgt.trainer.serving.children import free_port
 
@@ -243,7 +243,7 @@ def test_record_claude_code_on_a_hosted_teacher_and_its_traces_render_as_samples
     calls, rollouts = read_traces(run_dir / "store")
     kept = choose_rollouts(rollouts, SftConfig(min_reward=1.0))
     assert len(kept) == 3  # the held-out rollouts are never trained on
-    tok = tiny.load_tokenizer(arith_model_dir)  # the demo models' tokenizer and chat template
+    tok = load_tokenizer(arith_model_dir)  # the demo models' tokenizer and chat template
     built = build_samples(tok, calls, kept, 4096)
     assert (len(built.samples), built.calls) == (3, 6) and not built.bad_traces and not built.merge_breaks
     for sample in built.samples:

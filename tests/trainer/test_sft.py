@@ -147,9 +147,9 @@ def _teacher_store(root: Path, n: int) -> Path:
     and one wrong answer per problem, rewarded 0 (the filter must drop those)."""
     from lgt.store.ingest import add_reward, add_rollout
     from lgt.store.writer import TableWriter
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo.tasks import arith_tasks
 
-    tasks = tiny.arith_tasks(n, seed=1)
+    tasks = arith_tasks(n, seed=1)
     with TableWriter(root, "calls") as w:
         for t in tasks:
             msgs = [{"role": "user", "content": t["question"]}]
@@ -174,7 +174,8 @@ def test_lgt_train_sft_on_a_teachers_right_answers_lowers_the_nll_and_raises_acc
     from transformers import AutoModelForCausalLM
 
     from lgt.trainer.cli import sft_cmd
-    from lgt.trainer.demo import tiny
+    from lgt.trainer.demo.evaluation import evaluate
+    from lgt.trainer.demo.tokenizer import load_tokenizer
 
     student = tmp_path / "student"
     shutil.copytree(arith_student_dir, student)
@@ -186,7 +187,7 @@ def test_lgt_train_sft_on_a_teachers_right_answers_lowers_the_nll_and_raises_acc
 
     def accuracy(d: Path) -> float:
         model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
-        return tiny.evaluate(model, tiny.load_tokenizer(d), "arith", sample=False, n=64)["accuracy"]
+        return evaluate(model, load_tokenizer(d), "arith", sample=False, n=64)["accuracy"]
 
     before = accuracy(student)
     res = CliRunner().invoke(sft_cmd, [str(cfg), "--traces", str(store), "--run-dir", str(tmp_path / "run")])

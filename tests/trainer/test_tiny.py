@@ -1,4 +1,4 @@
-"""The model-directory check (trainer/model_dir.py) and the local model factory (trainer/demo/tiny.py)."""
+"""The model-directory check (trainer/model_dir.py) and the demo models and tasks (trainer/demo/)."""
 
 from __future__ import annotations
 
@@ -12,34 +12,28 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lgt.trainer.demo.tiny import (
+from lgt.trainer.demo.chat import parse_tool_call, tool_call_text
+from lgt.trainer.demo.dialogues import DialogueEncoder, calc_example, words_example
+from lgt.trainer.demo.factory import make_model, read_marker
+from lgt.trainer.demo.model import build_model, count_parameters
+from lgt.trainer.demo.tasks import (
     CALC_TOOL,
     WORD_VOCAB,
-    DialogueEncoder,
     TinyModelError,
     arith_error,
     arith_reward,
     arith_tasks,
-    build_model,
-    build_tokenizer,
     calc_error,
-    calc_example,
     calc_messages,
     calc_tasks,
     calculate,
     carry_error,
     carry_tasks,
-    count_parameters,
-    load_tokenizer,
-    make_model,
-    parse_tool_call,
-    read_marker,
-    tool_call_text,
-    warm_start,
-    words_example,
     words_reward,
     words_tasks,
 )
+from lgt.trainer.demo.tokenizer import build_tokenizer, load_tokenizer
+from lgt.trainer.demo.warmstart import warm_start
 from lgt.trainer.model_dir import ModelError, ModelInfo, check_model_dir
 
 QWEN_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 300,
@@ -302,7 +296,7 @@ def test_dialogue_encoder_matches_the_template(tok) -> None:
 def test_words_tasks_and_dialogues(tok) -> None:
     import random
 
-    from lgt.trainer.demo.tiny import filler, words_call
+    from lgt.trainer.demo.tasks import filler, words_call
 
     tasks = words_tasks(60, seed=3)
     assert tasks == words_tasks(60, seed=3) and tasks != words_tasks(60, seed=4)
@@ -483,7 +477,9 @@ def test_vllm_parses_the_calc_models_tool_calls(calc_vllm: tuple[str, Path]) -> 
 def test_the_warm_start_never_shows_excluded_questions(tok) -> None:
     import random
 
-    from lgt.trainer.demo.tiny import DialogueEncoder, _draw_example, _spec
+    from lgt.trainer.demo.dialogues import DialogueEncoder
+    from lgt.trainer.demo.factory import _spec
+    from lgt.trainer.demo.warmstart import _draw_example
 
     held = {t["question"] for t in arith_tasks(200)[:40]}
     pool = [t for t in arith_tasks(200) if t["question"] not in held]
@@ -510,7 +506,7 @@ def test_the_warm_start_never_shows_excluded_questions(tok) -> None:
 
 
 def test_a_warm_start_of_fixed_steps_is_reused_by_runs_that_hold_out_less(tmp_path: Path) -> None:
-    from lgt.trainer.demo.tiny import is_made
+    from lgt.trainer.demo.factory import is_made
 
     out, held = tmp_path / "model", [t["question"] for t in arith_tasks(200)[:40]]
     make_model(out, preset="tiny", warm_start_task="arith", steps=3, seconds=0.001, exclude=held,
