@@ -1,7 +1,7 @@
 """The CUDA-IPC weight hand-off, measured on one GPU without vLLM: what the trainer does to hand an
-engine its new weights (``lgt.trainer.serving.engine.ipc_payload``) and what the engine's worker does to take
+engine its new weights (``lgt.trainer.serving.weights.ipc_payload``) and what the engine's worker does to take
 them (``vllm_ext.open_ipc_payload``), in two processes, next to the host path the CPU build
-uses (the tensors copied to the host and packed into shared memory: ``engine.shm_pack`` /
+uses (the tensors copied to the host and packed into shared memory: ``weights.shm_pack`` /
 ``vllm_ext.open_shm_layout``, then copied back to the GPU by the worker).
 
     python bench/ipc_handoff.py [--preset 0.5b] [--dtype bfloat16] [--repeats 5]
@@ -48,7 +48,7 @@ for line in sys.stdin:
 
 def main() -> int:
     from lgt.trainer.demo.model import build_model
-    from lgt.trainer.serving.engine import ipc_payload, shm_pack
+    from lgt.trainer.serving.weights import ipc_payload, shm_pack
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="0.5b")

@@ -30,8 +30,9 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lgt.testing.random_model import make_test_model
-from lgt.trainer.serving import engine as engine_mod
-from lgt.trainer.serving.engine import Engine, EngineConfig
+from lgt.trainer.serving.engine import Engine
+from lgt.trainer.serving.launch import EngineConfig
+from lgt.trainer.serving.weights import weights_dir
 
 PROMPT_IDS = [1, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150]
 
@@ -90,7 +91,7 @@ def measure(model_dir: Path, n_syncs: int = 5, *, max_model_len: int = 512) -> d
     first_start = time.perf_counter() - t
     disk = work / "weights"
     disk.mkdir()
-    ways = {"disk": ("file", disk), "file": ("file", engine_mod.weights_dir()), "shm": ("shm", None)}
+    ways = {"disk": ("file", disk), "file": ("file", weights_dir()), "shm": ("shm", None)}
     timings: dict[str, list] = {way: [] for way in ways}
     error = 0.0
     try:

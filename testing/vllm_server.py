@@ -19,7 +19,8 @@ from pathlib import Path
 
 from lgt.testing.proxy import ENV_VARS
 from lgt.trainer.serving.children import free_port
-from lgt.trainer.serving.engine import Engine, EngineConfig
+from lgt.trainer.serving.engine import Engine
+from lgt.trainer.serving.launch import EngineConfig
 
 
 @contextlib.contextmanager

@@ -394,7 +394,7 @@ def _note_config_differences(cfgmod: Any, config_file: Path, overrides: dict[str
 def _reexec(python: str, cfg: Any) -> None:
     """Run this same command in ``python`` (the backend's environment); the engine keeps this
     environment's vLLM (``$LGT_ENGINE_PYTHON``)."""
-    from lgt.trainer.serving.engine import engine_python
+    from lgt.trainer.serving.launch import engine_python
 
     os.environ.setdefault("LGT_ENGINE_PYTHON", engine_python(cfg.engine))
     os.environ["LGT_REEXEC"] = "1"
@@ -488,7 +488,8 @@ def engine_cmd(model_dir: Path, vllm_args: tuple[str, ...], port: int, max_model
     import signal as sig
 
     from lgt.trainer.model_dir import ModelError
-    from lgt.trainer.serving.engine import Engine, EngineConfig, EngineError
+    from lgt.trainer.serving.engine import Engine
+    from lgt.trainer.serving.launch import EngineConfig, EngineError
 
     try:
         engine = Engine.start(EngineConfig(model=model_dir.resolve(), port=port, max_model_len=max_model_len,

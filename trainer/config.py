@@ -2,7 +2,7 @@
 
 A section of the run config *is* its component's config, not a copy of it: ``agent`` is the rollout
 controller's :class:`~lgt.trainer.rollout.agent.AgentSpec`, ``engine`` the engine's
-:class:`~lgt.trainer.serving.engine.EngineConfig`, ``backend`` the chosen backend's config
+:class:`~lgt.trainer.serving.launch.EngineConfig`, ``backend`` the chosen backend's config
 (:data:`lgt.trainer.backends.base.BACKENDS`, picked by ``backend.name``), ``algorithm`` the
 :class:`~lgt.trainer.rl.algorithm.AlgorithmConfig` whose loss settings every backend uses. Each class
 checks its own values when built; this module reads YAML into them, checking every key and type, and
@@ -35,7 +35,7 @@ from lgt.trainer.rl.algorithm import AlgorithmConfig, LossConfig
 from lgt.trainer.rollout.agent import AgentSpec
 from lgt.trainer.rollout.resources import ResourceSpec
 from lgt.trainer.run.evaluation import EvalConfig
-from lgt.trainer.serving.engine import EngineConfig
+from lgt.trainer.serving.launch import EngineConfig
 from lgt.trainer.serving.proxy import ProxySection
 
 MODES = ("sync", "async")

@@ -33,7 +33,7 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     """
     from lgt.trainer.model_dir import check_model_dir
     from lgt.trainer.rollout import controller as rollouts
-    from lgt.trainer.serving.engine import EngineError, engine_python
+    from lgt.trainer.serving.launch import EngineError, engine_python
     from lgt.trainer.serving.proxy import ProxyError, find_proxy_command
 
     tasks, held = cfgmod.split_tasks(cfg)

@@ -77,7 +77,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[Path
     ``engines(model_dir, own_weights=True)``: the served weights are ``model_dir``'s again, whatever an
     earlier run left there (for tests that compare what it computes with the checkpoint).
     Tests of the engine's own start, stop, restart or crash handling start their own."""
-    from lgt.trainer.serving.engine import Engine, EngineConfig, checkpoint_tensors
+    from lgt.trainer.serving.engine import Engine
+    from lgt.trainer.serving.launch import EngineConfig
+    from lgt.trainer.serving.weights import checkpoint_tensors
 
     started: dict[Path, Engine] = {}
 

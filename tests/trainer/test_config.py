@@ -178,7 +178,7 @@ def test_missing_required_and_bad_files(tmp_path: Path) -> None:
 def test_sections_are_the_components_configs(tmp_path: Path) -> None:
     from lgt.trainer.backends.base import TorchConfig, VerlConfig
     from lgt.trainer.rl.algorithm import AlgorithmConfig, LossConfig
-    from lgt.trainer.serving.engine import EngineConfig
+    from lgt.trainer.serving.launch import EngineConfig
 
     cfg = config.load(write(tmp_path, BASE
                             + "algorithm: {kl_coef: 0.1, kl_kind: k2, dual_clip: 3, agg: token-mean}\n"

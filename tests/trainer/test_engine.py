@@ -1,4 +1,5 @@
-"""The vLLM engine manager (trainer/serving/engine.py) and its weight sync (trainer/serving/vllm_ext.py).
+"""The vLLM engine manager (trainer/serving/engine.py, launch.py) and its weight sync (weights.py,
+vllm_ext.py).
 
 Fast tests cover the pure helpers and the input checks that must fail before anything starts. The slow
 ones start the real vLLM build installed in this environment (the CPU build here) on the tiny model:
@@ -27,20 +28,18 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
 from lgt.trainer.model_dir import ModelError
-from lgt.trainer.serving import engine as engine_mod
 from lgt.trainer.serving.children import free_port
-from lgt.trainer.serving.engine import (
-    Engine,
-    EngineConfig,
-    EngineError,
-    build_command,
-    build_env,
+from lgt.trainer.serving.engine import Engine
+from lgt.trainer.serving.launch import EngineConfig, EngineError, build_command, build_env
+from lgt.trainer.serving.vllm_ext import iter_safetensors
+from lgt.trainer.serving.weights import (
     check_weights,
     checkpoint_shapes,
+    checkpoint_tensors,
     collect_tensors,
+    ipc_payload,
     write_weights,
 )
-from lgt.trainer.serving.vllm_ext import iter_safetensors
 
 # A fixed prompt (token ids of the tiny model's 400-token vocabulary) whose logprobs are compared.
 PROMPT_IDS = [1, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150]
@@ -477,7 +476,7 @@ def test_an_attached_engine_serves_a_checkpoint_and_is_left_running(engine: Engi
 
     attached = Engine.attach(EngineConfig(url=engine.url, model=tiny_model_dir))
     assert attached.attached and attached.pid is None and attached.base_url == engine.base_url
-    attached.update_weights(engine_mod.checkpoint_tensors(tiny_model_dir))
+    attached.update_weights(checkpoint_tensors(tiny_model_dir))
     assert (engine_logprobs(attached, PROMPT_IDS) - old).abs().max() < TOLERANCE
     attached.check_alive()
     attached.stop()
@@ -525,10 +524,10 @@ def test_ipc_payload_is_opened_on_the_workers_own_device() -> None:
     [(name, tensor)] = open_ipc_payload(payload, device=3)
     assert name == "w" and tensor.item() == 3.0 and IPC_DEVICE_ARG == 6
     with pytest.raises(EngineError, match="'w' is on cpu: CUDA IPC shares GPU tensors only"):
-        engine_mod.ipc_payload({"w": torch.zeros(2)})
+        ipc_payload({"w": torch.zeros(2)})
     if torch.cuda.is_available():  # on a GPU: the real handles open in this process too
         t = torch.arange(4.0, device="cuda")
-        [(_, opened)] = open_ipc_payload(engine_mod.ipc_payload({"w": t}), torch.cuda.current_device())
+        [(_, opened)] = open_ipc_payload(ipc_payload({"w": t}), torch.cuda.current_device())
         assert torch.equal(opened.cpu(), t.cpu())
 
 
@@ -536,7 +535,7 @@ def test_scratch_folders_of_killed_engines_are_swept_and_live_ones_kept(tmp_path
     import subprocess
     import sys
 
-    from lgt.trainer.serving.engine import OWNER_FILE, SCRATCH_PREFIX, _owner, sweep_scratch
+    from lgt.trainer.serving.launch import OWNER_FILE, SCRATCH_PREFIX, _owner, sweep_scratch
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     dead_owner = _owner(gone.pid)  # taken while it runs; then it exits

@@ -192,7 +192,7 @@ def test_a_started_teacher_that_dies_is_started_again_then_one_clear_error(tmp_p
     import os
     import signal
 
-    from lgt.trainer.serving.engine import EngineConfig
+    from lgt.trainer.serving.launch import EngineConfig
 
     lines: list[str] = []
     teacher = opd.Teacher.start(TeacherSection(path=arith_model_dir), arith_model_dir,
@@ -241,7 +241,8 @@ def test_a_started_teacher_that_holds_a_request_while_shutting_down_is_not_waite
     import subprocess
     import sys
 
-    from lgt.trainer.serving.engine import Engine, EngineConfig
+    from lgt.trainer.serving.engine import Engine
+    from lgt.trainer.serving.launch import EngineConfig
 
     proc = subprocess.Popen([sys.executable, "-c", _HOLDS_REQUESTS], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -19,7 +19,7 @@ from lgt.trainer.run.runlog import RunLog, finish, metric_rows, step_row
 from lgt.trainer.run.scheduler import GroupScheduler, finished_groups, next_group, recorded_attempts
 from lgt.trainer.run.stopping import TARGET_WINDOW, StopRules
 from lgt.trainer.run.supervisor import Supervisor
-from lgt.trainer.serving.engine import EngineError
+from lgt.trainer.serving.launch import EngineError
 from lgt.trainer.serving.proxy import ProxyError
 
 TASKS = [{"task_id": f"t{i}", "question": f"{i}+1"} for i in range(3)]

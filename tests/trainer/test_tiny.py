@@ -429,7 +429,7 @@ def calc_vllm(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, arith_mo
     model = tmp_path_factory.mktemp("calc") / "model"
     shutil.copytree(tiny_dir, model)
     warm_start(model, task="calc", steps=120, lr=3e-3, eval_n=8, progress=False)
-    from lgt.trainer.serving.engine import checkpoint_tensors
+    from lgt.trainer.serving.weights import checkpoint_tensors
 
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         assert (model / name).read_bytes() == (arith_model_dir / name).read_bytes(), name

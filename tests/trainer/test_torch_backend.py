@@ -390,8 +390,8 @@ AVX2_HOST = "flags\t\t: fpu sse2 avx2 fma\nmodel name\t: something avx512_bf16-i
 
 
 def test_dtype_auto_is_bfloat16_only_where_the_cpu_has_it_natively() -> None:
-    from lgt.trainer.serving.engine import engine_dtype
     from lgt.trainer.serving.hardware import resolve_dtype
+    from lgt.trainer.serving.launch import engine_dtype
 
     assert resolve_dtype("auto", cpuinfo=AVX512_HOST) == ("bfloat16", "dtype auto: this CPU has avx512_bf16")
     assert resolve_dtype("auto", cpuinfo=AMX_HOST)[0] == "bfloat16"

