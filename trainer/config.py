@@ -27,7 +27,7 @@ import yaml
 
 from lgt.trainer.apo.optimize import ApoConfig
 from lgt.trainer.backends.base import BACKENDS, TorchConfig, VerlConfig
-from lgt.trainer.distill.opd import TeacherSection, tokenizer_mismatch
+from lgt.trainer.distill.teacher import TeacherSection, tokenizer_mismatch
 from lgt.trainer.distill.traces import SftConfig
 from lgt.trainer.make_model import MakeModel
 from lgt.trainer.report import trackers
@@ -76,7 +76,7 @@ class RunConfig:
     eval: EvalConfig | None = None  # held-out evaluation (lgt.trainer.run.evaluation); null: none
     resources: dict[str, ResourceSpec] = dataclasses.field(default_factory=dict)  # prompts (resources.py)
     apo: ApoConfig | None = None  # lgt-train apo: which resource, the optimiser, the critic (apo.py)
-    teacher: TeacherSection | None = None  # on-policy distillation's teacher (distill/opd.py)
+    teacher: TeacherSection | None = None  # on-policy distillation's teacher (distill/teacher.py)
     sft: SftConfig | None = None  # lgt-train sft: which of the teacher's traces (distill/traces.py)
     mode: str = "async"
     group_size: int = 8
@@ -441,7 +441,7 @@ def validate_teacher(cfg: RunConfig) -> None:
 
 
 def teacher_tokenizer_problem(student: Path, teacher: Path) -> str | None:
-    """:func:`~lgt.trainer.distill.opd.tokenizer_mismatch` when both directories hold a tokenizer, else
+    """:func:`~lgt.trainer.distill.teacher.tokenizer_mismatch` when both directories hold a tokenizer, else
     None (one still to be made)."""
     has = [(d / "tokenizer.json").is_file() or (d / "vocab.json").is_file() for d in (student, teacher)]
     return tokenizer_mismatch(student, teacher) if all(has) else None

@@ -79,7 +79,7 @@ class Policy:
         engine starts: its model directory made when ``teacher.make`` says so (its engine started by
         ``start()``, once the student's runs), or the teacher at ``teacher.url`` attached (its tokenizer
         probed); :class:`NoTeacher` without a teacher."""
-        from lgt.trainer.distill.opd import Teacher, TeacherError, probe_mismatch
+        from lgt.trainer.distill.teacher import Teacher, TeacherError, probe_mismatch
 
         cfg, t = self.cfg, self.cfg.teacher
         if t is None:

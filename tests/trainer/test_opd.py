@@ -18,7 +18,17 @@ import pytest
 
 from lgt.trainer import config
 from lgt.trainer.distill import opd
-from lgt.trainer.distill.opd import TeacherSection, token_advantages
+from lgt.trainer.distill.opd import token_advantages
+from lgt.trainer.distill.teacher import (
+    PAD_LOGPROB,
+    Teacher,
+    TeacherError,
+    TeacherSection,
+    probe_mismatch,
+    prompt_logprobs_of,
+    prompt_top_k_of,
+    tokenizer_mismatch,
+)
 
 if TYPE_CHECKING:
     from lgt.trainer.serving.engine import Engine
@@ -66,7 +76,7 @@ def test_teacher_logprobs_equal_what_transformers_computes(arith_model_dir: Path
     seqs = [tok.encode(chat, add_special_tokens=False),
             *[rng.integers(0, len(tok), size=n).tolist() for n in (5, 17, 2)]]
     section = TeacherSection(url=engine.url, batch_sequences=2, concurrency=2)
-    teacher = opd.Teacher(section, engine.url, engine.cfg.served_model_name)
+    teacher = Teacher(section, engine.url, engine.cfg.served_model_name)
     try:
         scored = teacher.score(seqs)
     finally:
@@ -77,7 +87,7 @@ def test_teacher_logprobs_equal_what_transformers_computes(arith_model_dir: Path
         assert got.shape == want.shape and got[0] == 0.0
         np.testing.assert_allclose(got, want, atol=2e-3)
     # teacher.top_k: the engine's top 4 at every position, ranked, as transformers ranks them
-    top4 = opd.Teacher(TeacherSection(url=engine.url, top_k=4), engine.url, engine.cfg.served_model_name)
+    top4 = Teacher(TeacherSection(url=engine.url, top_k=4), engine.url, engine.cfg.served_model_name)
     try:
         ranked = top4.score(seqs)
     finally:
@@ -90,13 +100,13 @@ def test_teacher_logprobs_equal_what_transformers_computes(arith_model_dir: Path
         clear = np.abs(np.diff(want_lps, axis=1)).min(1) > 1e-2  # positions without near-ties
         np.testing.assert_array_equal(got_ids[clear], want_ids[clear])
     # teacher.url: the engine's one model is the teacher's
-    attached = opd.Teacher.attach(TeacherSection(url=engine.url), log=lambda line: None)
+    attached = Teacher.attach(TeacherSection(url=engine.url), log=lambda line: None)
     try:
         assert attached.model_name == engine.cfg.served_model_name
         np.testing.assert_array_equal(attached.score(seqs[:1]).logprobs[0], scored.logprobs[0])
         # with no tokenizer files to compare, a probe text tokenized by the teacher stands in
-        assert opd.probe_mismatch(arith_model_dir, attached.tokenize) is None
-        other = opd.probe_mismatch(tiny_model_dir, attached.tokenize)
+        assert probe_mismatch(arith_model_dir, attached.tokenize) is None
+        other = probe_mismatch(tiny_model_dir, attached.tokenize)
         assert other is not None and "they turn the same text into other ids" in other
     finally:
         attached.stop()
@@ -106,10 +116,10 @@ def test_a_teacher_that_does_not_answer_is_one_clear_error() -> None:
     from lgt.trainer.serving.children import free_port
 
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}/v1"
-    with pytest.raises(opd.TeacherError, match=r"does not answer GET /v1/models: start it first"):
-        opd.Teacher.attach(TeacherSection(url=url), log=lambda line: None)
-    teacher = opd.Teacher(TeacherSection(url=url), url, "teacher")
-    with pytest.raises(opd.TeacherError, match=f"the teacher at {url} did not answer"):
+    with pytest.raises(TeacherError, match=r"does not answer GET /v1/models: start it first"):
+        Teacher.attach(TeacherSection(url=url), log=lambda line: None)
+    teacher = Teacher(TeacherSection(url=url), url, "teacher")
+    with pytest.raises(TeacherError, match=f"the teacher at {url} did not answer"):
         teacher.score([[1, 2, 3]])
     teacher.stop()
 
@@ -159,7 +169,7 @@ def _resetting_teacher(resets: int):
 
 def test_a_reset_connection_is_asked_again_then_one_clear_error() -> None:
     url, seen, stop = _resetting_teacher(resets=2)
-    teacher = opd.Teacher(TeacherSection(url=url), url, "teacher")
+    teacher = Teacher(TeacherSection(url=url), url, "teacher")
     try:
         np.testing.assert_array_equal(teacher.score([[1, 2, 3]]).logprobs[0], [0.0, -0.5, -0.5])
         assert len(seen) == 3  # two resets, then the answer
@@ -167,9 +177,9 @@ def test_a_reset_connection_is_asked_again_then_one_clear_error() -> None:
         teacher.stop()
         stop()
     url, seen, stop = _resetting_teacher(resets=10)
-    teacher = opd.Teacher(TeacherSection(url=url), url, "teacher")
+    teacher = Teacher(TeacherSection(url=url), url, "teacher")
     try:
-        with pytest.raises(opd.TeacherError, match=f"the teacher at {url} did not answer: .*\\(3 tries\\)"):
+        with pytest.raises(TeacherError, match=f"the teacher at {url} did not answer: .*\\(3 tries\\)"):
             teacher.score([[1, 2, 3]])
         assert len(seen) == 3
     finally:
@@ -179,11 +189,11 @@ def test_a_reset_connection_is_asked_again_then_one_clear_error() -> None:
 
 def test_prompt_logprobs_that_miss_the_token_are_one_error() -> None:
     entries = [None, {"5": {"logprob": -1.5}}, {"9": {"logprob": -0.25}}]
-    np.testing.assert_array_equal(opd.prompt_logprobs_of(entries, [1, 5, 9]), [0.0, -1.5, -0.25])
-    with pytest.raises(opd.TeacherError, match="at position 2 do not name the token there"):
-        opd.prompt_logprobs_of(entries, [1, 5, 8])
-    with pytest.raises(opd.TeacherError, match="3 prompt logprobs for a sequence of 2 tokens"):
-        opd.prompt_logprobs_of(entries, [1, 5])
+    np.testing.assert_array_equal(prompt_logprobs_of(entries, [1, 5, 9]), [0.0, -1.5, -0.25])
+    with pytest.raises(TeacherError, match="at position 2 do not name the token there"):
+        prompt_logprobs_of(entries, [1, 5, 8])
+    with pytest.raises(TeacherError, match="3 prompt logprobs for a sequence of 2 tokens"):
+        prompt_logprobs_of(entries, [1, 5])
 
 
 @pytest.mark.slow
@@ -195,7 +205,7 @@ def test_a_started_teacher_that_dies_is_started_again_then_one_clear_error(tmp_p
     from lgt.trainer.serving.launch import EngineConfig
 
     lines: list[str] = []
-    teacher = opd.Teacher.start(TeacherSection(path=arith_model_dir), arith_model_dir,
+    teacher = Teacher.start(TeacherSection(path=arith_model_dir), arith_model_dir,
                                 EngineConfig(max_model_len=64), log_path=tmp_path / "teacher.log", seed=0,
                                 restarts=1, log=lines.append)
     try:
@@ -212,7 +222,7 @@ def test_a_started_teacher_that_dies_is_started_again_then_one_clear_error(tmp_p
         deadline = time.monotonic() + 20
         while "[shutdown]" not in log.read_text(errors="replace")[seen:] and time.monotonic() < deadline:
             time.sleep(0.05)
-        with pytest.raises(opd.TeacherError) as e:
+        with pytest.raises(TeacherError) as e:
             teacher.score([[1, 2, 3, 4]])
         assert "was restarted 1 times already (restarts: 1)" in str(e.value) and "\n" not in str(e.value)
     finally:
@@ -249,11 +259,11 @@ def test_a_started_teacher_that_holds_a_request_while_shutting_down_is_not_waite
     port = int(proc.stdout.readline())
     eng = Engine(EngineConfig(max_model_len=64), proc, port, tmp_path / "vllm.log", cpu=True,
                  weight_shapes={}, tied=False, base_url=f"http://127.0.0.1:{port}")
-    teacher = opd.Teacher(TeacherSection(path=tmp_path), f"http://127.0.0.1:{port}/v1", "teacher", engine=eng,
+    teacher = Teacher(TeacherSection(path=tmp_path), f"http://127.0.0.1:{port}/v1", "teacher", engine=eng,
                           restarts=0, log=lambda line: None)
     t0 = time.monotonic()
     try:
-        with pytest.raises(opd.TeacherError, match="restarted 0 times already"):
+        with pytest.raises(TeacherError, match="restarted 0 times already"):
             teacher.score([[1, 2, 3]])
         assert time.monotonic() - t0 < 60 and eng.died
     finally:
@@ -297,15 +307,15 @@ def test_the_teachers_top_k_is_ranked_padded_and_kept_on_generated_tokens_only()
                {"7": {"logprob": -0.3, "rank": 1}, "8": {"logprob": -1.6, "rank": 2},
                 "9": {"logprob": -4.0, "rank": 5}},
                {"3": {"logprob": 0.0, "rank": 1}}]  # a vocabulary of one: padded
-    ids, lps = opd.prompt_top_k_of(entries, [1, 5, 9, 3], 2)
+    ids, lps = prompt_top_k_of(entries, [1, 5, 9, 3], 2)
     assert ids.tolist() == [[0, 0], [5, 6], [7, 8], [3, 3]]
-    np.testing.assert_allclose(lps, [[0, 0], [-0.1, -2.5], [-0.3, -1.6], [0.0, opd.PAD_LOGPROB]])
+    np.testing.assert_allclose(lps, [[0, 0], [-0.1, -2.5], [-0.3, -1.6], [0.0, PAD_LOGPROB]])
     samples = _samples([{"id": "a", "ids": [1, 5, 9, 3], "mask": [0, 1, 0, 1], "blp": [0.0, -0.2, 0, -0.1],
                          "adv": 0.0}])
     out, m = token_advantages(samples, [np.array([0, -0.1, -4.0, 0.0])], 0.0, top=([ids], [lps]))
     assert out["teacher_top_k_ids"].to_pylist() == [[0, 0, 5, 6, 0, 0, 3, 3]]  # off the mask: zeros
     np.testing.assert_allclose(out["teacher_top_k_logprobs"].to_pylist()[0],
-                               [0, 0, -0.1, -2.5, 0, 0, 0, opd.PAD_LOGPROB], rtol=1e-6)
+                               [0, 0, -0.1, -2.5, 0, 0, 0, PAD_LOGPROB], rtol=1e-6)
     # top-1 agrees at both generated tokens (5 and 3); mass: (e^-0.1 + e^-2.5 + e^0) / 2
     assert m["opd/top1_agree"] == 1.0
     assert m["opd/top_k_mass"] == pytest.approx((math.exp(-0.1) + math.exp(-2.5) + 1.0) / 2)
@@ -562,7 +572,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_load(tmp_path: Path, tin
     tc = json.loads((same / "tokenizer_config.json").read_text())
     tc["eos_token"] = "<|endoftext|>"
     (same / "tokenizer_config.json").write_text(json.dumps(tc))
-    assert "its eos_token is '<|endoftext|>'" in opd.tokenizer_mismatch(tiny_model_dir, same)
+    assert "its eos_token is '<|endoftext|>'" in tokenizer_mismatch(tiny_model_dir, same)
 
 
 def test_make_correct_fraction_reaches_the_warm_start(tmp_path: Path) -> None:

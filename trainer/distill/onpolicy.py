@@ -11,18 +11,19 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from lgt.trainer.distill import opd
+from lgt.trainer.distill.teacher import Teacher
 
 # the step's stopwatch: timed(name, fn, *args) runs fn off the event loop, its seconds in perf/<name>_s
 Timed = Callable[..., Awaitable[Any]]
 
 
 class Distillation:
-    """The teacher (:class:`~lgt.trainer.distill.opd.Teacher`: one at a URL, attached already, or an
+    """The teacher (:class:`~lgt.trainer.distill.teacher.Teacher`: one at a URL, attached already, or an
     engine ``start`` starts once the student's runs) scoring the student's samples; ``backend``
     recomputes a behaviour logprob the proxy could not record."""
 
-    def __init__(self, backend: Any, reward_coef: float, *, teacher: opd.Teacher | None = None,
-                 start: Callable[[], opd.Teacher] | None = None) -> None:
+    def __init__(self, backend: Any, reward_coef: float, *, teacher: Teacher | None = None,
+                 start: Callable[[], Teacher] | None = None) -> None:
         self.backend, self.reward_coef = backend, reward_coef
         self.teacher, self._start = teacher, start
 
