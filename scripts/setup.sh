@@ -15,6 +15,8 @@
 #                (when npm is present; LGT_SKIP_AGENTS=1 or LGT_SKIP_HARNESSES=1 skips)
 #   bubblewrap   the agents' sandbox (agent.sandbox: bwrap, the default): installed with apt-get when this
 #                user is root, else a warning saying how
+#   build/busybox-static   Debian's busybox-static package unpacked (apt-get download, dpkg-deb -x; no root
+#                needed): the root filesystem of the container-image tests (tests/test_images.py skip without it)
 #   chromium     the browser the live run page's test drives (Playwright, Debian's chromium): installed
 #                with apt-get when this user is root (LGT_SKIP_BROWSER=1 skips), else that test skips
 set -euo pipefail
@@ -39,6 +41,14 @@ if [ "${LGT_SKIP_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&1 &&
     { apt-get update -q >/dev/null 2>&1 &&
       apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; } ||
     echo "setup: warning: apt-get could not install chromium; the browser test will skip" >&2
+fi
+
+if [ ! -x build/busybox-static/root/bin/busybox ] && command -v apt-get >/dev/null 2>&1 &&
+   command -v dpkg-deb >/dev/null 2>&1; then
+  mkdir -p build/busybox-static
+  (cd build/busybox-static && rm -f ./*.deb && apt-get download -q busybox-static >/dev/null 2>&1 &&
+   rm -rf root && dpkg-deb -x busybox-static_*.deb root) ||
+    echo "setup: warning: apt-get could not fetch busybox-static; the image tests that run a command will skip" >&2
 fi
 
 source scripts/find_python.sh
