@@ -212,6 +212,29 @@ def _flip_last_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def test_a_docker_archive_with_a_linked_layer_reads_and_its_names_stay_inside_it(tmp_path: Path) -> None:
+    archive = build(tmp_path, "docker-archive", [Layer([File("a", b"a")], gzip=False)])
+    folder = archive.with_name("image.tar.docker")
+    first = next(folder.glob("*/layer.tar"))
+    (folder / "again").mkdir()
+    (folder / "again/layer.tar").symlink_to(f"../{first.parent.name}/layer.tar")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest[0]["Layers"].append("again/layer.tar")
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    config = folder / manifest[0]["Config"]
+    doc = json.loads(config.read_text())
+    doc["rootfs"]["diff_ids"] *= 2
+    (folder / "new.json").write_text(json.dumps(doc))
+    manifest[0]["Config"] = "../../../new.json"  # stays inside the archive: its own new.json
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with tarfile.open(tmp_path / "linked.tar", "w") as tar:
+        for p in sorted(folder.rglob("*")):
+            tar.add(p, str(p.relative_to(folder)), recursive=False)
+    image = open_image(tmp_path / "linked.tar", cache=tmp_path / "cache")
+    assert tree(image.root) == {"a": ("f", b"a", 0o644)}
+    assert len(list((tmp_path / "cache/layers").iterdir())) == 1
+
+
 def test_a_layer_that_does_not_match_its_digest_leaves_nothing_in_the_cache(tmp_path: Path) -> None:
     layout = build(tmp_path, "oci-layout", [Layer([File("a", b"a" * 4096)], gzip=False)])
     index = json.loads((layout / "index.json").read_text())

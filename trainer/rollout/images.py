@@ -35,6 +35,7 @@ import io
 import json
 import os
 import platform
+import posixpath
 import re
 import shutil
 import stat
@@ -133,7 +134,9 @@ class _Source:
         if path.is_file():
             try:
                 self._tar = tarfile.open(path, "r:*")
-                self._members = {_clean(m.name): m for m in self._tar.getmembers() if m.isfile()}
+                # (links too: older docker saves link a repeated layer.tar to its first copy)
+                self._members = {_clean(m.name): m for m in self._tar.getmembers()
+                                 if m.isfile() or m.issym() or m.islnk()}
             except (tarfile.TarError, OSError, EOFError, gzip.BadGzipFile) as e:
                 raise ImageError(f"image {ref} is not a readable tar archive ({e})") from None
 
@@ -174,7 +177,8 @@ class _Source:
 
 
 def _clean(name: str) -> str:
-    return str(PurePosixPath("/", name)).lstrip("/")
+    """A path inside the source, never above it (``..`` stops at its top)."""
+    return posixpath.normpath("/" + name).lstrip("/")
 
 
 def _blob(digest: str) -> str:
