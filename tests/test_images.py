@@ -349,6 +349,26 @@ def test_an_image_for_another_architecture_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_windows_image_is_refused(tmp_path: Path) -> None:
+    build(tmp_path, "docker-archive", [Layer([File("a")])])
+    folder = tmp_path / "image.tar.docker"
+    config = folder / json.loads((folder / "manifest.json").read_text())[0]["Config"]
+    doc = json.loads(config.read_text())
+    config.write_text(json.dumps({**doc, "os": "windows"}))
+    with pytest.raises(ImageError, match=f"is for windows/{doc['architecture']}; this machine is linux/"):
+        open_image(folder, cache=tmp_path / "cache")
+
+
+def test_a_dead_builds_folder_is_swept_and_a_live_ones_kept(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    (cache / "tmp/dead/x").mkdir(parents=True)
+    (cache / "tmp/live").mkdir()
+    old = os.stat(cache / "tmp/dead").st_mtime - images.STALE_SECONDS - 60
+    os.utime(cache / "tmp/dead", (old, old))
+    open_image(build(tmp_path, "oci-layout", [Layer([File("a")])]), cache=cache)
+    assert sorted(os.listdir(cache / "tmp")) == ["live"]
+
+
 def test_an_index_gives_this_machines_entry_or_says_what_it_offers(tmp_path: Path) -> None:
     here = images.machine_arch()
     other = "arm64" if here != "arm64" else "amd64"

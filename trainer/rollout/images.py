@@ -42,6 +42,7 @@ import stat
 import sys
 import tarfile
 import tempfile
+import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
                "application/vnd.docker.distribution.manifest.list.v2+json")
 ARCHES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "armv7l": "arm",
           "i686": "386", "i386": "386", "ppc64le": "ppc64le", "s390x": "s390x", "riscv64": "riscv64"}
+STALE_SECONDS = 24 * 3600  # a folder in the cache's tmp/ this old is a dead build's
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _CHUNK = 1 << 20
 
@@ -288,7 +290,7 @@ def _read_docker(source: _Source) -> tuple[dict, str, list[Layer]]:
 
 def _check_platform(ref: str, config: Mapping) -> None:
     arch, want = config.get("architecture", ""), machine_arch()
-    if arch and ARCHES.get(arch, arch) != want:
+    if (arch and ARCHES.get(arch, arch) != want) or config.get("os", "linux") != "linux":
         raise ImageError(f"image {ref} is for {config.get('os', 'linux')}/{arch}; this machine is "
                          f"linux/{want}")
 
@@ -317,6 +319,10 @@ def _building(cache: Path, entry: Path) -> Iterator[Path]:
     or when another process renamed its own first."""
     (cache / "tmp").mkdir(parents=True, exist_ok=True)
     entry.parent.mkdir(parents=True, exist_ok=True)
+    for stale in (cache / "tmp").iterdir():  # left by a process killed while building
+        with contextlib.suppress(OSError):
+            if time.time() - stale.lstat().st_mtime > STALE_SECONDS:
+                _remove(stale)
     tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".", dir=cache / "tmp"))
     try:
         yield tmp
