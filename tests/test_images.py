@@ -250,6 +250,20 @@ def test_a_layer_that_does_not_match_its_digest_leaves_nothing_in_the_cache(tmp_
     assert cache_entries(cache) == []
 
 
+@pytest.mark.parametrize("which", ["manifest", "config"])
+def test_a_manifest_or_config_that_does_not_match_its_digest_is_refused(tmp_path: Path, which: str) -> None:
+    layout = build(tmp_path, "oci-layout", [Layer([File("a", b"a")])])
+    index = json.loads((layout / "index.json").read_text())
+    manifest = layout / "blobs/sha256" / index["manifests"][0]["digest"][7:]
+    blob = manifest if which == "manifest" else \
+        layout / "blobs/sha256" / json.loads(manifest.read_text())["config"]["digest"][7:]
+    _flip_last_byte(blob)
+    says = r"^image \S+: blobs/sha256/\w+ does not match its digest sha256:\w+ \(corrupt image\)$"
+    with pytest.raises(ImageError, match=says):
+        open_image(layout, cache=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
 def test_a_docker_layer_that_does_not_match_its_diff_id_is_refused(tmp_path: Path) -> None:
     archive = build(tmp_path, "docker-archive", [Layer([File("a", b"a")], gzip=False)])
     folder = archive.with_name("image.tar.docker")

@@ -171,11 +171,15 @@ class _Source:
             raise ImageError(f"image {self.ref}: {name} does not match its digest {digest} (corrupt image)")
         return data
 
-    def json(self, name: str, digest: str | None = None) -> dict | list:
+    def json(self, name: str, digest: str | None = None, shape: type = dict) -> dict | list:
+        data = self.read(name, digest)
         try:
-            return json.loads(self.read(name, digest))
+            doc = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
             raise ImageError(f"image {self.ref}: {name} is not JSON ({e})") from None
+        if not isinstance(doc, shape):
+            raise ImageError(f"image {self.ref}: {name} is not a JSON {shape.__name__}")
+        return doc
 
 
 def _clean(name: str) -> str:
@@ -269,10 +273,10 @@ def _pick_manifest(source: _Source, index: Mapping, depth: int = 0) -> dict:
 
 
 def _read_docker(source: _Source) -> tuple[dict, str, list[Layer]]:
-    manifest = source.json("manifest.json")
-    if not isinstance(manifest, list) or len(manifest) != 1:
-        raise ImageError(f"image {source.ref}: its manifest.json should describe one image "
-                         f"({len(manifest) if isinstance(manifest, list) else 'not a list'})")
+    manifest = source.json("manifest.json", shape=list)
+    if len(manifest) != 1 or not isinstance(manifest[0], dict):
+        raise ImageError(f"image {source.ref}: its manifest.json should describe one image, not "
+                         f"{len(manifest)}")
     entry = manifest[0]
     data = source.read(entry.get("Config", ""))
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
