@@ -264,6 +264,18 @@ def test_a_manifest_or_config_that_does_not_match_its_digest_is_refused(tmp_path
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_manifest_and_config_that_count_different_layers_are_refused(tmp_path: Path) -> None:
+    build(tmp_path, "docker-archive", [Layer([File("a")]), Layer([File("b")])])
+    folder = tmp_path / "image.tar.docker"
+    config = folder / json.loads((folder / "manifest.json").read_text())[0]["Config"]
+    doc = json.loads(config.read_text())
+    doc["rootfs"]["diff_ids"].pop()
+    config.write_text(json.dumps(doc))
+    with pytest.raises(ImageError, match="its config lists 1 layer diff ids and its manifest 2 layers"):
+        open_image(folder, cache=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
 def test_a_docker_layer_that_does_not_match_its_diff_id_is_refused(tmp_path: Path) -> None:
     archive = build(tmp_path, "docker-archive", [Layer([File("a", b"a")], gzip=False)])
     folder = archive.with_name("image.tar.docker")

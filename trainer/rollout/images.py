@@ -218,34 +218,31 @@ def resolve(ref: str | os.PathLike) -> tuple[dict, str, list[Layer], _Source]:
     source = _Source(ref, path)
     try:
         if source.has("index.json") or source.has("oci-layout"):
-            config, digest, layers = _read_oci(source)
+            config, digest, blobs = _read_oci(source)
         elif source.has("manifest.json"):
-            config, digest, layers = _read_docker(source)
+            config, digest, blobs = _read_docker(source)
         else:
             raise ImageError(f"{ref} is not an image: it has no index.json (an OCI layout or archive) and no "
                              f"manifest.json (a docker archive)")
         _check_platform(ref, config)
         diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
-        if len(diff_ids) != len(layers):
-            raise ImageError(f"image {ref}: its config lists {len(diff_ids)} layers and its manifest "
-                             f"{len(layers)}")
-        return config, digest, layers, source
+        if len(diff_ids) != len(blobs):
+            raise ImageError(f"image {ref}: its config lists {len(diff_ids)} layer diff ids and its manifest "
+                             f"{len(blobs)} layers")
+        return config, digest, [Layer(d, b, p) for d, (p, b) in zip(diff_ids, blobs)], source
     except BaseException:
         source.close()
         raise
 
 
-def _read_oci(source: _Source) -> tuple[dict, str, list[Layer]]:
-    index = source.json("index.json")
-    manifest = _pick_manifest(source, index)
+# Each reader gives (config, its digest, [(layer's path in the source, its digest when known)]).
+
+def _read_oci(source: _Source) -> tuple[dict, str, list[tuple[str, str | None]]]:
+    manifest = _pick_manifest(source, source.json("index.json"))
     config_digest = manifest.get("config", {}).get("digest", "")
     config = source.json(_blob(config_digest), config_digest)
-    diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
-    layers = []
-    for i, d in enumerate(manifest.get("layers") or []):
-        if i < len(diff_ids):
-            layers.append(Layer(diff_ids[i], d.get("digest"), _blob(d.get("digest", ""))))
-    return config, config_digest, layers
+    return config, config_digest, [(_blob(d.get("digest", "")), d.get("digest"))
+                                   for d in manifest.get("layers") or []]
 
 
 def _pick_manifest(source: _Source, index: Mapping, depth: int = 0) -> dict:
@@ -272,7 +269,7 @@ def _pick_manifest(source: _Source, index: Mapping, depth: int = 0) -> dict:
     return body
 
 
-def _read_docker(source: _Source) -> tuple[dict, str, list[Layer]]:
+def _read_docker(source: _Source) -> tuple[dict, str, list[tuple[str, str | None]]]:
     manifest = source.json("manifest.json", shape=list)
     if len(manifest) != 1 or not isinstance(manifest[0], dict):
         raise ImageError(f"image {source.ref}: its manifest.json should describe one image, not "
@@ -280,16 +277,8 @@ def _read_docker(source: _Source) -> tuple[dict, str, list[Layer]]:
     entry = manifest[0]
     data = source.read(entry.get("Config", ""))
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    try:
-        config = json.loads(data)
-    except ValueError as e:
-        raise ImageError(f"image {source.ref}: its config is not JSON ({e})") from None
-    diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
-    layers = [Layer(diff_ids[i], None, p) for i, p in enumerate(entry.get("Layers") or [])
-              if i < len(diff_ids)]
-    if len(entry.get("Layers") or []) != len(diff_ids):
-        layers.append(Layer("", None, ""))  # counted (and refused) in resolve
-    return config, digest, layers
+    config = source.json(entry.get("Config", ""))  # (read again: small)
+    return config, digest, [(p, None) for p in entry.get("Layers") or []]
 
 
 def _check_platform(ref: str, config: Mapping) -> None:
