@@ -28,6 +28,7 @@ from lgt.testing.images import (
     Whiteout,
     busybox_layer,
     busybox_root,
+    tree_layer,
     write_docker_archive,
     write_oci_archive,
     write_oci_layout,
@@ -103,6 +104,19 @@ def test_whiteouts_opaque_folders_and_links_unpack_to_the_exact_tree(tmp_path: P
     assert {"proc", "dev", "tmp", "work"} <= set(os.listdir(image.root))
     assert image.config.working_dir == "/work" and image.config.environment()["PATH"] == "/bin:/usr/bin"
     assert image.digest.startswith("sha256:") and cache_entries(tmp_path / "cache")[-1].startswith("roots/")
+
+
+def test_a_folder_becomes_a_layer_and_unpacks_to_itself(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "pkg/sub").mkdir(parents=True)
+    (src / "pkg/run.sh").write_text("#!/bin/sh\n")
+    os.chmod(src / "pkg/run.sh", 0o750)
+    os.link(src / "pkg/run.sh", src / "pkg/sub/same.sh")
+    (src / "pkg/link").symlink_to("run.sh")
+    image = open_image(build(tmp_path, "docker-archive", [Layer(tree_layer(src, "opt"))]),
+                       cache=tmp_path / "cache")
+    assert tree(image.root) == {"opt": ("d",), **{f"opt/{k}": v for k, v in tree(src).items()}}
+    assert os.stat(image.root / "opt/pkg/run.sh").st_ino == os.stat(image.root / "opt/pkg/sub/same.sh").st_ino
 
 
 # -- a reference model of layers applied in order, against random stacks -----------------------------------
