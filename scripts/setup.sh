@@ -46,7 +46,10 @@ fi
 if [ ! -x build/busybox-static/root/bin/busybox ] && command -v apt-get >/dev/null 2>&1 &&
    command -v dpkg-deb >/dev/null 2>&1; then
   mkdir -p build/busybox-static
-  (cd build/busybox-static && rm -f ./*.deb && apt-get download -q busybox-static >/dev/null 2>&1 &&
+  (cd build/busybox-static && rm -f ./*.deb &&
+   { apt-get download -q busybox-static >/dev/null 2>&1 ||
+     { [ "$(id -u)" = 0 ] && apt-get update -q >/dev/null 2>&1 &&
+       apt-get download -q busybox-static >/dev/null 2>&1; }; } &&
    rm -rf root && dpkg-deb -x busybox-static_*.deb root) ||
     echo "setup: warning: apt-get could not fetch busybox-static; the image tests that run a command will skip" >&2
 fi
