@@ -98,7 +98,7 @@ def conversation(api: str | None, request_json: str, response_json: str) -> tupl
 def render_call(tokenizer: Any, messages: list[dict], tools: Any, reply: dict, max_seq_len: int
                 ) -> tuple[list[int], list[int]] | str:
     """(prompt ids, conversation ids) of one call under the student's template, or why it cannot be
-    trained on: the checks of docs/distill-sft.md."""
+    trained on: the checks of docs/distill.md ("The checks against the template")."""
     if not _text_parts(messages) or not _text_parts([reply]):
         return CONTENT_PARTS
     try:
