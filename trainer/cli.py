@@ -1,6 +1,6 @@
 """``lgt-train``: the trainer's command line — ``run``, ``serve``, ``eval``, ``apo``, ``record``, ``sft``,
-``engine``, ``make-model``, ``samples``, and the store's own commands (``sql``, ``reward``, ``rollout``,
-``show``, ``report``: :mod:`lgt.store.cli`). Inspection commands work without torch.
+``engine``, ``make-model``, ``samples``, ``tasks swebench``, and the store's own commands (``sql``,
+``reward``, ``rollout``, ``show``, ``report``: :mod:`lgt.store.cli`). Inspection commands work without torch.
 
 Each command checks its input, calls one function and prints the result; a user's mistake ends in one
 sentence (``click.ClickException``), with nothing written.
@@ -508,6 +508,43 @@ def engine_cmd(model_dir: Path, vllm_args: tuple[str, ...], port: int, max_model
         raise click.ClickException(str(e).splitlines()[0]) from None
     finally:
         engine.stop()
+
+
+# --- tasks: other benchmarks' instances as lgt tasks ----------------------------------------------------
+
+@main.group("tasks")
+def tasks_group() -> None:
+    """Write lgt tasks from another benchmark's instances."""
+
+
+@tasks_group.command("swebench")
+@click.argument("instances", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Where to write the tasks (JSON lines, written whole).")
+@click.option("--image-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The folder holding each instance's image as <instance_id>.tar or an OCI layout folder "
+                   "<instance_id> (default: the instances' image_name, as given).")
+@click.option("--workdir", default="/testbed", show_default=True,
+              help="Where the repository is inside the image.")
+@click.option("--hints", is_flag=True, help="Give the agent the instances' hints_text too.")
+@click.option("--python", "python", default="python3", show_default=True,
+              help="The image's Python that runs the evaluator and the tests.")
+def swebench_cmd(instances: Path, out: Path, image_dir: Path | None, workdir: str, hints: bool,
+                 python: str) -> None:
+    """Turn SWE-bench INSTANCES (JSON lines, a JSON list or Parquet) into lgt tasks, and print the run
+    config's lines that go with them (the hidden tests private, the evaluator the reward)."""
+    from lgt.trainer.rollout import swebench
+
+    if not workdir.startswith("/"):
+        raise click.ClickException(f"--workdir must be an absolute path inside the image, not {workdir!r}")
+    try:
+        tasks = swebench.convert(swebench.read_instances(instances), workdir=workdir, image_dir=image_dir,
+                                 hints=hints)
+    except swebench.InstanceError as e:
+        raise click.ClickException(str(e)) from None
+    swebench.write_tasks(tasks, out)
+    click.echo(f"wrote {show_mod.plural(len(tasks), 'task')} to {out}; the run config's lines for them:")
+    click.echo(swebench.run_config(out, python=python), nl=False)
 
 
 if __name__ == "__main__":
