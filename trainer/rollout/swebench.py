@@ -184,6 +184,7 @@ def run_config(tasks_file: Path, *, python: str = "python3", evaluator: str = EV
     return (f"tasks: {json.dumps(str(tasks_file))}\n"
             "agent:\n"
             f"  private: [{', '.join(PRIVATE)}]\n"
+            f"  # {evaluator}: lgt's {EVALUATOR_FILE.name} ({EVALUATOR_FILE}), run in the task's image\n"
             f"  evaluator: [{json.dumps(python)}, {json.dumps(evaluator)}]\n"
             "  reward_sources: [evaluator]\n")
 
