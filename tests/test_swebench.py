@@ -85,7 +85,7 @@ def test_an_instance_becomes_a_task_whose_hidden_tests_the_agent_never_sees(tmp_
     config = yaml.safe_load(result.output.split("\n", 1)[1])
     assert config["tasks"] == str(out)
     assert config["agent"]["private"] == list(swebench.PRIVATE)
-    assert config["agent"]["evaluator"] == ["python3", "/lgt/eval/swebench_eval.py"]
+    assert config["agent"]["evaluator"] == ["python3", "/lgt/eval/swebench_eval.py", "--timeout", "1800"]
     assert config["agent"]["reward_sources"] == ["evaluator"]
     assert f"({swebench.EVALUATOR_FILE})" in result.output and swebench.EVALUATOR_FILE.is_file()
     spec = AgentSpec(command=("true",), **{k: v for k, v in config["agent"].items()})
@@ -108,8 +108,12 @@ def test_json_lists_parquet_hints_workdir_and_the_image_folder(tmp_path: Path) -
     src = tmp_path / "instances.json"
     src.write_text(json.dumps(items, indent=1))
     out = tmp_path / "tasks.jsonl"
-    lgt_train("tasks", "swebench", src, "--out", out, "--image-dir", images, "--workdir", "/src/calc",
-              "--hints", "--python", "/opt/miniconda3/envs/testbed/bin/python")
+    result = lgt_train("tasks", "swebench", src, "--out", out, "--image-dir", images,
+                       "--workdir", "/src/calc", "--hints", "--test-timeout", "90.5",
+                       "--python", "/opt/miniconda3/envs/testbed/bin/python")
+    config = yaml.safe_load(result.output.split("\n", 1)[1])
+    assert config["agent"]["evaluator"] == ["/opt/miniconda3/envs/testbed/bin/python",
+                                            "/lgt/eval/swebench_eval.py", "--timeout", "90.5"]
     tasks = [json.loads(line) for line in out.read_text().splitlines()]
     assert [t["image"] for t in tasks] == [str((images / x).resolve()) for x in
                                            ("acme__calc-1.tar", "acme__calc-2", "other_name_v1.tar")]

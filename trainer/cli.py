@@ -529,8 +529,11 @@ def tasks_group() -> None:
 @click.option("--hints", is_flag=True, help="Give the agent the instances' hints_text too.")
 @click.option("--python", "python", default="python3", show_default=True,
               help="The image's Python that runs the evaluator and the tests.")
+@click.option("--test-timeout", type=click.FloatRange(min=0, min_open=True), default=1800.0,
+              show_default=True,
+              help="Seconds the evaluator lets the tests run (keep it below agent.timeout_s).")
 def swebench_cmd(instances: Path, out: Path, image_dir: Path | None, workdir: str, hints: bool,
-                 python: str) -> None:
+                 python: str, test_timeout: float) -> None:
     """Turn SWE-bench INSTANCES (JSON lines, a JSON list or Parquet) into lgt tasks, and print the run
     config's lines that go with them (the hidden tests private, the evaluator the reward)."""
     from lgt.trainer.rollout import swebench
@@ -544,7 +547,7 @@ def swebench_cmd(instances: Path, out: Path, image_dir: Path | None, workdir: st
         raise click.ClickException(str(e)) from None
     swebench.write_tasks(tasks, out)
     click.echo(f"wrote {show_mod.plural(len(tasks), 'task')} to {out}; the run config's lines for them:")
-    click.echo(swebench.run_config(out, python=python), nl=False)
+    click.echo(swebench.run_config(out, python=python, test_timeout_s=test_timeout), nl=False)
 
 
 if __name__ == "__main__":

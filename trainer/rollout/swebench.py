@@ -178,14 +178,16 @@ def write_tasks(tasks: Sequence[Mapping[str, Any]], out: Path) -> None:
     write_atomic(out, "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tasks))
 
 
-def run_config(tasks_file: Path, *, python: str = "python3", evaluator: str = EVALUATOR_MOUNT) -> str:
+def run_config(tasks_file: Path, *, python: str = "python3", evaluator: str = EVALUATOR_MOUNT,
+               test_timeout_s: float = 1800.0) -> str:
     """The run config's lines that go with the tasks (YAML): the hidden fields private, the evaluator the
     only reward source (an agent printing ``1.0`` or writing the reward file is not believed)."""
     return (f"tasks: {json.dumps(str(tasks_file))}\n"
             "agent:\n"
             f"  private: [{', '.join(PRIVATE)}]\n"
-            f"  # {evaluator}: lgt's {EVALUATOR_FILE.name} ({EVALUATOR_FILE}), run in the task's image\n"
-            f"  evaluator: [{json.dumps(python)}, {json.dumps(evaluator)}]\n"
+            f"  # {evaluator}: lgt's {EVALUATOR_FILE.name} ({EVALUATOR_FILE}), run in the task's image;\n"
+            "  # like the agent it is killed at agent.timeout_s: keep --timeout (the tests' limit) below it\n"
+            f"  evaluator: [{json.dumps(python)}, {json.dumps(evaluator)}, --timeout, '{test_timeout_s:g}']\n"
             "  reward_sources: [evaluator]\n")
 
 
