@@ -398,6 +398,42 @@ def test_a_task_without_what_the_evaluator_needs_is_the_runs_mistake_not_a_rewar
     assert err.count("\n") == 1
 
 
+def test_an_image_without_git_is_the_runs_mistake(repo, tmp_path: Path) -> None:
+    path, base, patch = repo
+    task_json = tmp_path / "task.json"
+    task_json.write_text(json.dumps({"workdir": str(path), "base_commit": base, "test_patch": patch,
+                                     "FAIL_TO_PASS": F2P, "PASS_TO_PASS": P2P}))
+    r = subprocess.run([sys.executable, str(swebench.EVALUATOR_FILE), str(task_json), "agent.out"],
+                       capture_output=True, text=True, env={"PATH": str(tmp_path / "no-bin")}, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == ("swebench_eval: git is not on PATH here: the image needs git to score SWE-bench "
+                        "tasks\n")
+
+
+def test_the_repositorys_git_hooks_do_not_run(repo) -> None:
+    path, base, patch = repo
+    (path / "calc.py").write_text(FIXED)
+    marker = path.parent / "hooked"
+    for hook in ("post-checkout", "pre-applypatch", "post-index-change"):
+        (path / ".git" / "hooks" / hook).write_text(f"#!/bin/sh\ntouch {marker}\n")
+        (path / ".git" / "hooks" / hook).chmod(0o755)
+    (path / "tests" / "test_calc.py").write_text("")  # so that a checkout is needed
+    code, lines, _ = evaluate(path, base, patch)
+    assert lines[-1] == {"reward": 1.0, "resolved": True} and not marker.exists()
+
+
+def test_the_reason_names_five_tests_and_counts_the_rest() -> None:
+    task = {"FAIL_TO_PASS": [f"t.py::f{i}" for i in range(8)], "PASS_TO_PASS": ["t.py::p"]}
+    out = ev.report(task, {"t.py::f0": "PASSED", "t.py::f1": "XFAIL", "t.py::p": "SKIPPED"})
+    assert out["reason"] == ("6 of 8 FAIL_TO_PASS tests did not pass: t.py::f2 (missing), "
+                             "t.py::f3 (missing), t.py::f4 (missing), t.py::f5 (missing), "
+                             "t.py::f6 (missing) and 1 more; "
+                             "1 of 1 PASS_TO_PASS tests did not pass: t.py::p (SKIPPED)")
+    assert out["resolved"] is False and out["tests"]["FAIL_TO_PASS"]["t.py::f1"] == "XFAIL"
+    assert ev.report(task, dict.fromkeys(task["FAIL_TO_PASS"] + task["PASS_TO_PASS"], "PASSED")) == {
+        "resolved": True, "reason": None, "tests": {k: dict.fromkeys(v, "PASSED") for k, v in task.items()}}
+
+
 def test_the_repository_may_be_given_by_repo(repo) -> None:
     path, base, patch = repo
     (path / "calc.py").write_text(FIXED)
