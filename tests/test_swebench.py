@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from lgt.testing.swebench import BUGGY, F2P, FIXED, NEW_TESTS, P2P, git, make_repo
 from lgt.trainer.cli import main
 from lgt.trainer.rollout import swebench
 from lgt.trainer.rollout import swebench_eval as ev
@@ -181,38 +182,6 @@ def test_files_and_options_that_are_refused(tmp_path: Path) -> None:
 
 
 # --- the evaluator ---------------------------------------------------------------------------------------
-
-BUGGY = "def add(a, b):\n    return a - b\n"
-FIXED = "def add(a, b):\n    return a + b\n"
-OLD_TESTS = "from calc import add\n\n\ndef test_add_zero():\n    assert add(0, 0) == 0\n"
-NEW_TESTS = OLD_TESTS + "\n\ndef test_add():\n    assert add(2, 3) == 5\n"
-NEW_FILE = ("import pytest\n\nfrom calc import add\n\n\n@pytest.mark.parametrize('a, b', [(2, 3)])\n"
-            "def test_add_pairs(a, b):\n    assert add(a, b) == a + b\n")
-F2P = ["tests/test_calc.py::test_add", "tests/test_new.py::test_add_pairs[2-3]"]
-P2P = ["tests/test_calc.py::test_add_zero"]
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
-
-
-def make_repo(path: Path) -> tuple[Path, str, str]:
-    """A repository with the bug at its base commit; (repo, base commit, test patch)."""
-    (path / "tests").mkdir(parents=True)
-    (path / "calc.py").write_text(BUGGY)
-    (path / "tests" / "test_calc.py").write_text(OLD_TESTS)
-    (path / "pytest.ini").write_text("[pytest]\npythonpath = .\n")
-    git(path, "init", "-q")
-    git(path, "add", "-A")
-    git(path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "base")
-    base = git(path, "rev-parse", "HEAD").strip()
-    (path / "tests" / "test_calc.py").write_text(NEW_TESTS)
-    (path / "tests" / "test_new.py").write_text(NEW_FILE)
-    git(path, "add", "-A")
-    patch = git(path, "diff", "--cached")
-    git(path, "reset", "-q", "--hard", base)
-    return path, base, patch
-
 
 @pytest.fixture
 def repo(tmp_path: Path) -> tuple[Path, str, str]:
