@@ -465,3 +465,10 @@ def test_a_test_reported_twice_keeps_the_outcome_that_does_not_pass() -> None:
     log = "PASSED t.py::a\nERROR t.py::a - teardown failed\nXFAIL t.py::b - known\nPASSED t.py::c\n"
     assert ev.parse_pytest(log, ["t.py::a", "t.py::b", "t.py::c"]) == {"t.py::a": "ERROR", "t.py::b": "XFAIL",
                                                                        "t.py::c": "PASSED"}
+
+
+def test_a_skipped_test_reads_as_missing() -> None:
+    # pytest -rA names a skip by its location ("SKIPPED [1] t.py:4: reason"), not by its id
+    assert ev.parse_pytest("SKIPPED [1] t.py:4: no\n", ["t.py::test_s"]) == {}
+    assert ev.report({"FAIL_TO_PASS": ["t.py::test_s"], "PASS_TO_PASS": []}, {})["tests"]["FAIL_TO_PASS"] == {
+        "t.py::test_s": "missing"}
