@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import os
+import subprocess
 import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -130,11 +131,15 @@ def layer_tar(members: Sequence[Member]) -> bytes:
     return out.getvalue()
 
 
-def tree_layer(root: Path, prefix: str = "") -> list[Member]:
-    """The members of a folder's tree (modes kept, hard links found by inode, symlinks as they are)."""
+def tree_layer(root: Path, prefix: str = "", skip: Sequence[str] = ()) -> list[Member]:
+    """The members of a folder's tree (modes kept, hard links found by inode, symlinks as they are);
+    ``skip``: names of its top folder left out."""
     members: list[Member] = []
     seen: dict[tuple[int, int], str] = {}
     for here, dirs, files in os.walk(root):
+        if Path(here) == root:
+            dirs[:] = [d for d in dirs if d not in skip]
+            files = [f for f in files if f not in skip]
         dirs.sort()
         rel = Path(here).relative_to(root)
         for name in sorted(dirs) + sorted(files):
@@ -165,6 +170,43 @@ def busybox_layer() -> list[Member]:
     data = (root / "bin" / "busybox").read_bytes()
     return [Dir("bin"), File("bin/busybox", data, 0o755), Symlink("bin/sh", "busybox"), Dir("etc"),
             File("etc/os-release", b'ID=lgt-test\nPRETTY_NAME="lgt test image"\n')]
+
+
+def python_root() -> Path | None:
+    """The host's Debian ``python3`` (``/usr/bin/python3`` with its standard library in
+    ``/usr/lib/python3.X``), or None."""
+    exe = Path(os.path.realpath("/usr/bin/python3"))
+    return exe if exe.is_file() and (Path("/usr/lib") / exe.name / "os.py").is_file() else None
+
+
+def python_layer() -> list[Member]:
+    """A layer that runs Python: the host's ``/usr/bin/python3`` (:func:`python_root`), the shared
+    libraries it and its extension modules load (``ldd``), and its standard library without its tests,
+    GUI and packages — nothing else of the host."""
+    exe = python_root()
+    assert exe is not None, "no Debian python3 at /usr/bin/python3"
+    stdlib = Path("/usr/lib") / exe.name
+    members: list[Member] = [Dir("usr"), Dir("usr/bin"), File(f"usr/bin/{exe.name}", exe.read_bytes(), 0o755),
+                             Symlink("usr/bin/python3", exe.name), Dir("usr/lib")]
+    objects = [str(exe), *map(str, sorted((stdlib / "lib-dynload").glob("*.so")))]
+    out = subprocess.run(["ldd", *objects], capture_output=True, text=True, check=False).stdout
+    libs = set()
+    for line in out.splitlines():
+        words = line.split()
+        path = words[words.index("=>") + 1] if "=>" in words else (words[0] if words else "")
+        if path.startswith("/") and not path.endswith(":"):  # (not a "file:" heading)
+            libs.add(path)
+    dirs: set[str] = {"usr", "usr/bin", "usr/lib"}
+    for lib in sorted(libs):
+        rel = lib.lstrip("/")
+        for parent in reversed(Path(rel).parents[:-1]):
+            if str(parent) not in dirs:
+                dirs.add(str(parent))
+                members.append(Dir(str(parent)))
+        members.append(File(rel, Path(os.path.realpath(lib)).read_bytes(), 0o755))
+    skip = ("test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data",
+            "site-packages", "dist-packages", f"config-{exe.name[6:]}-x86_64-linux-gnu")
+    return [*members, Dir(f"usr/lib/{exe.name}"), *tree_layer(stdlib, f"usr/lib/{exe.name}", skip)]
 
 
 def _blobs(layout: Path, blobs: dict[str, bytes]) -> None:

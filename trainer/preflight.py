@@ -39,6 +39,9 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     tasks, held = cfgmod.split_tasks(cfg)
     try:
         rollouts.check_agent(cfg.agent)
+        if cfg.agent.image_field is not None:  # every task's own image unpacked before the first attempt
+            from lgt.trainer.rollout.runners.image import check_task_images
+            check_task_images(cfg.agent, [*tasks, *held])
     except rollouts.RolloutError as e:
         raise ConfigError(str(e)) from None
     m, t = cfg.model, cfg.teacher

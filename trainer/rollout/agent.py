@@ -38,7 +38,8 @@ PROXY_MODES = ("https_proxy", "base_url")
 # function that picks one for the agent spec; imported only when a controller is made
 # (lgt.trainer.rollout.runners.runner_class). A new runner is a file in rollout/runners/ and a line here.
 RUNNERS: Mapping[str, str] = MappingProxyType({
-    "local": "lgt.trainer.rollout.runners.sandboxed:local_runner",  # in a sandbox unless agent.sandbox: none
+    # in a sandbox unless agent.sandbox: none; in a container image with agent.image or agent.image_field
+    "local": "lgt.trainer.rollout.runners.image:local_runner",
     "kubernetes": "lgt.trainer.rollout.runners.kubernetes:KubernetesRunner",
 })
 # Taken out of the machine's environment before a rollout's are added: proxy and CA settings the
@@ -102,6 +103,12 @@ class AgentSpec:
     # task fields the agent never sees (answers, hidden tests): not in its variables nor its $TASK_JSON;
     # the evaluator gets them
     private: tuple[str, ...] = ()
+    # local runner in a container image (lgt.trainer.rollout.runners.image): ``image`` a path (an OCI
+    # layout, an OCI or docker archive; relative to ``cwd``), ``image_field`` the task field that names a
+    # task's own image (else ``image``); ``mounts``: host path → path in the image, read-only
+    image: str | None = None
+    image_field: str | None = None
+    mounts: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -127,6 +134,7 @@ class AgentSpec:
         if self.cwd is not None:
             self._set("cwd", Path(self.cwd))
         self._set("env", MappingProxyType(_checked_env(self.env)))
+        _check_image(self)
         _check_limits(self)
         self._set("reward_sources", _reward_sources(self.reward_sources))
         if not isinstance(self.task_env_prefix, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*|",
@@ -151,6 +159,31 @@ def _check_kubernetes(agent: AgentSpec, command: tuple[str, ...]) -> None:
         raise RolloutError("agent python_preload is for local processes, not runner: kubernetes")
     if not agent.jobs_per_s > 0 or agent.job_ttl_s < 0:
         raise RolloutError("agent jobs_per_s must be positive and job_ttl_s ≥ 0")
+
+
+def _check_image(agent: AgentSpec) -> None:
+    if agent.image is None and agent.image_field is None:
+        if agent.mounts:
+            raise RolloutError("agent mounts are for an agent in a container image (agent.image or "
+                               "agent.image_field); a sandboxed agent's are agent.sandbox.mounts")
+        return
+    for name in ("image", "image_field"):
+        value = getattr(agent, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise RolloutError(f"agent {name} must be a non-empty string, not {value!r}")
+    if agent.runner != "local" or not agent.sandbox.on:
+        raise RolloutError("agent.image runs each attempt in the local runner's sandbox: it needs "
+                           "agent.runner: local and agent.sandbox: bwrap")
+    if agent.python_preload is not None:
+        raise RolloutError("agent python_preload starts the host's interpreter warm; it cannot be used "
+                           "with agent.image (the agent runs the image's own programs)")
+    mounts = dict(agent.mounts or {})
+    for src, dest in mounts.items():
+        if not isinstance(src, str) or not src or not isinstance(dest, str) or not dest.startswith("/") \
+                or dest.rstrip("/") == "":
+            raise RolloutError(f"agent mounts must map host paths to absolute paths in the image, not "
+                               f"{src!r}: {dest!r}")
+    object.__setattr__(agent, "mounts", MappingProxyType(mounts))
 
 
 def _checked_env(env: Mapping[str, str]) -> dict[str, str]:

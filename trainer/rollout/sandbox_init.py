@@ -18,12 +18,19 @@ attempt and returns only in the attempt's own process, which is then:
   (processes, a process's data memory, a file's size) — the nested namespace counts its processes
   apart from every other attempt's.
 
+In a container image (``sandbox["image"]``: :mod:`lgt.trainer.rollout.runners.image`) the attempt's ``/`` is
+the image's root instead: a read-only overlay of the attempt's skeleton (the mount points the image lacks)
+over the image's unpacked root, with a fresh ``/proc``, the sandbox's ``/dev``, its own ``/tmp`` and
+``/dev/shm``, and the binds the runner names (its folders, writable; the proxy's CA and host files,
+read-only) — then ``pivot_root``, so nothing of the zygote's sandbox is left in its view.
+
 Its parent (the forked child, outside the new pid namespace) waits for it and exits as it did.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import resource
@@ -36,7 +43,11 @@ from array import array
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21  # statvfs's flags but relatime's
+ST_RELATIME = 4096
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217, "riscv64": 41}
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 AGENT_UID = 1000
@@ -66,7 +77,6 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
 
 def _loopback_up() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        import fcntl
         flags = struct.unpack("16sH22x", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH22x", b"lo", 0)))[1]
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
 
@@ -132,28 +142,17 @@ def enter(req: dict, control: socket.socket) -> None:
             raise SandboxSetupError(1, "the parent did not answer")
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        _mount(f"{ATTEMPTS}/{sb['work']}", WORK, None, MS_BIND | MS_REC)
-        _mount("tmpfs", ATTEMPTS, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0")
-        # what the zygote's sandbox mounted under /tmp (an agent's folder, say) stays, over the new /tmp
-        keep = [(path, os.open(path, os.O_PATH)) for path in sb.get("keep", ())]
-        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(sb['tmp_bytes'])},mode=1777")
-        for path, fd in keep:
-            if os.path.isdir(f"/proc/self/fd/{fd}"):
-                os.makedirs(path, exist_ok=True)
-            else:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                open(path, "a").close()
-            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-            os.close(fd)
-        if os.path.isdir("/dev/shm"):
-            _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                   f"size={int(sb['tmp_bytes'])},mode=1777")
+        image = sb.get("image")
+        if image is None:
+            _enter_work(sb)
         socket.sethostname("lgt-sandbox")
         _loopback_up()
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", int(sb["port"])))
         listener.listen(512)
+        if image is not None:
+            _enter_image(image, int(sb["tmp_bytes"]))
         limits = [(resource.RLIMIT_CORE, 0)]
         for name, key in (("RLIMIT_NPROC", "processes"), ("RLIMIT_DATA", "memory_bytes"),
                           ("RLIMIT_FSIZE", "file_bytes")):
@@ -181,6 +180,61 @@ def enter(req: dict, control: socket.socket) -> None:
         _drop_capabilities()
     except OSError as e:
         _fail(req, control, e)
+
+
+def _enter_work(sb: dict) -> None:
+    """The zygote's view, with the attempt's own ``/lgt/work``, ``/tmp`` and ``/dev/shm``; no other
+    attempt's folder."""
+    _mount(f"{ATTEMPTS}/{sb['work']}", WORK, None, MS_BIND | MS_REC)
+    _mount("tmpfs", ATTEMPTS, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0")
+    # what the zygote's sandbox mounted under /tmp (an agent's folder, say) stays, over the new /tmp
+    keep = [(path, os.open(path, os.O_PATH)) for path in sb.get("keep", ())]
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(sb['tmp_bytes'])},mode=1777")
+    for path, fd in keep:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(path, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "a").close()
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+    if os.path.isdir("/dev/shm"):
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               f"size={int(sb['tmp_bytes'])},mode=1777")
+
+
+def _enter_image(image: dict, tmp_bytes: int) -> None:
+    """The image's root as ``/``: ``image["lower"]`` (the skeleton, then the unpacked root) mounted as a
+    read-only overlay on ``image["mount"]`` (an empty folder of the attempt's), ``/proc``, ``/dev``,
+    ``/tmp`` and ``/dev/shm`` in it, then each bind ``[source, target, writable]`` (targets are paths
+    inside the image with no symlink on the way: the runner resolved them in the image's read-only
+    root), then ``pivot_root`` there and the zygote's root detached."""
+    new = image["mount"]
+    # the layers by descriptor: a path's ':' or ',' would need escaping in the options
+    lower = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in image["lower"]]
+    _mount("overlay", new, "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV,
+           "lowerdir=" + ":".join(f"/proc/self/fd/{fd}" for fd in lower))
+    for fd in lower:
+        os.close(fd)
+    _mount("proc", f"{new}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _mount("/dev", f"{new}/dev", None, MS_BIND | MS_REC)
+    _mount("tmpfs", f"{new}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_bytes},mode=1777")
+    if os.path.isdir(f"{new}/dev/shm"):
+        _mount("tmpfs", f"{new}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               f"size={tmp_bytes},mode=1777")
+    for source, target, writable in image["binds"]:
+        _mount(source, new + target, None, MS_BIND | MS_REC)
+        if not writable:  # keeping the flags the source's mount has (a user namespace cannot drop them)
+            has = os.statvfs(new + target).f_flag
+            kept = has & (MS_NOEXEC | MS_NOATIME | MS_NODIRATIME) | (MS_RELATIME if has & ST_RELATIME else 0)
+            _mount(None, new + target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | kept)
+    os.chdir(new)
+    number = SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        raise SandboxSetupError(1, f"pivot_root: unknown on {os.uname().machine}")
+    _check(_libc.syscall(number, b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", MNT_DETACH), "detach the sandbox's root")
+    os.chdir("/")
 
 
 def _map_child(pid: int, uid: int, go_w: int, back_r: int) -> None:

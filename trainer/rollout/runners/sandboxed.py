@@ -101,21 +101,36 @@ class SandboxedRunner(LocalRunner):
         """Forked into its own namespaces, its loopback port relayed to its proxy, its work folder's size
         watched; the rest as a local process."""
         assert a.work is not None
+        execute = self._preload is None
+        argv = self.agent.command if execute else self.agent.command[1:]
+        return await self._spawn(a, argv, {"work": a.work.name},
+                                 name=self.agent.command[0], execute=execute, cwd=self.agent.cwd)
+
+    async def _spawn(self, a: Attempt, argv: Sequence[str], request: dict, *, name: str, execute: bool,
+                     cwd: Path | str | None, env: dict[str, str] | None = None, relay: bool = True,
+                     out: tuple[Path, Path] | None = None) -> Outcome:
+        """``argv`` forked from the zygote into namespaces of its own (``request``: what
+        :mod:`~lgt.trainer.rollout.sandbox_init` is told besides the port, the folders the zygote keeps and
+        the limits), until it exits or ``timeout_s`` passes. ``relay``: its loopback port relayed to its
+        proxy (else nothing answers there), and its work folder's size watched."""
+        assert a.work is not None
         spec = self.agent.sandbox
         proxy = a.proxy
+        stdout, stderr = out or (a.paths.stdout, a.paths.stderr)
         try:
             server = await self._fork_server()
-            req = {"work": a.work.name, "port": proxy.port, "keep": self._layout_keep,
+            req = {**request, "port": proxy.port, "keep": self._layout_keep,  # known once it started
                    "map_to": sandboxing.sandbox_uid(), **spec.limits()}
-            execute = self._preload is None
-            argv = self.agent.command if execute else self.agent.command[1:]
-            proc = await server.spawn(argv, a.env, self.agent.cwd, a.paths.stdout, a.paths.stderr,
+            proc = await server.spawn(argv, a.env if env is None else env, cwd, stdout, stderr,
                                       execute=execute, sandbox=req)
         except ForkServerError as e:
-            return Outcome(None, False, f"could not start {self.agent.command[0]!r} in its sandbox: {e}")
-        relay = sandboxing.Relay(proxy.host, proxy.port)
+            return Outcome(None, False, f"could not start {name!r} in its sandbox: {e}")
         assert proc.listener is not None
-        await relay.start(proc.listener)
+        if not relay:
+            proc.listener.close()
+            return await self._wait(proc)
+        relay_ = sandboxing.Relay(proxy.host, proxy.port)
+        await relay_.start(proc.listener)
         limit = spec.disk_mb << 20
         over = asyncio.Event()
         work = a.work
@@ -133,7 +148,7 @@ class SandboxedRunner(LocalRunner):
             outcome = await self._wait(proc)
         finally:
             watcher.cancel()
-            relay.close()
+            relay_.close()
         if over.is_set():
             return Outcome(None, False, (f"the agent's work folder grew past its {spec.disk_mb} MB limit "
                                          "(agent.sandbox.disk_mb) and the attempt was killed"))
