@@ -176,6 +176,7 @@ echo "seen: $(ls -A | tr '\n' ' ')"
 echo "env: $FROM_IMAGE $HOME $LGT_WORK_DIR $(pwd)"
 test -e left-by-another && echo "LEAKED"
 touch /etc/x 2>/dev/null && echo "ROOT WRITABLE"
+test -e /lgt/evaluator && echo "SEES THE GRADER"
 echo "$TASK_ID" > left-by-another; rm seed.txt; echo v2 > src/app.txt; mkdir -p new/deep
 ln -s /etc/os-release new/link; echo "$TASK_ANSWER" > new/deep/answer; echo tmp > /tmp/scratch
 echo "$TASK_ID" > "$HOME/notes"
@@ -203,6 +204,7 @@ def test_each_attempt_starts_from_the_image_and_the_grader_sees_the_tree_the_age
         out = r.stdout_path.read_text()
         assert (r.status, r.reward, r.reward_source) == ("ok", 1.0, "evaluator"), (r.error, out)
         assert "seen: seed.txt src" in out and "LEAKED" not in out and "ROOT WRITABLE" not in out
+        assert "SEES THE GRADER" not in out
         assert "env: yes /lgt/work /work /work" in out
         assert "42" not in out  # the private field: not in the agent's environment
         assert r.stdout_path.with_suffix(".eval.out").read_text().splitlines()[-2:] == ["42", "1"]

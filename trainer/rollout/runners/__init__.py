@@ -1,8 +1,9 @@
 """Where a rollout attempt runs: the runners behind one small protocol (:mod:`.base`).
 
 ``agent.runner`` names an entry of :data:`lgt.trainer.rollout.agent.RUNNERS`: ``local`` (a process of
-this machine, in a sandbox of its own unless ``agent.sandbox: none``: :mod:`.local`, :mod:`.sandboxed`)
-or ``kubernetes`` (a Job: :mod:`.kubernetes`). A new runner is a file here with a class that has the
+this machine, in a sandbox of its own unless ``agent.sandbox: none``: :mod:`.local`, :mod:`.sandboxed`;
+in a container image's root with ``agent.image``: :mod:`.image`) or ``kubernetes`` (a Job:
+:mod:`.kubernetes`). A new runner is a file here with a class that has the
 verbs of :class:`~.base.Runner` and a ``check(agent, environ)`` static method, and one line in
 ``RUNNERS``; any options it takes are fields of :class:`~lgt.trainer.rollout.agent.AgentSpec`.
 """
