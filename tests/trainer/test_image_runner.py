@@ -226,11 +226,16 @@ def test_the_proxys_ca_is_the_images_system_store_and_host_files_are_mounted_rea
               "echo x > /opt/harness/run 2>/dev/null || echo harness read-only; "
               "echo x > /etc/ssl/cert.pem 2>/dev/null || echo store read-only; "
               "echo $SSL_CERT_FILE $REQUESTS_CA_BUNDLE $NODE_EXTRA_CA_CERTS $CURL_CA_BUNDLE; echo 1")
-    agent = spec(busybox, ("sh", "-c", script), mounts={str(harness): "/opt/harness"})
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x").write_text("data under /tmp\n")  # a target in the attempt's own /tmp
+    script = "cat /tmp/data/x; " + script
+    agent = spec(busybox, ("sh", "-c", script), mounts={str(harness): "/opt/harness", "data": "/tmp/data"},
+                 cwd=tmp_path)
     [r] = run(proxy, tmp_path, agent, [({}, "ca-0")])
     out = r.stdout_path.read_text()
     assert r.status == "ok", (r.error, out)
     assert "harness ran" in out and "harness read-only" in out and "store read-only" in out
+    assert "data under /tmp" in out
     assert [line for line in out.splitlines() if line.startswith("same ")] == [f"same {s}" for s in CA_STORES]
     ca = "/lgt/work/.lgt/ca.pem"
     assert f"{ca} {ca} {ca} {ca}" in out
@@ -292,3 +297,28 @@ def test_the_run_config_names_the_image_and_every_tasks_image_is_checked_before_
     assert runner_class(cfg.agent) is ImageRunner
     with pytest.raises(config.ConfigError, match=r"^task 'b''s image: image gone.tar does not exist$"):
         preflight.validate(cfg)
+
+
+def test_paths_are_resolved_inside_the_image_and_the_skeleton_adds_only_what_it_lacks(tmp_path):
+    from lgt.trainer.rollout.runners.image import _skeleton, in_root
+
+    root = tmp_path / "root"
+    (root / "usr" / "bin").mkdir(parents=True)
+    (root / "etc" / "pki").mkdir(parents=True)
+    (root / "bin").symlink_to("usr/bin")
+    (root / "etc" / "ssl").symlink_to("/etc/pki")  # absolute: inside the image, never the host's /etc/pki
+    (root / "etc" / "pki" / "cert.pem").symlink_to("../../../../../outside.pem")  # .. stops at the root
+    (root / "loop").symlink_to("loop")
+    assert in_root(root, "/bin/tool") == "/usr/bin/tool"
+    assert in_root(root, "/etc/ssl/certs/ca.crt") == "/etc/pki/certs/ca.crt"
+    assert in_root(root, "/etc/ssl/cert.pem") == "/outside.pem"
+    assert in_root(root, "/usr/../etc/./pki") == "/etc/pki"
+    with pytest.raises(images.ImageError, match="more than 40 symlinks"):
+        in_root(root, "/loop/x")
+    skel = tmp_path / "skel"
+    _skeleton(skel, root, [("/usr/bin/tool", False), ("/etc/pki/certs/ca.crt", False), ("/lgt/work", True),
+                           ("/usr/bin", True)])
+    made = sorted(str(p.relative_to(skel)) + ("/" if p.is_dir() else "") for p in skel.rglob("*"))
+    assert made == ["etc/", "etc/pki/", "etc/pki/certs/", "etc/pki/certs/ca.crt", "lgt/", "lgt/work/", "usr/",
+                    "usr/bin/", "usr/bin/tool"]
+    assert not os.path.lexists(root / "usr" / "bin" / "tool")  # the image itself is never changed

@@ -223,6 +223,15 @@ def _enter_image(image: dict, tmp_bytes: int) -> None:
         _mount("tmpfs", f"{new}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                f"size={tmp_bytes},mode=1777")
     for source, target, writable in image["binds"]:
+        if not os.path.lexists(new + target):  # under the new /tmp, say (the image's root has the rest)
+            try:
+                if os.path.isdir(source):
+                    os.makedirs(new + target)
+                else:
+                    os.makedirs(os.path.dirname(new + target), exist_ok=True)
+                    open(new + target, "a").close()
+            except OSError:
+                pass  # the mount below says what is wrong
         _mount(source, new + target, None, MS_BIND | MS_REC)
         if not writable:  # keeping the flags the source's mount has (a user namespace cannot drop them)
             has = os.statvfs(new + target).f_flag
