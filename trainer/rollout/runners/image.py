@@ -6,7 +6,8 @@ the first attempt: the run's ``agent.image`` when the runner is checked, every t
 :func:`check_task_images` (``lgt-train run``'s preflight). An image a task names that cannot be used
 then is that attempt's recorded failure.
 
-An attempt's folder (``<run_dir>/rollouts/work/<rollout>~<attempt>``) holds:
+An attempt's folder (``<run_dir>/rollouts/work/<rollout>~<attempt>``), made in a thread when the attempt
+has its slot (queued attempts hold no copies), holds:
 
 * ``tree/`` — a copy of what the image holds at its working folder (``WorkingDir``, else ``/work``),
   bound writable there: the agent's own, and what the evaluator grades;
@@ -26,6 +27,7 @@ files it names on the host, its script say, bound read-only in its sandbox only)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -188,7 +190,7 @@ class ImageRunner(SandboxedRunner):
         self.cache = images.default_cache()
         self._images: dict[str, images.Image | str] = {}  # by ref: the image, or why it cannot be used
         self._images_lock = threading.Lock()
-        self._of: dict[str, images.Image | str] = {}  # by attempt name
+        self._of: dict[str, tuple[Any, str] | images.Image | str] = {}  # by attempt: its image (or ref)
         self.mounts = {self._host(src): dest for src, dest in agent.mounts.items()}
         # the evaluator's arguments that are files of this machine: bound read-only under /lgt/evaluator
         self._eval_files: dict[Path, str] = {}
@@ -240,31 +242,42 @@ class ImageRunner(SandboxedRunner):
         return f"{HOME}/.lgt/{filename}"
 
     def prepare(self, a: Attempt) -> None:
+        """Which image the attempt runs in; its folder, its copy of the image's working folder and its
+        environment are made when it has its slot (:meth:`run`), off the event loop, so queued attempts
+        hold no copies."""
         task = json.loads(a.paths.task_json.read_bytes())
         ref = task.get(self.agent.image_field) if self.agent.image_field is not None else None
         what = f"task {_task_name(task)}'s image" if ref is not None else "agent.image"
         ref = ref if ref is not None else self.agent.image
-        image = self._image(ref, what) if ref is not None else (
+        self._of[a.name] = (ref, what) if ref is not None else (
             f"task {_task_name(task)} names no image (its field {self.agent.image_field!r}) and agent.image "
             "is not set")
-        self._of[a.name] = image
         a.work = self.work_root / a.name
+
+    def _start(self, a: Attempt) -> images.Image | str:
+        """(In a thread) the attempt's image (unpacked at its first use when no check did it before), its
+        environment and its folder; or why it cannot run."""
+        picked = self._of.get(a.name, "the attempt was not prepared")
+        image = picked if isinstance(picked, str) else self._image(*picked)
+        self._of[a.name] = image
         if isinstance(image, str):
-            a.env = {}
-            return
+            return image
         lgt = f"{HOME}/.lgt"
-        inside = images.workdir_of(image)
-        env: dict[str, str] = {"HOME": HOME, "LGT_WORK_DIR": inside}
+        env: dict[str, str] = {"HOME": HOME, "LGT_WORK_DIR": images.workdir_of(image)}
         proxy_env = a.proxy.rollout_env(a.rollout_id, a.attempt, self.agent.proxy_mode, greedy=a.greedy,
                                         host="127.0.0.1")
         env.update({k: f"{lgt}/ca.pem" if k in auth.CA_VARS else v for k, v in proxy_env.items()})
         env.update(a.fields)
         env.update(TASK_JSON=f"{lgt}/task.json", TASK_ID=a.task_id, REWARD_FILE=f"{lgt}/reward")
         env = image.config.environment(env)
-        env.update({k: expand(v, env, k) for k, v in self.agent.env.items()})
+        try:
+            env.update({k: expand(v, env, k) for k, v in self.agent.env.items()})
+        except RolloutError as e:
+            return str(e)
         env.update(a.extra_env)
         a.env = env
         self._make_image_work(a, image)
+        return image
 
     def _make_image_work(self, a: Attempt, image: images.Image) -> None:
         assert a.work is not None
@@ -300,9 +313,9 @@ class ImageRunner(SandboxedRunner):
             "binds": [[src, r, writable] for r, (src, _, writable, _) in zip(resolved, binds)]}}
 
     async def run(self, a: Attempt) -> Outcome:
-        image = self._of.get(a.name)
-        if isinstance(image, str) or image is None:
-            return Outcome(None, False, image or "the attempt was not prepared")
+        image = await asyncio.to_thread(self._start, a)
+        if isinstance(image, str):
+            return Outcome(None, False, image)
         inside = f"{sandboxing.ATTEMPTS}/{a.name}"
         binds = [(f"{inside}/tree", images.workdir_of(image), True, True),
                  (f"{inside}/home", HOME, True, True)]
