@@ -131,8 +131,8 @@ def test_the_hostile_agents_attacks_fail_in_an_image_as_outside(tmp_path, proxy,
     private = proxy.store / "_proxy"
     secrets = [str(p) for p in sorted(private.iterdir()) if p.is_file()]
     targets = [*secrets, str(private) + "/", str(proxy.store) + "/", str(tmp_path / "run") + "/",
-               sandboxing.ATTEMPTS + "/", "/usr/lib/python3/dist-packages/", "/root/", "/home/",
-               "/etc/passwd", "/etc/hostname"]
+               sandboxing.ATTEMPTS + "/", os.environ["LGT_IMAGE_CACHE"] + "/",  # the images' cache
+               "/usr/lib/python3/dist-packages/", "/root/", "/home/", "/etc/passwd", "/etc/hostname"]
     marker = f"lgt-image-daemon-{os.getpid()}-{tmp_path.name}"
     limits = SandboxSpec(processes=64, disk_mb=8, tmp_mb=4, memory_mb=256)
     jobs = [({"attack": "read", "targets": json.dumps(targets)}, "i-read"),
@@ -281,6 +281,8 @@ def test_an_image_per_task_and_its_bad_input_in_one_sentence(tmp_path, proxy, bu
         AgentSpec(command=("sh",), image=str(busybox), sandbox="none")
     with pytest.raises(RolloutError, match="agent mounts must map host paths to absolute paths"):
         AgentSpec(command=("sh",), image=str(busybox), mounts={"x": "relative"})
+    with pytest.raises(RolloutError, match=r"in an image, name them in agent.mounts \(host path: path in"):
+        AgentSpec(command=("sh",), image=str(busybox), sandbox=SandboxSpec(mounts=(Path("/opt"),)))
 
 
 def test_the_run_config_names_the_image_and_every_tasks_image_is_checked_before_the_run(tmp_path, busybox):

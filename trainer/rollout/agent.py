@@ -177,6 +177,9 @@ def _check_image(agent: AgentSpec) -> None:
     if agent.python_preload is not None:
         raise RolloutError("agent python_preload starts the host's interpreter warm; it cannot be used "
                            "with agent.image (the agent runs the image's own programs)")
+    if agent.sandbox.mounts:
+        raise RolloutError("agent.sandbox.mounts show host paths to a bare sandboxed agent; in an image, "
+                           "name them in agent.mounts (host path: path in the image)")
     mounts = dict(agent.mounts or {})
     for src, dest in mounts.items():
         if not isinstance(src, str) or not src or not isinstance(dest, str) or not dest.startswith("/") \
