@@ -86,9 +86,10 @@ def test_an_instance_becomes_a_task_whose_hidden_tests_the_agent_never_sees(tmp_
     config = yaml.safe_load(result.output.split("\n", 1)[1])
     assert config["tasks"] == str(out)
     assert config["agent"]["private"] == list(swebench.PRIVATE)
-    assert config["agent"]["evaluator"] == ["python3", "/lgt/eval/swebench_eval.py", "--timeout", "1800"]
+    assert config["agent"]["evaluator"] == ["python3", str(swebench.EVALUATOR_FILE), "--timeout", "1800"]
+    assert config["agent"]["image_field"] == "image"
     assert config["agent"]["reward_sources"] == ["evaluator"]
-    assert f"({swebench.EVALUATOR_FILE})" in result.output and swebench.EVALUATOR_FILE.is_file()
+    assert swebench.EVALUATOR_FILE.is_file()
     spec = AgentSpec(command=("true",), **{k: v for k, v in config["agent"].items()})
     # what the controller gives the agent (its variables; its $TASK_JSON is agent_view) holds no hidden test
     env = task_env(t, private=spec.private)
@@ -114,7 +115,7 @@ def test_json_lists_parquet_hints_workdir_and_the_image_folder(tmp_path: Path) -
                        "--python", "/opt/miniconda3/envs/testbed/bin/python")
     config = yaml.safe_load(result.output.split("\n", 1)[1])
     assert config["agent"]["evaluator"] == ["/opt/miniconda3/envs/testbed/bin/python",
-                                            "/lgt/eval/swebench_eval.py", "--timeout", "90.5"]
+                                            str(swebench.EVALUATOR_FILE), "--timeout", "90.5"]
     tasks = [json.loads(line) for line in out.read_text().splitlines()]
     assert [t["image"] for t in tasks] == [str((images / x).resolve()) for x in
                                            ("acme__calc-1.tar", "acme__calc-2", "other_name_v1.tar")]

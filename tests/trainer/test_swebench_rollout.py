@@ -40,8 +40,9 @@ def test_the_controller_scores_swebench_tasks_with_the_evaluator_only(tmp_path: 
     script = tmp_path / "agent.sh"
     script.write_text(AGENT)
     script.chmod(0o755)
-    # the evaluator as the config names it, from its file here rather than a mount in an image
-    evaluator = [sys.executable, str(swebench.EVALUATOR_FILE), *config["evaluator"][2:]]
+    # the config's lines on this machine rather than in each task's image: this Python runs the evaluator
+    assert config.pop("image_field") == "image"
+    evaluator = [sys.executable, *config["evaluator"][1:]]
     spec = AgentSpec(command=(str(script),), timeout_s=90, retries=0, sandbox="none",
                      **{**config, "evaluator": evaluator})
     ctl = RolloutController(spec, endpoint(proxy), proxy.store, tmp_path / "run", 2)

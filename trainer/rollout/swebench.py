@@ -30,7 +30,6 @@ REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_pat
 PRIVATE = ("test_patch", "FAIL_TO_PASS", "PASS_TO_PASS", "test_command", "test_parser")
 TEST_PARSERS = ("pytest", "unittest")  # swebench_eval.PARSERS
 EVALUATOR_FILE = Path(__file__).with_name("swebench_eval.py")
-EVALUATOR_MOUNT = "/lgt/eval/swebench_eval.py"  # where a runner mounts it in the task's image
 DEFAULT_WORKDIR = "/testbed"
 PROMPT = ("The repository {repo} is checked out at {workdir}. Resolve the issue below by editing the "
           "repository's files there.\n\n{problem_statement}")
@@ -178,16 +177,20 @@ def write_tasks(tasks: Sequence[Mapping[str, Any]], out: Path) -> None:
     write_atomic(out, "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tasks))
 
 
-def run_config(tasks_file: Path, *, python: str = "python3", evaluator: str = EVALUATOR_MOUNT,
+def run_config(tasks_file: Path, *, python: str = "python3", evaluator: Path = EVALUATOR_FILE,
                test_timeout_s: float = 1800.0) -> str:
-    """The run config's lines that go with the tasks (YAML): the hidden fields private, the evaluator the
-    only reward source (an agent printing ``1.0`` or writing the reward file is not believed)."""
+    """The run config's lines that go with the tasks (YAML): each task in the image its ``image`` field
+    names, the hidden fields private, the evaluator the only reward source (an agent printing ``1.0`` or
+    writing the reward file is not believed)."""
     return (f"tasks: {json.dumps(str(tasks_file))}\n"
             "agent:\n"
+            "  image_field: image                 # each task runs in the image its image field names\n"
             f"  private: [{', '.join(PRIVATE)}]\n"
-            f"  # {evaluator}: lgt's {EVALUATOR_FILE.name} ({EVALUATOR_FILE}), run in the task's image;\n"
-            "  # like the agent it is killed at agent.timeout_s: keep --timeout (the tests' limit) below it\n"
-            f"  evaluator: [{json.dumps(python)}, {json.dumps(evaluator)}, --timeout, '{test_timeout_s:g}']\n"
+            f"  # lgt's {EVALUATOR_FILE.name}: bound read-only into the grader's sandbox, run by the\n"
+            "  # image's Python on the tree the agent left; like the agent it is killed at\n"
+            "  # agent.timeout_s: keep --timeout (the tests' limit) below it\n"
+            f"  evaluator: [{json.dumps(python)}, {json.dumps(str(evaluator))}, "
+            f"--timeout, '{test_timeout_s:g}']\n"
             "  reward_sources: [evaluator]\n")
 
 
