@@ -1,8 +1,10 @@
 """What running in a container image costs: the first unpack, a cached resolve, and a command's start in
-the image next to the bare sandbox's shape.
+the image next to the bare sandbox's shape; with ``--rollouts``, whole rollouts through the rollout
+controller in an image (``agent.image``) next to the bare sandbox.
 
     .venv-proxy/bin/python bench/images.py            # ~10 s; needs bwrap and scripts/setup.sh's busybox
     .venv-proxy/bin/python bench/images.py --n 50 --mb 24
+    .venv/bin/python bench/images.py --rollouts 40    # + rollouts through the controller (~1 min)
 
 The image: Debian's busybox-static, then three gzip layers of synthetic files (``--mb`` in all, a
 third each, the last one deleting a folder of the second by a whiteout) and a working folder ``/work``
@@ -17,6 +19,12 @@ holding a small checkout (200 files, ~800 kB). Each figure is the median of ``--
   (``fresh_workdir``), as each attempt would. Goal: ≤ +50 ms at the median once unpacked.
 - disk: the cache's size against the layers' (root files are hard links into the layers), and an
   attempt's own folder.
+- ``--rollouts N`` (the trainer's environment): N rollouts, one at a time, of an agent that prints its
+  reward (``sh -c 'echo 1.0'``) through the real rollout controller and a real lgt-proxy — in the image
+  (the image runner: forked from the zygote, the image's root pivoted into, the attempt's copy of
+  ``/work``, the CA bound) and in the bare sandbox (``agent.sandbox: bwrap``, the host's system
+  folders); launch to recorded result, median and the difference. This is the goal's figure: an
+  attempt's start in an image ≤ +50 ms at the median once unpacked.
 """
 
 from __future__ import annotations
@@ -91,10 +99,48 @@ def run(argv: list[str]) -> None:
     subprocess.run(argv, check=True, stdin=subprocess.DEVNULL)
 
 
+def rollout_times(layout: Path, n: int, tmp: Path) -> tuple[list[float], list[float]]:
+    """Seconds per rollout, launch to recorded result, in the image and in the bare sandbox (the same
+    agent, one rollout at a time through one controller each, the first three left out)."""
+    import asyncio
+
+    from lgt.testing.proxy import ProxyProc
+    from lgt.testing.rollouts import endpoint
+    from lgt.trainer.rollout.agent import AgentSpec
+    from lgt.trainer.rollout.controller import RolloutController
+
+    proxy = ProxyProc(tmp / "store").start()
+    try:
+        specs = {"image": AgentSpec(command=("sh", "-c", "echo 1.0"), image=str(layout), retries=0),
+                 "bare": AgentSpec(command=("/bin/sh", "-c", "echo 1.0"), retries=0)}
+        out: dict[str, list[float]] = {}
+        for name, spec in specs.items():
+            ctl = RolloutController(spec, endpoint(proxy), proxy.store, tmp / f"run-{name}", 1)
+
+            async def each(name=name, ctl=ctl) -> list[float]:
+                took = []
+                try:
+                    for i in range(n + 3):
+                        t = time.perf_counter()
+                        r = await ctl.run({"task_id": "t"}, f"{name}-{i}")
+                        took.append(time.perf_counter() - t)
+                        if r.reward != 1.0:
+                            raise SystemExit(f"a {name} rollout failed: {r.status} {r.error}")
+                finally:
+                    await ctl.aclose()
+                return took[3:]
+            out[name] = asyncio.run(each())
+        return out["image"], out["bare"]
+    finally:
+        proxy.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=30, help="tries per figure (median)")
     ap.add_argument("--mb", type=int, default=12, help="synthetic megabytes in the three layers")
+    ap.add_argument("--rollouts", type=int, default=0,
+                    help="rollouts through the controller, in the image and bare (the trainer's environment)")
     args = ap.parse_args()
     if shutil.which("bwrap") is None or busybox_root() is None:
         sys.exit("bench/images.py needs bwrap and busybox-static (scripts/setup.sh)")
@@ -124,6 +170,9 @@ def main() -> None:
         layers = disk(cache / "layers")
         total = disk(cache)
         per_attempt = disk(tmp / "attempts" / "3")
+        if args.rollouts:
+            os.environ["LGT_IMAGE_CACHE"] = str(cache)
+            in_image, bare = rollout_times(tmp / "layout", args.rollouts, tmp)
     med = statistics.median
     print(f"image: busybox-static + {args.mb} MB in 3 gzip layers + a 200-file /work; median of {args.n}\n")
     print("| figure | ms |\n| --- | ---: |")
@@ -138,6 +187,15 @@ def main() -> None:
     print(f"\ndisk: cache {total / 2**20:.1f} MiB (layers {layers / 2**20:.1f} MiB; the root adds "
           f"{(total - layers) / 2**20:.2f} MiB of folders and links), an attempt's /work "
           f"{per_attempt / 2**10:.0f} KiB")
+    if args.rollouts:
+        a, b = med(in_image) * 1e3, med(bare) * 1e3
+        print(f"\n| a rollout through the controller and lgt-proxy, launch to result ({args.rollouts}) "
+              f"| median ms | p90 ms |\n| --- | ---: | ---: |")
+        p90 = {k: statistics.quantiles(v, n=10)[-1] * 1e3 for k, v in (("image", in_image), ("bare", bare))}
+        print(f"| bare sandbox (agent.sandbox: bwrap) | {b:.1f} | {p90['bare']:.1f} |")
+        print(f"| in the image (agent.image) | {a:.1f} | {p90['image']:.1f} |")
+        print(f"\ngoal  an attempt in an image at most +50 ms over the bare sandbox (median): "
+              f"{a - b:+.1f} ms ({a / b:.2f}x)  {'PASS' if a - b <= 50 else 'MISS'}")
 
 
 if __name__ == "__main__":
