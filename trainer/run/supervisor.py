@@ -23,6 +23,8 @@ from lgt.trainer.run.progress import Progress
 from lgt.trainer.serving.launch import EngineConfig, EngineError
 from lgt.trainer.serving.proxy import ProxyClient, ProxyError, ProxyGroup, ProxySection
 
+DYING_S = 2.0  # how long a call that failed is given to show it was its engine's or proxy's death
+
 
 class Supervisor:
     """The engine (``.engine``, an :class:`~lgt.trainer.serving.engine.Engine`: a new one after a
@@ -117,10 +119,21 @@ class Supervisor:
         try:
             return await asyncio.to_thread(fn)
         except (EngineError, ProxyError):
-            if not (self.engine.died or any(r.died for r in self.proxy.replicas)):
+            if not await asyncio.to_thread(self._died, DYING_S):
                 raise
         await self.keep_alive(paused=paused)
         return await asyncio.to_thread(fn)
+
+    def _died(self, within: float) -> bool:
+        """Whether the engine or a proxy replica this run started has exited, waiting up to ``within``
+        seconds: a process being killed closes its connections a moment before it can be reaped."""
+        deadline = time.monotonic() + within
+        while True:
+            if self.engine.died or any(r.died for r in self.proxy.replicas):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     async def _restart(self, what: str, err: Exception, restart: Callable[[bool], Any], paused: bool) -> None:
         first = str(err).splitlines()[0].split("; its log")[0]  # "… exited with code -9"
