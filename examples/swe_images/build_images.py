@@ -49,6 +49,7 @@ NOT_WANTED = {"gawk", "original-awk", "cdebconf", "libdebian-installer4", "libne
               "libtextwrap1"}
 DROP = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale", "usr/share/lintian",
         "usr/share/bug", "usr/share/bash-completion", "usr/share/gitweb")
+AGENT = "mini-swe-agent==2.4.6"  # installed without its dependencies: agent-requirements.txt names those
 AGENT_REQUIREMENTS = HERE / "agent-requirements.txt"
 AGENT_DIR = "opt/mini-swe-agent"
 WORKDIR = "/testbed"
@@ -299,9 +300,10 @@ def agent_layer(tree: Path, base_root: Path) -> None:
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--no-warn-script-location",
            "--target", str(lib), "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
            "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_28_x86_64",
-           "--only-binary=:all:", "-r", str(AGENT_REQUIREMENTS)]
-    print("installing mini-swe-agent's wheels for Python 3.11 (pip)", flush=True)
-    run(pip)
+           "--only-binary=:all:"]
+    print(f"installing {AGENT} and its wheels for Python 3.11 (pip)", flush=True)
+    run([*pip, "--no-deps", AGENT])
+    run([*pip, "-r", str(AGENT_REQUIREMENTS)])
     shutil.copyfile(HERE / "agent.py", tree / AGENT_DIR / "agent.py")
     shutil.rmtree(lib / "bin", ignore_errors=True)
     compile_python(base_root, f"/{AGENT_DIR}", binds=((tree / AGENT_DIR, f"/{AGENT_DIR}"),))
@@ -341,8 +343,8 @@ def build(out: Path, debs: Path, only: list[str], agent: bool, instances_path: P
           f"({'built' if built else 'reused'})", flush=True)
     layers = [base]
     if agent:
-        desc, built = cached_layer(out, "agent", key_of(AGENT_REQUIREMENTS, HERE / "agent.py", base_key),
-                                   lambda tree: agent_layer(tree, base_root))
+        agent_key = key_of(AGENT, AGENT_REQUIREMENTS, HERE / "agent.py", base_key)
+        desc, built = cached_layer(out, "agent", agent_key, lambda tree: agent_layer(tree, base_root))
         print(f"agent: mini-swe-agent at /{AGENT_DIR} layer {desc['digest'][:19]} "
               f"{desc['size'] / 2**20:.0f} MiB ({'built' if built else 'reused'})", flush=True)
         layers.append(desc)
