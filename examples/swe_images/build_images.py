@@ -21,7 +21,7 @@ registry, no root.
 A layer is rebuilt only when what it is made of changed (its key: the .deb files, the repository's
 text, the agent's requirements and this script); an image whose layers did not change is left
 as it is. Needs apt-get, apt-cache, dpkg-deb, git and bwrap (Debian's or Ubuntu's; package lists
-present: ``apt-get update``) and, for the agent, pip.
+present: ``apt-get update``) and, for the agent, pip. Exit code 3: Debian's packages cannot be had here.
 """
 
 from __future__ import annotations
@@ -68,12 +68,17 @@ class BuildError(RuntimeError):
     """What stops the build: one sentence."""
 
 
+class NoPackages(BuildError):
+    """Debian's packages cannot be had here (no apt, no package lists, no network): exit code 3."""
+
+
 def run(argv: list[str], **kw) -> str:
     try:
         done = subprocess.run(argv, check=True, capture_output=True, text=True, **kw)
     except FileNotFoundError:
-        raise BuildError(f"{argv[0]} is not installed here (this script needs apt-get, apt-cache, dpkg-deb, "
-                         "git and bwrap: a Debian or Ubuntu machine)") from None
+        error = NoPackages if argv[0].startswith(("apt", "dpkg")) else BuildError
+        raise error(f"{argv[0]} is not installed here (this script needs apt-get, apt-cache, dpkg-deb, "
+                    "git and bwrap: a Debian or Ubuntu machine)") from None
     except subprocess.CalledProcessError as e:
         tail = (e.stderr or e.stdout or "").strip().splitlines()[-3:]
         raise BuildError(f"{' '.join(argv[:3])} … failed: {' / '.join(tail)}") from None
@@ -84,15 +89,21 @@ def run(argv: list[str], **kw) -> str:
 
 def closure(packages: list[str]) -> list[str]:
     """The packages ``packages`` need, recursively: Depends and Pre-Depends only."""
-    out = run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts",
-               "--no-breaks", "--no-replaces", "--no-enhances", *packages])
+    try:
+        out = run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts",
+                   "--no-breaks", "--no-replaces", "--no-enhances", *packages])
+    except BuildError as e:
+        raise NoPackages(f"{e} (run apt-get update)") from None
     names = {line.strip() for line in out.splitlines() if line and not line[0].isspace()}
     return sorted(n for n in names if not n.startswith("<") and ":" not in n and n not in NOT_WANTED)
 
 
 def deb_files(packages: list[str], debs: Path) -> list[Path]:
     """Each package's candidate .deb in ``debs``, downloaded with apt-get when it is not there yet."""
-    shown = run(["apt-cache", "show", "--no-all-versions", *packages])
+    try:
+        shown = run(["apt-cache", "show", "--no-all-versions", *packages])
+    except BuildError as e:
+        raise NoPackages(f"{e} (run apt-get update)") from None
     wanted: dict[str, Path] = {}
     for stanza in shown.split("\n\n"):
         fields = dict(re.findall(r"^([A-Za-z-]+): (.*)$", stanza, re.M))
@@ -100,13 +111,16 @@ def deb_files(packages: list[str], debs: Path) -> list[Path]:
             version = fields["Version"].replace(":", "%3a")
             wanted[fields["Package"]] = debs / f"{fields['Package']}_{version}_{fields['Architecture']}.deb"
     if set(wanted) != set(packages):
-        raise BuildError(f"apt-cache knows no candidate for {', '.join(sorted(set(packages) - set(wanted)))} "
+        raise NoPackages(f"apt-cache knows no candidate for {', '.join(sorted(set(packages) - set(wanted)))} "
                          "(run apt-get update)")
     missing = sorted(p for p, f in wanted.items() if not f.is_file())
     if missing:
         debs.mkdir(parents=True, exist_ok=True)
         print(f"downloading {len(missing)} .debs into {debs}", flush=True)
-        run(["apt-get", "download", "-q", *missing], cwd=debs)
+        try:
+            run(["apt-get", "download", "-q", *missing], cwd=debs)
+        except BuildError as e:
+            raise NoPackages(str(e)) from None
         absent = [p for p in missing if not wanted[p].is_file()]
         if absent:
             raise BuildError(f"apt-get download did not leave {', '.join(wanted[p].name for p in absent)}")
@@ -392,7 +406,8 @@ def main() -> None:
     try:
         build(args.out.resolve(), args.debs.resolve(), args.only, args.agent, args.instances)
     except BuildError as e:
-        raise SystemExit(f"build_images: {e}") from None
+        print(f"build_images: {e}", file=sys.stderr)
+        raise SystemExit(3 if isinstance(e, NoPackages) else 1) from None
 
 
 if __name__ == "__main__":
