@@ -56,8 +56,10 @@ def test_a_task_image_built_from_debian_packages_scores_the_bug_0_and_the_fix_1(
     out = ROOT / "build" / "swe_images_test"  # kept: a rerun reuses its layers
     printed = build(out, tmp_path / "instances.jsonl")
     assert f"{TASK}: {out / TASK}" in printed and "python3-tabulate" in printed
-    [instance] = [json.loads(line) for line in (tmp_path / "instances.jsonl").read_text().splitlines()]
-    assert instance["instance_id"] == TASK and instance["FAIL_TO_PASS"] and instance["PASS_TO_PASS"]
+    instances = [json.loads(line) for line in (tmp_path / "instances.jsonl").read_text().splitlines()]
+    assert len(instances) == 4  # every task's, though only one image was built
+    [instance] = [i for i in instances if i["instance_id"] == TASK]
+    assert instance["FAIL_TO_PASS"] and instance["PASS_TO_PASS"] and instance["patch"]
     again = build(out, tmp_path / "again.jsonl")
     assert f"{TASK}: {out / TASK} (unchanged" in again and "(reused)" in again
     assert (tmp_path / "again.jsonl").read_text() == (tmp_path / "instances.jsonl").read_text()

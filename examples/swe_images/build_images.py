@@ -92,6 +92,8 @@ def closure(packages: list[str]) -> list[str]:
     try:
         out = run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts",
                    "--no-breaks", "--no-replaces", "--no-enhances", *packages])
+    except NoPackages:
+        raise
     except BuildError as e:
         raise NoPackages(f"{e} (run apt-get update)") from None
     names = {line.strip() for line in out.splitlines() if line and not line[0].isspace()}
@@ -102,6 +104,8 @@ def deb_files(packages: list[str], debs: Path) -> list[Path]:
     """Each package's candidate .deb in ``debs``, downloaded with apt-get when it is not there yet."""
     try:
         shown = run(["apt-cache", "show", "--no-all-versions", *packages])
+    except NoPackages:
+        raise
     except BuildError as e:
         raise NoPackages(f"{e} (run apt-get update)") from None
     wanted: dict[str, Path] = {}
@@ -116,7 +120,7 @@ def deb_files(packages: list[str], debs: Path) -> list[Path]:
     missing = sorted(p for p, f in wanted.items() if not f.is_file())
     if missing:
         debs.mkdir(parents=True, exist_ok=True)
-        print(f"downloading {len(missing)} .debs into {debs}", flush=True)
+        print(f"downloading {len(missing)} .debs into {debs}: {' '.join(missing)}", flush=True)
         try:
             run(["apt-get", "download", "-q", *missing], cwd=debs)
         except BuildError as e:
@@ -362,12 +366,18 @@ def build(out: Path, debs: Path, only: list[str], agent: bool, instances_path: P
         print(f"agent: mini-swe-agent at /{AGENT_DIR} layer {desc['digest'][:19]} "
               f"{desc['size'] / 2**20:.0f} MiB ({'built' if built else 'reused'})", flush=True)
         layers.append(desc)
-    instances = []
+    # every task's instance, its image built or not (the file is always whole); the commit is the one in
+    # the image, the dates being fixed
+    instances = {}
+    for spec in REPOS:
+        with tempfile.TemporaryDirectory(dir=out, prefix=".repo-") as tmp:
+            instances[spec.instance_id] = make_repo(spec, Path(tmp) / "repo")
     base_set = set(base_names)
     for spec in specs:
         own = [p for p in closure(list(spec.packages)) if p not in base_set]
         own_debs = deb_files(own, debs) if own else []
         used += len(own_debs)
+
         def make_task(tree: Path, spec: Repo = spec, own_debs: list[Path] = own_debs) -> None:
             unpack(own_debs, tree)
             for d in DROP:
@@ -377,17 +387,15 @@ def build(out: Path, debs: Path, only: list[str], agent: bool, instances_path: P
                     (tree / "usr/lib/python3/dist-packages", "/usr/lib/python3/dist-packages"),))
             make_repo(spec, tree / WORKDIR.lstrip("/"))
 
-        with tempfile.TemporaryDirectory(dir=out, prefix=".repo-") as tmp:
-            instance = make_repo(spec, Path(tmp) / "repo")  # the same commit as in the image: dates fixed
+        instance = instances[spec.instance_id]
         task_key = key_of(*[d.name for d in own_debs], json.dumps(instance, sort_keys=True))
         desc, built = cached_layer(out, f"task-{spec.instance_id}", task_key, make_task)
-        instances.append(instance)
         changed = write_image(out, spec.instance_id, [*layers, desc])
         print(f"{spec.instance_id}: {out / spec.instance_id} ({'written' if changed else 'unchanged'}; "
               f"its own packages: {', '.join(own) or 'none'})", flush=True)
     print(f".debs: {used} used from {debs}", flush=True)
     if instances_path is not None:
-        instances_path.write_text("".join(json.dumps(i, sort_keys=True) + "\n" for i in instances))
+        instances_path.write_text("".join(json.dumps(i, sort_keys=True) + "\n" for i in instances.values()))
         print(f"instances: {instances_path}", flush=True)
 
 
@@ -397,7 +405,8 @@ def main() -> None:
                         help="where the images go, one OCI layout per task (default build/swe_images)")
     parser.add_argument("--debs", type=Path, default=Path("build/debs"),
                         help="the downloaded .debs, reused by later builds (default build/debs)")
-    parser.add_argument("--only", nargs="+", default=[], metavar="INSTANCE_ID", help="build these tasks only")
+    parser.add_argument("--only", nargs="+", default=[], metavar="INSTANCE_ID",
+                        help="build these tasks' images only (the instances file names every task)")
     parser.add_argument("--no-agent", dest="agent", action="store_false",
                         help="leave mini-swe-agent's layer out (the images then only run the tests)")
     parser.add_argument("--instances", type=Path, default=HERE / "instances.jsonl",
