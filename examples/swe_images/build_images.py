@@ -167,9 +167,11 @@ def compile_python(root: Path, *folders: str, binds: tuple[tuple[Path, str], ...
              "python3", "-m", "compileall", "-q", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash",
              *folders]
     try:
-        subprocess.run(argv, check=False, capture_output=True)  # a file that does not compile is left out
+        done = subprocess.run(argv, check=False, capture_output=True, text=True)
     except FileNotFoundError:
         raise BuildError("bwrap is not installed here (apt-get install bubblewrap)") from None
+    if done.returncode != 0 and done.stderr.startswith("bwrap:"):  # not compileall's: a file it skipped
+        raise BuildError(f"bubblewrap could not run the image's python3 ({done.stderr.strip()})")
 
 
 # -- layers and images --------------------------------------------------------------------------------------
