@@ -215,6 +215,18 @@ def test_each_attempt_starts_from_the_image_and_the_grader_sees_the_tree_the_age
     assert not list(cache.glob("roots/*/rootfs/work/new"))  # the image as it was
 
 
+def test_an_evaluator_file_named_through_dot_dot_is_bound_into_the_graders_sandbox(tmp_path, proxy, busybox):
+    # a run config names lgt's evaluator relative to its folder (../../trainer/rollout/swebench_eval.py):
+    # the zygote sees the file by its normalised path only
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "grade.sh").write_text("echo graded from $0; echo 1\n")
+    agent = spec(busybox, ("sh", "-c", "echo 0"), cwd=tmp_path / "sub",
+                 reward_sources=("evaluator",), evaluator=("sh", "../sub/../grade.sh"))
+    [r] = run(proxy, tmp_path, agent, [({}, "dotdot-0")])
+    assert (r.status, r.reward, r.reward_source) == ("ok", 1.0, "evaluator"), r.error
+    assert "graded from /lgt/evaluator/0/grade.sh" in r.stdout_path.with_suffix(".eval.out").read_text()
+
+
 def test_the_proxys_ca_is_the_images_system_store_and_host_files_are_mounted_read_only(tmp_path, proxy,
                                                                                       busybox):
     harness = tmp_path / "harness"

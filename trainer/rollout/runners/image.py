@@ -178,7 +178,7 @@ def _host_file(name: str, cwd: Path | None) -> Path | None:
         if cwd is None or "/" not in name and not (cwd / p).is_file():
             return None
         p = cwd / p
-    return p.absolute() if p.is_file() else None
+    return Path(os.path.normpath(p.absolute())) if p.is_file() else None  # as the zygote sees it
 
 
 class ImageRunner(SandboxedRunner):
