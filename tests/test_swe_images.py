@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "swe_images" / "build_images.py"
 DEBS = ROOT / "build" / "debs"  # the script's default: .debs downloaded once, shared with its users
 TASK = "acme__ledger-1"  # python3-tabulate is its own; python3-yaml another task's
+MOUNT = "/lgt/eval/swebench_eval.py"  # where this test binds the evaluator in the image
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("bwrap") is None,
@@ -42,10 +43,10 @@ def evaluate(image, task: dict, work: Path, tmp: Path) -> tuple[dict, str]:
     (tmp / "eval").mkdir(exist_ok=True)
     shutil.copyfile(swebench.EVALUATOR_FILE, tmp / "eval" / "swebench_eval.py")
     (tmp / "task.json").write_text(json.dumps(task))
-    argv = bwrap_argv(image, ["python3", swebench.EVALUATOR_MOUNT, "--timeout", "60", "/tmp/task.json",
+    argv = bwrap_argv(image, ["python3", MOUNT, "--timeout", "60", "/tmp/task.json",
                               "/dev/null"], work)
     cut = argv.index("--")
-    argv[cut:cut] = ["--ro-bind", str(tmp / "eval"), str(Path(swebench.EVALUATOR_MOUNT).parent),
+    argv[cut:cut] = ["--ro-bind", str(tmp / "eval"), str(Path(MOUNT).parent),
                      "--ro-bind", str(tmp / "task.json"), "/tmp/task.json"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from lgt.store.query import connect
-from lgt.testing.runs import lgt_train, metrics
+from lgt.testing.runs import lgt_train, lgt_train_cmd, metrics
 from lgt.trainer.serving.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,3 +78,50 @@ def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path
                if not o.strip() or '"reward": ' not in o.splitlines()[-1]}
         assert len(outs) >= 4 * steps and not bad, bad
     arith_engine.check_alive()  # used, not stopped: the next example's run loads its weights into it
+
+
+@pytest.mark.slow
+def test_swe_images_trains_mini_swe_agent_inside_each_tasks_image(tmp_path: Path, arith_model_dir: Path,
+                                                                 arith_engine: Engine) -> None:
+    """examples/swe_images as its README says: the task's image built from Debian's packages (the .debs
+    cached under build/debs), its tasks written by `lgt-train tasks swebench`, then two steps of
+    `lgt-train run` on it — mini-swe-agent in the image through lgt-proxy, the evaluator in the same image
+    on the tree it left (the tiny model fixes nothing: reward 0, the hidden test named as failed)."""
+    import json
+    import subprocess
+    import sys
+
+    here, task = ROOT / "examples" / "swe_images", "acme__ledger-1"
+    images = ROOT / "build" / "swe_images_test"  # kept: a rerun reuses its layers
+    built = subprocess.run([sys.executable, str(here / "build_images.py"), "--out", str(images), "--debs",
+                            str(ROOT / "build" / "debs"), "--only", task, "--instances",
+                            str(tmp_path / "instances.jsonl")], capture_output=True, text=True, timeout=900)
+    if built.returncode == 3:
+        pytest.skip(f"Debian's packages cannot be had here: {built.stderr.strip()}")
+    assert built.returncode == 0, built.stderr[-3000:]
+    (tmp_path / "one.jsonl").write_text(next(line for line in (tmp_path / "instances.jsonl").read_text()
+                                             .splitlines() if json.loads(line)["instance_id"] == task) + "\n")
+    out = lgt_train_cmd("tasks", "swebench", str(tmp_path / "one.jsonl"), "--image-dir", str(images),
+                    "--out", str(tmp_path / "tasks.jsonl"), "--test-timeout", "60")
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load((here / "run.yaml").read_text())
+    cfg.update(model={"path": str(arith_model_dir)}, tasks=str(tmp_path / "tasks.jsonl"), group_size=2,
+               batch_groups=1, max_inflight=2, steps=2, eval=None,
+               engine={"url": arith_engine.url, "max_model_len": None})
+    cfg["agent"] = {**cfg["agent"], "cwd": str(here), "timeout_s": 120}
+    cfg["agent"]["env"] = {**cfg["agent"]["env"], "SWE_STEP_LIMIT": "2"}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    out = lgt_train(str(tmp_path / "run.yaml"), "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["rollout/failed"] == 0 for r in rows)
+    con = connect(run_dir / "store")
+    calls, = con.execute("SELECT count(*) FROM calls WHERE status = 'ok' AND len(response_token_ids) > 0"
+                         ).fetchone()
+    sources = con.execute("SELECT list(DISTINCT source), list(DISTINCT value) FROM rewards").fetchone()
+    con.close()
+    assert calls >= 4 and sources == (["evaluator"], [0.0])
+    graded = [json.loads(p.read_text().splitlines()[-1]) for p in (run_dir / "rollouts").glob("*.eval.out")]
+    assert len(graded) >= 4 and all(not g["resolved"] and "FAIL_TO_PASS tests did not pass" in g["reason"]
+                                    and "test_total_counts_every_row" in g["reason"] for g in graded), graded
