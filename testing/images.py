@@ -189,6 +189,15 @@ def python_layer() -> list[Member]:
     members: list[Member] = [Dir("usr"), Dir("usr/bin"), File(f"usr/bin/{exe.name}", exe.read_bytes(), 0o755),
                              Symlink("usr/bin/python3", exe.name), Dir("usr/lib")]
     objects = [str(exe), *map(str, sorted((stdlib / "lib-dynload").glob("*.so")))]
+    members += _files_at_their_paths(shared_libraries(objects), {"usr", "usr/bin", "usr/lib"})
+    skip = ("test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data",
+            "site-packages", "dist-packages", f"config-{exe.name[6:]}-x86_64-linux-gnu")
+    return [*members, Dir(f"usr/lib/{exe.name}"), *tree_layer(stdlib, f"usr/lib/{exe.name}", skip)]
+
+
+def shared_libraries(objects: Sequence[str]) -> list[str]:
+    """The shared libraries ``objects`` (programs, libraries) load, the dynamic loader among them
+    (``ldd``), by the paths they are loaded from."""
     out = subprocess.run(["ldd", *objects], capture_output=True, text=True, check=False).stdout
     libs = set()
     for line in out.splitlines():
@@ -196,17 +205,30 @@ def python_layer() -> list[Member]:
         path = words[words.index("=>") + 1] if "=>" in words else (words[0] if words else "")
         if path.startswith("/") and not path.endswith(":"):  # (not a "file:" heading)
             libs.add(path)
-    dirs: set[str] = {"usr", "usr/bin", "usr/lib"}
-    for lib in sorted(libs):
-        rel = lib.lstrip("/")
+    return sorted(libs)
+
+
+def _files_at_their_paths(paths: Sequence[str], dirs: set[str]) -> list[Member]:
+    """Each host file of ``paths`` (its symlinks followed) at its own path, after the folders on the way
+    that ``dirs`` (updated) does not hold yet."""
+    members: list[Member] = []
+    for path in paths:
+        rel = path.lstrip("/")
         for parent in reversed(Path(rel).parents[:-1]):
             if str(parent) not in dirs:
                 dirs.add(str(parent))
                 members.append(Dir(str(parent)))
-        members.append(File(rel, Path(os.path.realpath(lib)).read_bytes(), 0o755))
-    skip = ("test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data",
-            "site-packages", "dist-packages", f"config-{exe.name[6:]}-x86_64-linux-gnu")
-    return [*members, Dir(f"usr/lib/{exe.name}"), *tree_layer(stdlib, f"usr/lib/{exe.name}", skip)]
+        members.append(File(rel, Path(os.path.realpath(path)).read_bytes(), 0o755))
+    return members
+
+
+def host_programs_layer(programs: Sequence[str] = (), mounted: Sequence[str] = ()) -> list[Member]:
+    """A layer with host programs copied at their paths (``/usr/bin/bash`` at ``usr/bin/bash``) and the
+    shared libraries they load — and those that ``mounted`` (host programs an attempt will have bound
+    read-only from the host, through ``agent.mounts``, not copied) load: a native harness's runtime."""
+    dirs: set[str] = set()
+    members = _files_at_their_paths(programs, dirs)
+    return members + _files_at_their_paths(shared_libraries([*programs, *mounted]), dirs)
 
 
 def _blobs(layout: Path, blobs: dict[str, bytes]) -> None:
