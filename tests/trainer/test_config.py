@@ -15,11 +15,23 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(ROOT.glob("examples/*/*.yaml"))  # run.yaml, and the distill configs beside them
 
 
+# examples whose tasks file a user writes first (its README): from these SWE-bench instances, by
+# `lgt-train tasks swebench` (each task names its image by a path on the user's machine)
+WRITTEN = {"swe_images/run": ROOT / "examples" / "swe_images" / "instances.jsonl"}
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_examples_load(path: Path) -> None:
     cfg = config.load(path)
-    assert cfg.agent.command and cfg.tasks.is_file()
-    assert cfg.model.path.is_absolute()
+    assert cfg.agent.command and cfg.model.path.is_absolute()
+    instances = WRITTEN.get(f"{path.parent.name}/{path.stem}")
+    if instances is not None:
+        from lgt.trainer.rollout import swebench
+
+        assert cfg.tasks == path.parent / "tasks.jsonl"
+        assert len(swebench.convert(swebench.read_instances(instances), workdir="/testbed")) == 4
+        return
+    assert cfg.tasks.is_file()
     assert len(config.load_tasks(cfg.tasks)) >= 100
 
 
