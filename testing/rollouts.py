@@ -1,7 +1,8 @@
 """Rollouts in tests: the test agents' folder (``AGENTS``: small Python agents using the OpenAI SDK), the
 proxy handle a rollout controller is given for a test's ``ProxyProc`` (``endpoint``), running jobs on a
-controller (``run_all``), and reading what the store holds afterwards (``rows``, ``attempts``,
-``rewards``); ``gone`` tells whether a process no longer runs.
+controller (``run_all``), live processes by their command line (``running_with``), and reading what
+the store holds afterwards (``rows``, ``attempts``, ``rewards``); ``gone`` tells whether a process no
+longer runs.
 
 The controller is imported only by the helpers that use it (the trainer's environment).
 """
@@ -9,6 +10,7 @@ The controller is imported only by the helpers that use it (the trainer's enviro
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +54,17 @@ def attempts(proxy: Any, rid: str) -> list[dict[str, Any]]:
 def rewards(proxy: Any, rid: str) -> list[tuple[int, str, float]]:
     return [(r["attempt"], r["source"], r["value"]) for r in
             rows(proxy, "SELECT * FROM rewards_log WHERE rollout_id = ? ORDER BY attempt", [rid])]
+
+
+def running_with(marker: str) -> list[int]:
+    """The live processes whose command line holds ``marker`` (a daemon an attempt tried to leave)."""
+    def cmdline(pid: str) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and not gone(int(p))
+            and marker.encode() in cmdline(p)]
 
 
 def gone(pid: int) -> bool:

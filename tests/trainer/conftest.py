@@ -121,3 +121,14 @@ def pid_dir(tmp_path: Path):
                 os.kill(pid, 9)
         except (FileNotFoundError, ProcessLookupError):
             pass
+
+
+@pytest.fixture(scope="module")
+def image_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A module's own cache of unpacked container images (LGT_IMAGE_CACHE), readable by the sandbox's
+    uid; the image tests use it for every test (``pytest.mark.usefixtures``)."""
+    cache = tmp_path_factory.mktemp("image-cache")
+    os.chmod(cache.parent, 0o755)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LGT_IMAGE_CACHE", str(cache))
+        yield cache

@@ -53,6 +53,7 @@ pytestmark = [
     pytest.mark.skipif(not CLAUDE.exists(), reason="Claude Code is not installed in examples/claude_code "
                                                    "(bash scripts/setup_agent.sh examples/claude_code)"),
     pytest.mark.skipif(not os.path.isfile(BASH), reason=f"no {BASH} here to put in the image"),
+    pytest.mark.usefixtures("image_cache"),  # conftest.py: this module's own cache of unpacked images
 ]
 
 # the attempt: what it can see of the host and of its mount, then Claude Code as task.sh runs it
@@ -73,15 +74,6 @@ got=$(cat "$TASK_FILE" 2>/dev/null)
 echo "found: $got"
 [ "$got" = "$TASK_WORD" ] && echo 1 || echo 0
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def image_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    cache = tmp_path_factory.mktemp("image-cache")
-    os.chmod(cache.parent, 0o755)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LGT_IMAGE_CACHE", str(cache))
-        yield cache
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from lgt.testing.images import (
     write_docker_archive,
     write_oci_layout,
 )
-from lgt.testing.rollouts import AGENTS, endpoint, gone, run_all
+from lgt.testing.rollouts import AGENTS, endpoint, run_all, running_with
 from lgt.trainer.rollout import images
 from lgt.trainer.rollout import sandbox as sandboxing
 from lgt.trainer.rollout.agent import AgentSpec, RolloutError
@@ -38,21 +37,13 @@ from lgt.trainer.rollout.runners import check_agent, runner_class
 from lgt.trainer.rollout.runners.image import CA_STORES, ImageRunner, check_task_images
 from lgt.trainer.rollout.sandbox import SandboxSpec
 
-pytestmark = pytest.mark.skipif(busybox_root() is None or python_root() is None,
-                                reason="busybox-static is not unpacked under build/ (scripts/setup.sh "
-                                       "fetches it), or there is no Debian python3 to build an image from")
+pytestmark = [pytest.mark.skipif(busybox_root() is None or python_root() is None,
+                                 reason="busybox-static is not unpacked under build/ (scripts/setup.sh "
+                                        "fetches it), or there is no Debian python3 to build an image from"),
+              pytest.mark.usefixtures("image_cache")]  # conftest.py: this module's own cache of images
 
 SEED = [Dir("work"), File("work/seed.txt", b"from the image\n"), Dir("work/src"),
         File("work/src/app.txt", b"v1\n")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def image_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    cache = tmp_path_factory.mktemp("image-cache")
-    os.chmod(cache.parent, 0o755)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LGT_IMAGE_CACHE", str(cache))
-        yield cache
 
 
 @pytest.fixture(scope="module")
@@ -152,22 +143,13 @@ def test_the_hostile_agents_attacks_fail_in_an_image_as_outside(tmp_path, proxy,
     assert seen["environ"]["TASK_QUESTION"] == "6*7?" and not [k for k in seen["environ"] if "SECRET" in k]
     assert seen["id"] == sandboxing.AGENT_UID and seen["pid"] == 1 and seen["procs"] == [1]
     assert daemon.status == "ok" and outcomes(daemon)["started"]
-    left = [p for p in os.listdir("/proc") if p.isdigit() and not gone(int(p))
-            and marker.encode() in _cmdline(p)]
-    assert left == []  # the daemon ended with its attempt
+    assert running_with(marker) == []  # the daemon ended with its attempt
     assert fork.status == "ok" and outcomes(fork)["error"] == "BlockingIOError" \
         and outcomes(fork)["forked"] < 64
     assert outcomes(mem)["allocated"] == "MemoryError"
     assert outcomes(big)["error"] == "OSError" and outcomes(big)["written_mb"] <= 8
     assert outcomes(tmp)["error"] == "OSError" and outcomes(tmp)["written_mb"] <= 4
     assert files.status == "failed" and "grew past its 8 MB limit" in files.error
-
-
-def _cmdline(pid: str) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 # the agent: what it finds, then changes to its tree, then the tree as it leaves it (its last lines)

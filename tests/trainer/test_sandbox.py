@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from lgt.testing.rollouts import AGENTS, endpoint, gone, run_all
+from lgt.testing.rollouts import AGENTS, endpoint, run_all, running_with
 from lgt.trainer.rollout import sandbox as sandboxing
 from lgt.trainer.rollout.agent import AgentSpec, RolloutError
 from lgt.trainer.rollout.controller import RolloutController
@@ -122,22 +122,13 @@ def test_daemons_forks_disk_and_memory_are_contained(tmp_path, proxy):
             ({"attack": "files", "targets": json.dumps([40])}, "c-files")]
     daemon, fork, mem, big, tmp, files = run(proxy, tmp_path, spec(sandbox=limits), jobs)
     assert daemon.status == "ok" and outcomes(daemon)["started"]
-    left = [p for p in os.listdir("/proc") if p.isdigit() and not gone(int(p))
-            and marker.encode() in _cmdline(p)]
-    assert left == []  # the daemon ended with its attempt
+    assert running_with(marker) == []  # the daemon ended with its attempt
     assert fork.status == "ok" and outcomes(fork)["error"] == "BlockingIOError" \
         and outcomes(fork)["forked"] < 64
     assert outcomes(mem)["allocated"] == "MemoryError"
     assert outcomes(big)["error"] == "OSError" and outcomes(big)["written_mb"] <= 8  # a file's size
     assert outcomes(tmp)["error"] == "OSError" and outcomes(tmp)["written_mb"] <= 4  # /tmp's size
     assert files.status == "failed" and "grew past its 8 MB limit" in files.error
-
-
-def _cmdline(pid: str) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def test_a_sandbox_that_cannot_start_is_refused_with_one_sentence(tmp_path, monkeypatch):
