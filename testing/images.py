@@ -34,6 +34,7 @@ class File:
     path: str
     data: bytes = b""
     mode: int = 0o644
+    mtime: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def layer_tar(members: Sequence[Member]) -> bytes:
         for m in members:
             if isinstance(m, File):
                 info = _info(m.path, tarfile.REGTYPE, m.mode)
-                info.size = len(m.data)
+                info.size, info.mtime = len(m.data), m.mtime
                 tar.addfile(info, io.BytesIO(m.data))
             elif isinstance(m, Dir):
                 tar.addfile(_info(m.path, tarfile.DIRTYPE, m.mode))

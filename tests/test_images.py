@@ -220,6 +220,15 @@ def test_layers_shared_by_two_images_are_extracted_once(tmp_path: Path) -> None:
     assert not list((cache / "tmp").iterdir())
 
 
+def test_a_files_time_is_kept_so_timestamp_checked_pyc_stay_valid(tmp_path: Path) -> None:
+    # a .pyc records its source's mtime; an image whose files all read "now" would recompile every import
+    when = 1_700_000_000
+    image = build(tmp_path / "i", "oci-layout", [Layer([Dir("app"), File("app/m.py", b"x = 1\n", mtime=when),
+                                                         Hardlink("app/same.py", "app/m.py")])])
+    root = open_image(image, cache=tmp_path / "cache").root
+    assert os.stat(root / "app/m.py").st_mtime == when and os.stat(root / "app/same.py").st_mtime == when
+
+
 def _flip_last_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF

@@ -431,6 +431,8 @@ def _extract(ref: str, layer: Layer, blob: IO[bytes], out: Path) -> None:
                     with open(fd, "wb") as w:
                         shutil.copyfileobj(f, w, _CHUNK)
                     os.chmod(target, m.mode & 0o1777)
+                    # the member's time: Python's timestamp-checked .pyc (and make) compare it
+                    os.utime(target, (m.mtime, m.mtime))
         diff_id = plain.drain()
         digest = packed.drain()
     except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, zlib.error) as e:
