@@ -219,3 +219,16 @@ def test_bad_input_is_one_sentence(tmp_path: Path, tiny_model_dir: Path) -> None
                           (["--traces", str(store), "--set", "sft.min_reward=5"], "kept none of the 6")]:
         res = CliRunner().invoke(sft_cmd, [str(cfg), *args, *run])
         assert res.exit_code == 1 and message in res.output, res.output
+
+
+@pytest.mark.parametrize("name,passes", [("torch", "epochs"), ("verl", "ppo_epochs")])
+def test_sft_trains_each_batch_once_with_either_backend_and_its_own_lr(name: str, passes: str) -> None:
+    # sft.epochs counts the passes over the traces; each batch is one pass of the backend (verl names its
+    # field ppo_epochs: asking it for `epochs` was a TypeError before any training)
+    from lgt.trainer.backends.base import BACKENDS
+    from lgt.trainer.distill.sft import sft_backend
+
+    run = BACKENDS[name].config(**{passes: 3, "lr": 1e-6})
+    made = sft_backend(run, 1e-4)
+    assert (getattr(made, passes), made.lr, type(made)) == (1, 1e-4, type(run))
+    assert sft_backend(run, None).lr == 1e-6

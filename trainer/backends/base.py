@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from lgt.trainer.rl.algorithm import AGG_MODES, LossConfig
 
@@ -127,6 +127,7 @@ class TorchConfig:
     """
 
     name: str = "torch"
+    PASSES: ClassVar[str] = "epochs"  # the field of passes over each batch (SFT sets it to 1)
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -213,6 +214,7 @@ class VerlConfig:
     """
 
     name: str = "verl"
+    PASSES: ClassVar[str] = "ppo_epochs"  # the field of passes over each batch (SFT sets it to 1)
     model_path: str = ""
     lr: float = 1e-6
     weight_decay: float = 0.0

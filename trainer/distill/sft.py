@@ -5,6 +5,7 @@ each has advantage 1 and no behaviour logprobs, so with one update per batch the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -24,8 +25,6 @@ from lgt.trainer.distill.traces import (
 def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = print) -> dict[str, Any]:
     """``lgt-train sft``: samples from the teacher's traces, trained with the run's backend; metrics.jsonl,
     checkpoints/ and summary.json in RUN_DIR; held-out eval before and after when the config has one."""
-    import dataclasses
-
     from transformers import AutoTokenizer
 
     from lgt.trainer.backends.base import entry
@@ -64,7 +63,7 @@ def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = pr
         "bad_traces": dict(built.bad_traces),
         "tokens_trained": sum(sum(s["loss_mask"]) for s in built.samples)}
     summary |= summary_eval
-    bcfg = dataclasses.replace(cfg.backend, epochs=1, **({"lr": sft.lr} if sft.lr is not None else {}))
+    bcfg = sft_backend(cfg.backend, sft.lr)
     backend = entry(bcfg.name).load_class().load(model_dir, bcfg)
     nll: list[float] = []
     started = time.perf_counter()
@@ -89,6 +88,12 @@ def train(cfg: Any, run_dir: Path, *, traces: Path | None = None, echo: Any = pr
         summary["eval_after"] = _evaluate(cfg, tasks, Path(ckpt), run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def sft_backend(backend: Any, lr: float | None) -> Any:
+    """The run's backend config as SFT trains with it: one pass over each batch (``sft.epochs`` counts
+    the passes over the traces), and ``sft.lr`` when given."""
+    return dataclasses.replace(backend, **{type(backend).PASSES: 1}, **({"lr": lr} if lr is not None else {}))
 
 
 def _evaluate(cfg: Any, tasks: Any, checkpoint: Path | None, run_dir: Path) -> dict[str, Any]:
