@@ -47,9 +47,10 @@ from lgt.testing.images import (
     Whiteout,
     busybox_layer,
     busybox_root,
+    bwrap_argv,
     write_oci_layout,
 )
-from lgt.trainer.rollout.images import bwrap_argv, fresh_workdir, open_image
+from lgt.trainer.rollout.images import fresh_workdir, open_image
 
 SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt")
 

@@ -5,7 +5,9 @@ A layer is a list of members: ``File``, ``Dir``, ``Symlink``, ``Hardlink``, ``Wh
 ``.wh.NAME`` marker that deletes NAME from lower layers) and ``Opaque`` (``.wh..wh..opq``: the folder's
 lower contents hidden). :func:`tree_layer` makes one from a folder (hard links found by inode). A root
 that can really run a command is Debian's ``busybox-static`` unpacked by ``scripts/setup.sh`` under
-``build/busybox-static/root`` (:func:`busybox_root`; tests skip without it).
+``build/busybox-static/root`` (:func:`busybox_root`; tests skip without it). :func:`bwrap_argv` runs a
+command in an unpacked image under bubblewrap alone (the tests' and benchmarks' way; attempts run
+through the image runner).
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import json
 import os
 import subprocess
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lgt.trainer.rollout.images import machine_arch
+from lgt.trainer.rollout.images import Image, machine_arch, workdir_of
 
 BUSYBOX = Path(__file__).resolve().parent.parent / "build" / "busybox-static" / "root"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -307,3 +309,25 @@ def write_docker_archive(dest: Path, layers: Sequence[Layer], config: Config | N
         [{"Config": f"{digest.removeprefix('sha256:')}.json", "RepoTags": [tag], "Layers": paths}]))
     _tar_folder(folder, dest)
     return digest
+
+
+UID = 1000  # the command's uid (and gid) inside the image, as in the bare sandbox
+
+
+def bwrap_argv(image: Image, command: Sequence[str], workdir: Path, *, at: str | None = None,
+               env: Mapping[str, str] | None = None, share_net: bool = False,
+               bwrap: str = "bwrap") -> list[str]:
+    """bubblewrap's argument list to run ``command`` with the image's root as ``/``, read-only — a command
+    in an unpacked image for the tests and benchmarks (attempts run through the image runner): ``workdir``
+    (a folder of :func:`lgt.trainer.rollout.images.fresh_workdir`) bound writable at the image's working
+    folder (or ``at``) and the command started there, fresh ``/proc``, ``/dev`` and ``/tmp``, every namespace
+    unshared (the network too unless ``share_net``), uid and gid 1000, the image's Env with ``env`` over
+    it and nothing of lgt's own environment."""
+    inside = workdir_of(image, at)
+    args = [bwrap, "--unshare-all", "--unshare-user", *(["--share-net"] if share_net else []),
+            "--uid", str(UID), "--gid", str(UID), "--die-with-parent", "--hostname", "lgt-sandbox",
+            "--ro-bind", str(image.root), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+            "--bind", str(workdir), inside, "--chdir", inside, "--clearenv"]
+    for name, value in image.config.environment(env).items():
+        args += ["--setenv", name, value]
+    return [*args, "--", *command]

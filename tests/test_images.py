@@ -28,13 +28,14 @@ from lgt.testing.images import (
     Whiteout,
     busybox_layer,
     busybox_root,
+    bwrap_argv,
     tree_layer,
     write_docker_archive,
     write_oci_archive,
     write_oci_layout,
 )
 from lgt.trainer.rollout import images
-from lgt.trainer.rollout.images import ImageError, bwrap_argv, fresh_workdir, open_image
+from lgt.trainer.rollout.images import ImageError, fresh_workdir, open_image
 
 MOUNTS = {"proc", "dev", "tmp", "work"}  # made by the store for bwrap and the working folder
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from lgt.testing.images import bwrap_argv
 from lgt.trainer.rollout import swebench
-from lgt.trainer.rollout.images import bwrap_argv, fresh_workdir, open_image
+from lgt.trainer.rollout.images import fresh_workdir, open_image
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "swe_images" / "build_images.py"

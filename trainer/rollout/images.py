@@ -23,7 +23,8 @@ that would land outside the root — leaves nothing behind.
 Root files are hard links into the layers' trees (one copy on disk, modes kept, setuid/setgid bits
 dropped, ownership not kept: the cache belongs to lgt's user). Folders keep their modes with the owner's
 ``rwx`` added, so the cache can be cleaned. Device nodes and fifos are skipped. The root is mounted
-read-only; an attempt writes only in its own folder (:func:`fresh_workdir`, :func:`bwrap_argv`).
+read-only; an attempt writes only in its own folder (:func:`fresh_workdir`; the image runner,
+:mod:`lgt.trainer.rollout.runners.image`, runs it).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-UID = 1000  # the command's uid (and gid) inside the image, as in the bare sandbox
 DEFAULT_WORKDIR = "/work"  # where an attempt's folder goes when the image names no WorkingDir
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 BWRAP_DIRS = ("proc", "dev", "tmp")  # mount points bwrap needs in a read-only root
@@ -569,22 +569,3 @@ def fresh_workdir(image: Image, dest: Path, at: str | None = None) -> Path:
     shutil.copytree(inside, dest, symlinks=True)
     os.chmod(dest, 0o755)
     return dest
-
-
-def bwrap_argv(image: Image, command: Sequence[str], workdir: Path, *, at: str | None = None,
-               env: Mapping[str, str] | None = None, share_net: bool = False,
-               bwrap: str = "bwrap") -> list[str]:
-    """bubblewrap's argument list to run ``command`` with the image's root as ``/``, read-only: ``workdir``
-    (an attempt's own folder, :func:`fresh_workdir`) bound writable at the image's working folder (or
-    ``at``) and the command started there, fresh ``/proc``, ``/dev`` and ``/tmp``, every namespace
-    unshared (the network too unless ``share_net``), uid and gid 1000, the image's Env with ``env`` over
-    it and nothing of lgt's own environment."""
-    inside = workdir_of(image, at)
-    args = [bwrap, "--unshare-all", "--unshare-user", *(["--share-net"] if share_net else []),
-            "--uid", str(UID), "--gid", str(UID), "--die-with-parent", "--hostname", "lgt-sandbox",
-            "--ro-bind", str(image.root), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-            "--bind", str(workdir), inside, "--chdir", inside, "--clearenv"]
-    for name, value in image.config.environment(env).items():
-        args += ["--setenv", name, value]
-    return [*args, "--", *command]
-
