@@ -50,7 +50,6 @@ from lgt.trainer.rollout.agent import (
 from lgt.trainer.rollout.runners.base import Attempt, Outcome
 from lgt.trainer.rollout.runners.local import LocalRunner
 from lgt.trainer.rollout.runners.sandboxed import SandboxedRunner, _take_reward_file
-from lgt.trainer.rollout.runners.sandboxed import local_runner as sandboxed_runner
 
 HOME = sandboxing.WORK  # /lgt/work: the attempt's HOME, its task, the proxy's CA, its reward file
 # where the system's TLS libraries and tools look for their CA bundle (Debian/Ubuntu/Alpine/Arch, Fedora/
@@ -66,7 +65,7 @@ def local_runner(agent: AgentSpec) -> type[LocalRunner]:
     plain process with ``agent.sandbox: none``)."""
     if agent.image is not None or agent.image_field is not None:
         return ImageRunner
-    return sandboxed_runner(agent)
+    return SandboxedRunner if agent.sandbox.on else LocalRunner
 
 
 def in_root(root: Path, path: str) -> str:

@@ -28,12 +28,6 @@ from lgt.trainer.rollout.sandbox import SandboxError
 from lgt.trainer.serving.children import signal_group
 
 
-def local_runner(agent: AgentSpec) -> type[LocalRunner]:
-    """The ``local`` runner (``agent.runner: local``): each attempt sandboxed, or a plain process with
-    ``agent.sandbox: none``."""
-    return SandboxedRunner if agent.sandbox.on else LocalRunner
-
-
 class SandboxedRunner(LocalRunner):
     """Attempts as local processes, each in a sandbox; ``hidden``: what no attempt may see (the store,
     the run directory, and what the owner hides)."""
