@@ -17,6 +17,9 @@
 #                user is root, else a warning saying how
 #   build/busybox-static   Debian's busybox-static package unpacked (apt-get download, dpkg-deb -x; no root
 #                needed): the root filesystem of the container-image tests (tests/test_images.py skip without it)
+#   podman, docker.io   local image stores to name task images in (agent.image: containers-storage:NAME,
+#                docker-daemon:NAME; tests/test_image_stores.py): installed with apt-get when this user is
+#                root (LGT_SKIP_CONTAINER_TOOLS=1 skips), else those tests skip. No container is ever run.
 #   chromium     the browser the live run page's test drives (Playwright, Debian's chromium): installed
 #                with apt-get when this user is root (LGT_SKIP_BROWSER=1 skips), else that test skips
 set -euo pipefail
@@ -41,6 +44,15 @@ if [ "${LGT_SKIP_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&1 &&
     { apt-get update -q >/dev/null 2>&1 &&
       apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; } ||
     echo "setup: warning: apt-get could not install chromium; the browser test will skip" >&2
+fi
+
+if [ "${LGT_SKIP_CONTAINER_TOOLS:-0}" != 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 &&
+   { ! command -v podman >/dev/null 2>&1 || ! command -v dockerd >/dev/null 2>&1; }; then
+  echo "setup: installing podman and docker.io (local image stores for the image tests)" >&2
+  apt-get install -y -q --no-install-recommends podman docker.io >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 &&
+      apt-get install -y -q --no-install-recommends podman docker.io >/dev/null 2>&1; } ||
+    echo "setup: warning: apt-get could not install podman and docker.io; the image-store tests will skip" >&2
 fi
 
 if [ ! -x build/busybox-static/root/bin/busybox ] && command -v apt-get >/dev/null 2>&1 &&

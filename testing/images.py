@@ -7,19 +7,23 @@ lower contents hidden). :func:`tree_layer` makes one from a folder (hard links f
 that can really run a command is Debian's ``busybox-static`` unpacked by ``scripts/setup.sh`` under
 ``build/busybox-static/root`` (:func:`busybox_root`; tests skip without it). :func:`bwrap_argv` runs a
 command in an unpacked image under bubblewrap alone (the tests' and benchmarks' way; attempts run
-through the image runner).
+through the image runner). :func:`podman_store` and :func:`docker_daemon` give a test a podman store or a
+docker daemon of its own, to name images in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
 import json
 import os
+import signal
 import subprocess
 import tarfile
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -331,3 +335,48 @@ def bwrap_argv(image: Image, command: Sequence[str], workdir: Path, *, at: str |
     for name, value in image.config.environment(env).items():
         args += ["--setenv", name, value]
     return [*args, "--", *command]
+
+
+# -- local container stores, private to a test ------------------------------------------------------------
+
+@contextlib.contextmanager
+def podman_store(tmp: Path) -> Iterator[dict[str, str]]:
+    """A podman store of its own under ``tmp`` (vfs driver): the variables that point podman at it
+    (``CONTAINERS_STORAGE_CONF``). Podman has no daemon; nothing is started. Needs podman on PATH."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    conf = tmp / "storage.conf"
+    conf.write_text(f'[storage]\ndriver = "vfs"\ngraphroot = "{tmp / "graph"}"\nrunroot = "{tmp / "run"}"\n')
+    yield {"CONTAINERS_STORAGE_CONF": str(conf)}
+
+
+@contextlib.contextmanager
+def docker_daemon(tmp: Path, timeout: float = 60) -> Iterator[dict[str, str]]:
+    """A docker daemon of its own (``dockerd``, root only) with its data, socket and containerd under
+    ``tmp`` (vfs driver, no bridge, no iptables: it stores images and runs no container): the variables
+    that point docker at it (``DOCKER_HOST``). Stopped at the end."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    sock = tmp / "docker.sock"
+    argv = ["dockerd", "--host", f"unix://{sock}", "--data-root", str(tmp / "data"),
+            "--exec-root", str(tmp / "exec"), "--pidfile", str(tmp / "docker.pid"),
+            "--storage-driver", "vfs", "--bridge", "none", "--iptables=false", "--ip6tables=false"]
+    env = {"DOCKER_HOST": f"unix://{sock}"}
+    log = open(tmp / "dockerd.log", "wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        ask = ["docker", "version"]
+        while subprocess.run(ask, env={**os.environ, **env}, capture_output=True).returncode:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"dockerd did not start: {(tmp / 'dockerd.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield env
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()

@@ -434,10 +434,9 @@ def test_bad_references_are_one_sentence_each(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     with pytest.raises(ImageError, match=rf"^image {tmp_path}/nope does not exist$"):
         open_image(tmp_path / "nope", cache=cache)
-    with pytest.raises(ImageError, match=r"image python:3.11 is not a file or folder here, and lgt does not "
-                                         r"talk to a container daemon: save it to an archive \(docker save "
-                                         r"python:3.11"):
-        open_image("python:3.11", cache=cache)
+    with pytest.raises(ImageError, match=r"image python:3.11 is not a file or folder here, (and neither "
+                                         r"podman nor docker is installed|nor an image podman)"):
+        open_image("python:3.11", cache=cache)  # (test_image_stores.py: each case)
     (tmp_path / "folder").mkdir()
     with pytest.raises(ImageError, match="is not an image: it has no index.json"):
         open_image(tmp_path / "folder", cache=cache)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from lgt.testing.images import (
     Symlink,
     busybox_layer,
     busybox_root,
+    podman_store,
     python_layer,
     python_root,
     write_docker_archive,
@@ -293,6 +296,25 @@ def test_the_run_config_names_the_image_and_every_tasks_image_is_checked_before_
     assert runner_class(cfg.agent) is ImageRunner
     with pytest.raises(config.ConfigError, match=r"^task 'b''s image: image gone.tar does not exist$"):
         preflight.validate(cfg)
+
+
+@pytest.mark.skipif(shutil.which("podman") is None,
+                    reason="podman is not installed (scripts/setup.sh installs it with apt-get as root)")
+def test_an_agent_runs_in_an_image_named_in_podmans_store(tmp_path, proxy, monkeypatch):
+    archive = tmp_path / "busybox.tar"
+    write_docker_archive(archive, [Layer(busybox_layer()), Layer(SEED)], Config(env=["PATH=/bin"]))
+    with podman_store(tmp_path / "store") as env:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        subprocess.run(["podman", "load", "-i", str(archive)], check=True, capture_output=True)
+        subprocess.run(["podman", "tag", "lgt-test:latest", "lgt-test/bb:1"], check=True, capture_output=True)
+        agent = spec("containers-storage:lgt-test/bb:1", ("sh", "-c", "cat seed.txt; echo 1"))
+        check_agent(agent)  # the run's checks: the image, and the command in it
+        [r] = run(proxy, tmp_path, agent, [({}, "stored-0")])
+        assert r.status == "ok" and "from the image" in r.stdout_path.read_text(), r.error
+        with pytest.raises(RolloutError, match=r"^agent.image: image containers-storage:lgt-test/none:1 is "
+                                               r"not a file or folder here, nor an image podman could give"):
+            check_agent(spec("containers-storage:lgt-test/none:1", ("sh",)))
 
 
 def test_paths_are_resolved_inside_the_image_and_the_skeleton_adds_only_what_it_lacks(tmp_path):

@@ -3,8 +3,11 @@ run a command with its root filesystem as ``/`` under bubblewrap.
 
 An image is named by a path: an OCI image layout (a folder with ``oci-layout`` and ``index.json``), an
 OCI archive (a tar of such a folder) or a docker archive (``docker save``: ``manifest.json`` and layer
-tars; a folder of those is read too). lgt talks to no daemon: an image in docker's or podman's store is
-saved to an archive first.
+tars; a folder of those is read too). Or by a name in a local podman or docker store
+(``containers-storage:NAME``, ``docker-daemon:NAME``, or a bare ``NAME`` looked up in each store that is
+installed, podman's first): lgt asks the store for the image's id, and only when no root in the cache has
+that id does it have the store save the image to an archive in the cache's ``tmp/``, unpack it and delete
+the archive. Nothing runs a container: podman reads its store itself, docker asks its daemon.
 
 The cache (``LGT_IMAGE_CACHE``, else ``$XDG_CACHE_HOME/lgt/images``, else ``~/.cache/lgt/images``)::
 
@@ -40,6 +43,7 @@ import posixpath
 import re
 import shutil
 import stat
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -201,9 +205,9 @@ def _looks_like_name(ref: str) -> bool:
 def _missing(ref: str) -> ImageError:
     if _looks_like_name(ref):
         return ImageError(
-            f"image {ref} is not a file or folder here, and lgt does not talk to a container daemon: save it "
-            f"to an archive (docker save {ref} -o image.tar, or podman save --format oci-archive {ref} -o "
-            f"image.tar) and name that file")
+            f"image {ref} is not a file or folder here, and neither podman nor docker is installed to look "
+            f"it up by name: save it to an archive where it is (docker save {ref} -o image.tar, or podman "
+            f"save --format oci-archive {ref} -o image.tar) and name that file")
     return ImageError(f"image {ref} does not exist")
 
 
@@ -291,8 +295,12 @@ def _check_platform(ref: str, config: Mapping) -> None:
 # -- the cache --------------------------------------------------------------------------------------------
 
 def open_image(ref: str | os.PathLike, cache: Path | None = None) -> Image:
-    """The image ``ref`` unpacked in ``cache`` (done once per image, each layer once)."""
+    """The image ``ref`` (a path, or a name in a local podman or docker store) unpacked in ``cache``
+    (done once per image, each layer once)."""
     cache = Path(cache) if cache is not None else default_cache()
+    stored = find_stored(str(ref)) if not Path(str(ref)).expanduser().exists() else None
+    if stored is not None:
+        return _open_stored(stored, cache)
     config, digest, layers, source = resolve(ref)
     try:
         entry = cache / "roots" / digest.replace(":", "-")
@@ -304,6 +312,97 @@ def open_image(ref: str | os.PathLike, cache: Path | None = None) -> Image:
     finally:
         source.close()
     return Image(str(ref), digest, entry / "rootfs", ImageConfig.parse(config))
+
+
+# -- images in a local podman or docker store --------------------------------------------------------------
+
+STORES = {"containers-storage": "podman", "docker-daemon": "docker"}  # skopeo's transport names -> tool
+STORE_TIMEOUT_S = 60  # to ask a store for an image's id (saving it has no limit: images can be large)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """An image found by name in a store: the tool that reads it, its name there, its id (the config's
+    digest) and platform."""
+
+    ref: str
+    tool: str
+    name: str
+    digest: str
+    os: str
+    architecture: str
+
+
+def find_stored(ref: str) -> Stored | None:
+    """The image ``ref`` names in a local store: ``containers-storage:NAME`` (podman's),
+    ``docker-daemon:NAME`` (docker's), or a bare name looked up in each installed store, podman's first.
+    None when ``ref`` is no name and no store is asked; ImageError (one sentence) when the stores asked
+    do not have it."""
+    transport, _, rest = ref.partition(":")
+    if transport in STORES and rest:
+        name, tools = rest, [STORES[transport]]
+    elif _looks_like_name(ref):
+        name, tools = ref, [t for t in STORES.values() if shutil.which(t)]
+        if not tools:
+            return None
+    else:
+        return None
+    answers = []
+    for tool in tools:
+        found, why = _inspect(ref, tool, name)
+        if found is not None:
+            return found
+        answers.append(why)
+    raise ImageError(f"image {ref} is not a file or folder here, nor an image {' or '.join(tools)} could "
+                     f"give ({'; '.join(answers)})")
+
+
+def _inspect(ref: str, tool: str, name: str) -> tuple[Stored | None, str]:
+    """(the image, "") when ``tool``'s store has it, else (None, what ``tool`` said)."""
+    if shutil.which(tool) is None:
+        return None, f"{tool} is not installed"
+    argv = [tool, "image", "inspect", "--format", "{{.Id}} {{.Os}} {{.Architecture}}", name]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=STORE_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{tool} image inspect: {e}"
+    fields = done.stdout.split()
+    if done.returncode != 0 or len(fields) != 3:
+        return None, f"{tool} image inspect: {_last_line(done.stderr)}"
+    digest = fields[0] if fields[0].startswith("sha256:") else "sha256:" + fields[0]
+    if not _DIGEST.fullmatch(digest):
+        return None, f"{tool} image inspect gave an id lgt cannot read, {fields[0]!r}"
+    return Stored(ref, tool, name, digest, fields[1], fields[2]), ""
+
+
+def _last_line(stderr: str) -> str:
+    return (stderr.strip().splitlines() or ["no answer"])[-1].removeprefix("Error: ").strip()
+
+
+def _open_stored(stored: Stored, cache: Path) -> Image:
+    """A stored image's root: the cache's when one has its id, else saved from the store, unpacked, and
+    the archive deleted."""
+    entry = cache / "roots" / stored.digest.replace(":", "-")
+    if not (entry / "config.json").is_file():
+        _check_platform(stored.ref, {"os": stored.os, "architecture": stored.architecture})
+        (cache / "tmp").mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix="save.", dir=cache / "tmp"))
+        try:
+            archive = folder / "image.tar"
+            argv = [stored.tool, "image", "save", "-o", str(archive), stored.name]
+            done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            if done.returncode != 0 or not archive.is_file():
+                raise ImageError(f"image {stored.ref}: {stored.tool} could not save it from its store "
+                                 f"({_last_line(done.stderr)})")
+            saved = open_image(archive, cache)
+        finally:
+            _remove(folder)
+        if saved.digest != stored.digest:
+            raise ImageError(f"image {stored.ref}: {stored.tool} saved an image with id {saved.digest}, not "
+                             f"the {stored.digest} it named (did the name move meanwhile?)")
+    config = json.loads((entry / "config.json").read_text())
+    return Image(stored.ref, stored.digest, entry / "rootfs", ImageConfig.parse(config))
 
 
 @contextlib.contextmanager

@@ -117,10 +117,12 @@ def find_in_image(image: images.Image, name: str, env: Mapping[str, str], also: 
 
 
 def open_agent_image(agent: AgentSpec, ref: Any, what: str = "agent.image") -> images.Image:
-    """The image ``ref`` names (a path relative to the agent's folder) unpacked, with the agent's command
-    (and the evaluator's, when it is not a host file) in it; RolloutError (one sentence) otherwise."""
+    """The image ``ref`` names (a path relative to the agent's folder, or a name in a local store)
+    unpacked, with the agent's command (and the evaluator's, when it is not a host file) in it;
+    RolloutError (one sentence) otherwise."""
     if not isinstance(ref, str) or not ref:
-        raise RolloutError(f"{what} must name an image (a path), not {ref!r}")
+        raise RolloutError(f"{what} must name an image (a path, or a name in a podman or docker store), "
+                           f"not {ref!r}")
     path = Path(ref).expanduser()
     if not path.is_absolute() and agent.cwd is not None and (agent.cwd / path).exists():
         path = agent.cwd / path
