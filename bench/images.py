@@ -13,6 +13,9 @@ holding a small checkout (200 files, ~800 kB). Each figure is the median of ``--
 - first unpack: :func:`open_image` into an empty cache (read, digests checked, layers extracted, the
   root assembled);
 - cached resolve: :func:`open_image` again (manifest and config read, the root found);
+- when podman is installed: the same image in a private podman store, named ``containers-storage:NAME``
+  — the first open (the id asked, the image saved to an archive, unpacked, the archive deleted) and a
+  cached one (the id asked, the root found), next to the layout's;
 - start: ``busybox true`` under bubblewrap in the image (``bwrap_argv``) and under bubblewrap over the
   host's system folders, read-only, with the same busybox bound in (the bare sandbox's shape), one
   after the other; then the image's with the attempt's own copy of ``/work`` made first
@@ -48,6 +51,7 @@ from lgt.testing.images import (
     busybox_layer,
     busybox_root,
     bwrap_argv,
+    podman_store,
     write_oci_layout,
 )
 from lgt.trainer.rollout.images import fresh_workdir, open_image
@@ -136,6 +140,24 @@ def rollout_times(layout: Path, n: int, tmp: Path) -> tuple[list[float], list[fl
         proxy.stop()
 
 
+def store_times(tmp: Path, first: int, n: int) -> tuple[list[float], list[float]]:
+    """The layout loaded into a private podman store: ms to open it by name into an empty cache (``first``
+    tries) and into a warm one (``n``)."""
+    with podman_store(tmp / "podman") as env:
+        os.environ.update(env)
+        try:
+            subprocess.run(["podman", "pull", "-q", f"oci:{tmp / 'layout'}"], check=True, capture_output=True)
+            ids = subprocess.run(["podman", "images", "-q"], check=True, capture_output=True, text=True)
+            subprocess.run(["podman", "tag", ids.stdout.split()[0], "lgt-bench/image:1"], check=True)
+            ref = "containers-storage:lgt-bench/image:1"
+            cold = [ms(lambda i=i: open_image(ref, cache=tmp / f"stored{i}")) for i in range(first)]
+            warm = [ms(lambda: open_image(ref, cache=tmp / "stored0")) for _ in range(n)]
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+    return cold, warm
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=30, help="tries per figure (median)")
@@ -154,6 +176,7 @@ def main() -> None:
             unpack.append(ms(lambda i=i: open_image(tmp / "layout", cache=tmp / f"cache{i}")))
         cache = tmp / "cache0"
         resolve = [ms(lambda: open_image(tmp / "layout", cache=cache)) for _ in range(args.n)]
+        stored = store_times(tmp, max(3, args.n // 6), args.n) if shutil.which("podman") else None
         image = open_image(tmp / "layout", cache=cache)
         empty = tmp / "empty"
         empty.mkdir()
@@ -179,6 +202,10 @@ def main() -> None:
     print("| figure | ms |\n| --- | ---: |")
     print(f"| first unpack (empty cache, {len(unpack)} tries) | {med(unpack):.0f} |")
     print(f"| cached resolve | {med(resolve):.1f} |")
+    if stored is not None:
+        print(f"| by name in podman's store: first open (saved, unpacked, archive deleted) | "
+              f"{med(stored[0]):.0f} ({med(stored[0]) / med(unpack):.2f}x the layout's) |")
+        print(f"| by name in podman's store: cached (the store asked for the id) | {med(stored[1]):.1f} |")
     print("\n| start of `busybox true` | median ms | vs bare |\n| --- | ---: | ---: |")
     print(f"| bwrap over the host's system folders (bare sandbox's shape) | {med(host):.1f} | |")
     print(f"| bwrap in the image | {med(inside):.1f} | {med(inside) / med(host):.2f}x, "
