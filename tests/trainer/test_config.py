@@ -17,7 +17,8 @@ EXAMPLES = sorted(ROOT.glob("examples/*/*.yaml"))  # run.yaml, and the distill c
 
 # examples whose tasks file a user writes first (its README): from these SWE-bench instances, by
 # `lgt-train tasks swebench` (each task names its image by a path on the user's machine)
-WRITTEN = {"swe_images/run": ROOT / "examples" / "swe_images" / "instances.jsonl"}
+WRITTEN = {f"swe_images/{name}": ROOT / "examples" / "swe_images" / "instances.jsonl"
+           for name in ("run", "claude_code")}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.stem}")

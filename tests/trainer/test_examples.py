@@ -80,6 +80,32 @@ def test_a_framework_example_trains_a_step(tmp_path: Path, arith_model_dir: Path
     arith_engine.check_alive()  # used, not stopped: the next example's run loads its weights into it
 
 
+def swe_images_task(tmp_path: Path, task: str = "acme__ledger-1") -> dict:
+    """examples/swe_images' first steps as its README says, for one task: its image built from Debian's
+    packages (the .debs cached under build/debs; the layers kept under build/swe_images_test, so a rerun
+    reuses them), then its task written to ``tmp_path/tasks.jsonl`` by `lgt-train tasks swebench`. The
+    task's instance; skips when Debian's packages cannot be had."""
+    import json
+    import subprocess
+    import sys
+
+    images = ROOT / "build" / "swe_images_test"
+    built = subprocess.run([sys.executable, str(ROOT / "examples" / "swe_images" / "build_images.py"),
+                            "--out", str(images), "--debs", str(ROOT / "build" / "debs"), "--only", task,
+                            "--instances", str(tmp_path / "instances.jsonl")],
+                           capture_output=True, text=True, timeout=900)
+    if built.returncode == 3:
+        pytest.skip(f"Debian's packages cannot be had here: {built.stderr.strip()}")
+    assert built.returncode == 0, built.stderr[-3000:]
+    line = next(line for line in (tmp_path / "instances.jsonl").read_text().splitlines()
+                if json.loads(line)["instance_id"] == task)
+    (tmp_path / "one.jsonl").write_text(line + "\n")
+    out = lgt_train_cmd("tasks", "swebench", str(tmp_path / "one.jsonl"), "--image-dir", str(images),
+                        "--out", str(tmp_path / "tasks.jsonl"), "--test-timeout", "60")
+    assert out.returncode == 0, out.stderr
+    return json.loads(line)
+
+
 @pytest.mark.slow
 def test_swe_images_trains_mini_swe_agent_inside_each_tasks_image(tmp_path: Path, arith_model_dir: Path,
                                                                  arith_engine: Engine) -> None:
@@ -88,22 +114,9 @@ def test_swe_images_trains_mini_swe_agent_inside_each_tasks_image(tmp_path: Path
     `lgt-train run` on it — mini-swe-agent in the image through lgt-proxy, the evaluator in the same image
     on the tree it left (the tiny model fixes nothing: reward 0, the hidden test named as failed)."""
     import json
-    import subprocess
-    import sys
 
-    here, task = ROOT / "examples" / "swe_images", "acme__ledger-1"
-    images = ROOT / "build" / "swe_images_test"  # kept: a rerun reuses its layers
-    built = subprocess.run([sys.executable, str(here / "build_images.py"), "--out", str(images), "--debs",
-                            str(ROOT / "build" / "debs"), "--only", task, "--instances",
-                            str(tmp_path / "instances.jsonl")], capture_output=True, text=True, timeout=900)
-    if built.returncode == 3:
-        pytest.skip(f"Debian's packages cannot be had here: {built.stderr.strip()}")
-    assert built.returncode == 0, built.stderr[-3000:]
-    (tmp_path / "one.jsonl").write_text(next(line for line in (tmp_path / "instances.jsonl").read_text()
-                                             .splitlines() if json.loads(line)["instance_id"] == task) + "\n")
-    out = lgt_train_cmd("tasks", "swebench", str(tmp_path / "one.jsonl"), "--image-dir", str(images),
-                    "--out", str(tmp_path / "tasks.jsonl"), "--test-timeout", "60")
-    assert out.returncode == 0, out.stderr
+    here = ROOT / "examples" / "swe_images"
+    swe_images_task(tmp_path)
     cfg = yaml.safe_load((here / "run.yaml").read_text())
     cfg.update(model={"path": str(arith_model_dir)}, tasks=str(tmp_path / "tasks.jsonl"), group_size=2,
                batch_groups=1, max_inflight=2, steps=2, eval=None,
@@ -125,3 +138,72 @@ def test_swe_images_trains_mini_swe_agent_inside_each_tasks_image(tmp_path: Path
     graded = [json.loads(p.read_text().splitlines()[-1]) for p in (run_dir / "rollouts").glob("*.eval.out")]
     assert len(graded) >= 4 and all(not g["resolved"] and "FAIL_TO_PASS tests did not pass" in g["reason"]
                                     and "test_total_counts_every_row" in g["reason"] for g in graded), graded
+
+
+CLAUDE = ROOT / "examples" / "claude_code" / "node_modules" / ".bin" / "claude"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CLAUDE.exists(), reason="Claude Code is not installed in examples/claude_code "
+                                                "(bash scripts/setup_agent.sh examples/claude_code)")
+def test_swe_images_trains_claude_code_mounted_into_each_tasks_image(tmp_path: Path, arith_model_dir: Path,
+                                                                     arith_engine: Engine) -> None:
+    """examples/swe_images/claude_code.yaml as its README says, two steps on one task: Claude Code as it
+    ships, mounted read-only from examples/claude_code into the task's image built from Debian's
+    packages, works in /testbed through lgt-proxy; the evaluator in the same image is the reward. Each
+    attempt first looks for the host's files (and tries to write the harness) before the example's
+    script runs."""
+    import json
+
+    here = ROOT / "examples" / "swe_images"
+    instance = swe_images_task(tmp_path)
+    cfg = yaml.safe_load((here / "claude_code.yaml").read_text())
+    cfg.update(model={"path": str(arith_model_dir)}, tasks=str(tmp_path / "tasks.jsonl"), group_size=2,
+               batch_groups=1, max_inflight=2, steps=2, eval=None,
+               engine={"url": arith_engine.url, "max_model_len": None})
+    script = cfg["agent"]["command"][-1]
+    probe = (f"for f in /etc/hostname {ROOT}/pyproject.toml {CLAUDE.resolve()} {here}/instances.jsonl; do "
+             f'test -e "$f" && echo "SEES HOST $f"; done; touch /opt/claude/x 2>/dev/null && echo WRITABLE; '
+             f"exec bash {script}")
+    cfg["agent"] = {**cfg["agent"], "cwd": str(here), "timeout_s": 120, "command": ["bash", "-c", probe]}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    out = lgt_train(str(tmp_path / "run.yaml"), "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["samples"] > 0 and r["rollout/failed"] == 0 for r in rows), rows
+    con = connect(run_dir / "store")
+    done = [n for (n,) in con.execute("SELECT rollout_id || '~' || attempt FROM rollouts_log "
+                                      "WHERE status = 'ok'").fetchall()]  # finished (not cut off by the end)
+    calls = con.execute("SELECT rollout_id || '~' || attempt, api, original_host, capture, status, "
+                        "len(prompt_token_ids), len(response_token_ids), usage_completion_tokens, "
+                        "request_json FROM calls").fetchall()
+    rewards = dict(con.execute("SELECT rollout_id, value FROM rewards WHERE source = 'evaluator'").fetchall())
+    sources = con.execute("SELECT list(DISTINCT source) FROM rewards").fetchone()[0]
+    con.close()
+    assert len(done) >= 4 and sources == ["evaluator"], (done, sources)
+    # every call of a finished attempt is Claude Code's (its Messages request to api.anthropic.com with its
+    # Bash tool), recorded with the engine's token ids
+    calls = [c for c in calls if c[0] in done]
+    assert {c[0] for c in calls} == set(done)
+    for _, api, host, capture, status, prompt, response, used, request in calls:
+        body = json.loads(request)
+        assert (api, host, capture, status) == ("messages", "api.anthropic.com", "full", "ok")
+        assert prompt > 0 and response == used > 0
+        assert [t["name"] for t in body["tools"]] == ["Bash"] and "Claude Agent SDK" in str(body["system"])
+    # inside the task's image: its repository at the instance's base commit, none of the host's files,
+    # the harness read-only; Claude Code ran to its end there, and the evaluator graded the tree it left
+    head = f"in /testbed at {instance['base_commit']}"
+    for n in done:
+        text = (run_dir / "rollouts" / f"{n}.out").read_text(errors="replace")
+        assert text.startswith("claude code 2.") and head in text.splitlines()[0], text[-2000:]
+        assert "SEES HOST" not in text and "WRITABLE" not in text and '"type":"result"' in text, text[-2000:]
+        graded = json.loads((run_dir / "rollouts" / f"{n}.eval.out").read_text().splitlines()[-1])
+        assert graded["reward"] == rewards[n.split("~")[0]], (graded, rewards)
+        assert graded["resolved"] or "test_total_counts_every_row" in graded["reason"], graded
+    assert not (CLAUDE.parent.parent / "x").exists()
+    # the evaluator's rewards are what was trained, two steps
+    trained = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
+    assert {t["step"] for t in trained} == {1, 2} and len(trained) >= 4
+    assert all(t["reward"] == rewards[t["rollout_id"]] for t in trained), (trained, rewards)
