@@ -13,6 +13,10 @@ chat/completions request — messages and tools as ``lgt-proxy`` sends them to t
 - a side call (a title, Gemini's model router) → valid JSON for the schema asked in
   ``response_format``, or a short text.
 
+``ScriptedPolicy(command=...)`` plays a model that runs one exact shell command instead, whatever the
+task says (a fix, for a task that names no word and no file): its first answer a call of the harness's
+shell tool with that command, then the same short final text.
+
 ``ScriptedPolicy`` is the fake engine's reply hook (``FakeUpstream(reply=ScriptedPolicy())``, or
 ``python -m lgt.testing.fake_upstream --script lgt.testing.harness_policy:reply``) and remembers what it
 answered. The tool-picking functions also read the providers' own request shapes (Anthropic Messages,
@@ -45,6 +49,7 @@ WORKDIR = re.compile(r"(?:Primary working directory:|<cwd>|currently working in 
 # says it writes a file (a path and a content) or runs a command
 DEFAULT_PREFS = ("Write", "write_file", "write", "Bash", "run_shell_command", "bash", "exec_command",
                  "shell", "shell_command", "apply_patch", "exec")
+SHELL_TOOLS = ("Bash", "run_shell_command", "bash", "exec_command", "shell", "shell_command", "exec")
 FREEFORM = ("exec", "apply_patch")  # Codex's grammar tools: their input is a raw string, not JSON
 TOOL_RESULTS = {"messages": ("tool_result",),
                 "responses": ("function_call_output", "custom_tool_call_output", "local_shell_call_output",
@@ -60,11 +65,12 @@ def task_text(word: str, file: str) -> str:
 @dataclass(frozen=True)
 class Task:
     """What the task asks: ``word`` into ``file`` (as the task names it), ``workdir`` where the harness
-    runs when its prompt says so."""
+    runs when its prompt says so; or, given ``command``, that shell command run as it is."""
 
     word: str
     file: str
     workdir: str | None = None
+    command: str | None = None
 
     @property
     def path(self) -> str:
@@ -75,7 +81,11 @@ class Task:
 
     @property
     def shell(self) -> str:
-        return f"echo {shlex.quote(self.word)} > {shlex.quote(self.file)}"
+        return self.command or f"echo {shlex.quote(self.word)} > {shlex.quote(self.file)}"
+
+    @property
+    def title(self) -> str:
+        return f"Run {self.command.split()[0]}" if self.command else f"Write {self.word} into {self.file}"
 
     @property
     def patch(self) -> str:
@@ -89,7 +99,7 @@ class Task:
 
     @property
     def final_text(self) -> str:
-        return f"Done: {self.file} now holds {self.word}."
+        return "Done: the command ran." if self.command else f"Done: {self.file} now holds {self.word}."
 
 
 def find_task(texts: Iterable[str]) -> Task | None:
@@ -207,7 +217,7 @@ def tool_args(name: str, schema: Any, task: Task) -> dict[str, Any]:
     content_key = next((low[k] for k in ("content", "contents", "text", "file_text", "data") if k in low),
                        None)
     cmd_key = next((low[k] for k in ("command", "cmd", "commands", "script") if k in low), None)
-    if path_key and content_key:
+    if path_key and content_key and not task.command:
         args[path_key] = task.path
         args[content_key] = task.word + "\n"
     elif cmd_key:
@@ -221,7 +231,7 @@ def tool_args(name: str, schema: Any, task: Task) -> dict[str, Any]:
             continue
         p = props.get(req) or {}
         if req.lower() == "description":
-            args[req] = f"Write {task.word} into {task.file}"
+            args[req] = task.title
         elif req.lower() in ("workdir", "cwd", "directory", "dir_path", "directory_path"):
             args[req] = task.workdir or "."
         elif p.get("type") == "boolean":
@@ -323,10 +333,13 @@ class Answer:
 class ScriptedPolicy:
     """The fake engine's reply hook: answers a chat request as a model doing the task it names.
 
-    ``answers`` lists what it answered, in order; ``prefs`` orders the tools it prefers by name."""
+    ``answers`` lists what it answered, in order; ``prefs`` orders the tools it prefers by name;
+    ``command`` (None: the task's own), when set, is the shell command it runs for any task a user gives,
+    by the first of ``prefs`` that is a shell tool (it may be changed between conversations)."""
 
-    def __init__(self, prefs: Iterable[str] = DEFAULT_PREFS) -> None:
+    def __init__(self, prefs: Iterable[str] = DEFAULT_PREFS, command: str | None = None) -> None:
         self.prefs = tuple(prefs)
+        self.command = command
         self.answers: list[Answer] = []
 
     def __call__(self, body: Json) -> str | tuple[str, str]:
@@ -338,18 +351,21 @@ class ScriptedPolicy:
         messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
         task = find_task(_text(m.get("content")) for m in messages if m.get("role") in ("system", "user",
                                                                                          "developer"))
+        prefs = self.prefs
+        if self.command is not None and any(m.get("role") == "user" for m in messages):
+            task = Task("", "", None, self.command)
+            prefs = tuple(p for p in self.prefs if p in SHELL_TOOLS)
         schema = response_schema(body)
         if schema is not None:
-            title = f"Write {task.word} into {task.file}" if task else "ok"
-            return Answer("json", json.dumps(fill_schema(schema, title)), body)
+            return Answer("json", json.dumps(fill_schema(schema, task.title if task else "ok")), body)
         if task is None:
             return Answer("text", "OK.", body)
         if has_tool_result("chat", body):
             return Answer("final", task.final_text, body)
         tools = offered_tools("chat", body) if body.get("tool_choice") != "none" else []
-        call = choose_call(tools, task, self.prefs)
+        call = choose_call(tools, task, prefs)
         if call is None:
-            return Answer("text", f"Write {task.word} into {task.file}", body)
+            return Answer("text", task.title, body)
         args = call.args if isinstance(call.args, str) else json.dumps(call.args)
         return Answer("tool-call", (call.name, args), body)
 

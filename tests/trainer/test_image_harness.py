@@ -7,18 +7,23 @@ not in it. One real lgt-proxy (``--egress deny``) in front of the scripted engin
 (``lgt.testing.harness_policy``: a call of the harness's own tool, then a short final text). Claude Code
 aims at api.anthropic.com through the proxy, trusting its CA where the image runner put it. The task is
 write-a-word's; the evaluator (a shell script run in the same image, on the tree the harness left) is the
-reward."""
+reward. Then the same in a SWE task's own image (examples/swe_images, built from Debian's packages), as
+its claude_code.yaml runs it: the scripted engine's Bash call fixes the bug (or does not), and the
+SWE-bench evaluator in that image grades the tree Claude Code left."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shlex
+import subprocess
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lgt.proxy.auth import CA_VARS
 from lgt.testing import harnesses
@@ -32,13 +37,16 @@ from lgt.testing.images import (
     Symlink,
     busybox_layer,
     busybox_root,
+    bwrap_argv,
     host_programs_layer,
     write_oci_layout,
 )
 from lgt.testing.proxy import ProxyProc
 from lgt.testing.rollouts import endpoint, rows, run_all
+from lgt.trainer.rollout import swebench
 from lgt.trainer.rollout.agent import AgentSpec
 from lgt.trainer.rollout.controller import RolloutController, RolloutResult
+from lgt.trainer.rollout.images import fresh_workdir, open_image
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "examples" / "claude_code" / "node_modules"  # npm ci there (scripts/setup_agent.sh)
@@ -167,3 +175,104 @@ def test_claude_code_in_an_image_trusts_the_proxys_ca_from_the_images_system_sto
     words = [("PEAR", "pear.txt")]
     no_vars = {var: "" for var in CA_VARS}
     check_done(lgt_proxy, words, run_claude(tmp_path, image, lgt_proxy, words, **no_vars))
+
+
+# --- a SWE task in its own image: Claude Code fixes the bug, the hidden tests reward it ---------------------
+
+SWE = ROOT / "examples" / "swe_images"
+# what the scripted model's Bash call shows of where it runs: acme/ledger's own package (tabulate, in its
+# image only) imported by the image's python3, the image's git in the repository at /testbed
+PROBE = ("python3 -c 'import sys, tabulate; print(sys.executable, sys.version.split()[0], tabulate.__file__)'"
+         " && git --version && echo \"$(pwd) at $(git rev-parse HEAD)\"")
+
+
+@pytest.fixture(scope="module")
+def swe_task(tmp_path_factory: pytest.TempPathFactory, image_cache: Path) -> tuple[dict, dict, str]:
+    """acme/ledger's image built by examples/swe_images' script as tests/test_swe_images.py builds it
+    (the .debs cached under build/debs, its layers under build/swe_images_test), its task as `lgt-train
+    tasks swebench` writes it, and what PROBE prints run in that image directly (bubblewrap): the
+    instance, the task, the probe's output."""
+    from tests.test_swe_images import TASK, build
+
+    tmp = tmp_path_factory.mktemp("swe-task")
+    build(ROOT / "build" / "swe_images_test", tmp / "instances.jsonl")
+    [instance] = [i for i in map(json.loads, (tmp / "instances.jsonl").read_text().splitlines())
+                  if i["instance_id"] == TASK]
+    [task] = swebench.convert([("line 1", instance)], image_dir=ROOT / "build" / "swe_images_test")
+    image = open_image(task["image"], cache=image_cache)
+    done = subprocess.run(bwrap_argv(image, ["bash", "-c", PROBE], fresh_workdir(image, tmp / "probe")),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return instance, task, done.stdout.strip()
+
+
+def run_swe(tmp_path: Path, lgt_proxy: ProxyProc, task: dict, name: str) -> RolloutResult:
+    """One attempt of ``task`` as examples/swe_images/claude_code.yaml runs it (its agent section: Claude
+    Code mounted read-only into the task's image, claude_code.sh, the SWE-bench evaluator the reward)."""
+    cfg = yaml.safe_load((SWE / "claude_code.yaml").read_text())["agent"]
+    agent = AgentSpec(command=tuple(cfg["command"]), cwd=SWE, env=cfg["env"], image_field=cfg["image_field"],
+                      mounts=cfg["mounts"], private=tuple(cfg["private"]), evaluator=tuple(cfg["evaluator"]),
+                      reward_sources=tuple(cfg["reward_sources"]), timeout_s=120, retries=0)
+    ctl = RolloutController(agent, endpoint(lgt_proxy), lgt_proxy.store, tmp_path / name, 1)
+    [result] = asyncio.run(run_all(ctl, [(task, f"{tmp_path.name[:20]}-{name}")]))
+    return result
+
+
+def tool_result(request_json: str) -> str:
+    """The text of the tool results in a Messages request, as Claude Code sent them."""
+    blocks = [b for m in json.loads(request_json)["messages"] if isinstance(m["content"], list)
+              for b in m["content"] if b.get("type") == "tool_result"]
+    return "\n".join(b["content"] if isinstance(b["content"], str) else
+                     "\n".join(c.get("text", "") for c in b["content"]) for b in blocks)
+
+
+@pytest.mark.slow
+def test_claude_code_fixes_a_swe_task_inside_its_image_and_the_hidden_tests_reward_it(
+        tmp_path: Path, lgt_proxy: ProxyProc, policy: ScriptedPolicy, swe_task: tuple[dict, dict, str]
+) -> None:
+    from tests.test_harnesses import expected_tokens
+
+    instance, task, probed = swe_task
+    fix = f"git apply -v <<'PATCH'\n{instance['patch']}PATCH\n{PROBE}"  # the instance's gold patch
+    results: dict[str, RolloutResult] = {}
+    first = len(policy.answers)
+    try:
+        for name, command in (("fixed", fix), ("unfixed", PROBE)):
+            policy.command = command
+            results[name] = run_swe(tmp_path, lgt_proxy, task, name)
+    finally:
+        policy.command = None
+    answers = policy.answers[first:]
+    # per attempt, as scripted: Claude Code's Bash tool called with the exact command, then a final text
+    assert [a.kind for a in answers] == ["tool-call", "final"] * 2, answers
+    assert [(a.reply[0], json.loads(a.reply[1])["command"]) for a in answers[::2]] == [("Bash", fix),
+                                                                                       ("Bash", PROBE)]
+    for name, r in results.items():
+        out, err = (path.read_text(errors="replace") for path in (r.stdout_path, r.stderr_path))
+        graded = r.stdout_path.with_suffix(".eval.out").read_text()
+        why = f"{name}: {r.error}\nstdout: {out[-3000:]}\nstderr: {err[-3000:]}\n{graded}"
+        assert r.status == "ok" and f"in /testbed at {instance['base_commit']}" in out.splitlines()[0], why
+        calls = rows(lgt_proxy, "SELECT * FROM calls WHERE rollout_id = ? ORDER BY started_at",
+                     [r.rollout_id])
+        # Claude Code's two Messages calls, each with the very token ids the engine produced
+        assert [(c["api"], c["original_host"], c["status"], c["capture"]) for c in calls] == \
+            [("messages", "api.anthropic.com", "ok", "full")] * 2, why
+        assert all(c["prompt_token_ids"] and c["response_token_ids"] for c in calls), why
+        # the Bash call ran in the image: its output, as Claude Code sent it back, is what the probe prints
+        # there (the image's python3 with the task's own tabulate, its git in /testbed at the base commit)
+        assert "tool_result" not in calls[0]["request_json"], why
+        sent = tool_result(calls[1]["request_json"])
+        assert probed in sent and f"/testbed at {instance['base_commit']}" in probed, (sent, probed)
+        assert ("Applied patch ledger.py cleanly" in sent) == (name == "fixed"), sent
+        assert ("git status:  M ledger.py" in out) == (name == "fixed"), why
+    calls = rows(lgt_proxy, "SELECT * FROM calls WHERE rollout_id IN (?, ?)",
+                 [r.rollout_id for r in results.values()])
+    assert Counter((tuple(c["prompt_token_ids"]), tuple(c["response_token_ids"])) for c in calls) == \
+        Counter(tuple(map(tuple, expected_tokens(a))) for a in answers)
+    # the hidden tests, in the same image on the tree Claude Code left: the fix passes them, no fix fails
+    verdicts = {name: json.loads(r.stdout_path.with_suffix(".eval.out").read_text().splitlines()[-1])
+                for name, r in results.items()}
+    assert {name: (r.reward, r.reward_source) for name, r in results.items()} == \
+        {"fixed": (1.0, "evaluator"), "unfixed": (0.0, "evaluator")}, verdicts
+    assert verdicts["fixed"] == {"reward": 1.0, "resolved": True}, verdicts
+    assert "test_total_counts_every_row" in verdicts["unfixed"]["reason"], verdicts
