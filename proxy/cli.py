@@ -65,6 +65,10 @@ secret_option = click.option(
 @click.option("--upstream", help="OpenAI-compatible base URL LLM calls are routed to, e.g. "
               "http://127.0.0.1:8000/v1. Without it: observe-only (calls go where the agent sent them).")
 @click.option("--served-model", help="Model name the upstream serves; requests' `model` is rewritten to it.")
+@click.option("--policies", type=click.Path(dir_okay=False, path_type=Path),
+              help="A JSON file naming the run's policies, [{name, match, served}, ...]: each call goes to "
+                   "the first policy whose rule it matches (else the first) and upstream as that policy's "
+                   "served model (see docs/policies.md).")
 @click.option("--max-output-tokens", default=0, show_default=True, type=click.IntRange(min=0),
               help="With --upstream: the most tokens one reply may generate. A larger output limit is "
                    "lowered to it and a call without one gets it; the call's record says so (0: none).")

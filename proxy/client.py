@@ -110,6 +110,11 @@ class ControlClient:
         return self.call("POST", "/resume", {} if policy_version is None
                          else {"policy_version": policy_version})
 
+    def set_served(self, served: dict[str, str | None]) -> dict[str, Any]:
+        """The model each named policy's next calls are sent upstream as (None: the proxy's own):
+        the policies' state (``GET /state``'s ``policies``)."""
+        return self.call("POST", "/policies", {"served": served})
+
     def state(self) -> dict[str, Any]:
         return self.call("GET", "/state")
 

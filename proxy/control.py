@@ -3,6 +3,12 @@
     POST /pause   {"timeout": 60}          hold new LLM calls, return once none is in flight
                                            (504 with the state if they did not finish in time)
     POST /resume  {"policy_version": 3}    release held calls; new calls run under version 3
+                  {"served": {"planner": "planner-v3"}}   also: the policies' served models, changed
+                                           before the held calls go on (docs/policies.md)
+    POST /policies {"served": {"planner": "planner-v3"}}
+                                           the model a policy's next calls are sent upstream as
+                                           (null: the proxy's own --served-model); answers GET
+                                           /state's ``policies``
     GET  /state                            paused, in_flight, held, policy_version, counts, listen
     GET  /metrics                          Prometheus text
     POST /rewards {"rollout_id": "r1", "value": 1.0, "attempt": 0, "call_id": null}
@@ -30,7 +36,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import openapi, resources
+from . import openapi, policies, resources
 from .addons import Runtime, agent_gone
 from .auth import AuthError, Identity, parse_identity
 
@@ -93,6 +99,7 @@ def state(rt: Runtime) -> dict[str, Any]:
         "rows_written": rt.writer.rows_written,
         "upstream": rt.upstream,
         "served_model": rt.served_model,
+        "policies": rt.policies.state(),
         "listen": {"host": rt.listen[0], "port": rt.listen[1]} if rt.listen else None,
         "store_error": rt.store_error,
         "resources_registered": len(rt.resources),
@@ -146,8 +153,23 @@ async def resume(request: web.Request) -> web.Response:
     version = _whole(body.get("policy_version"))
     if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
         return _error(400, f"policy_version must be a non-negative integer, not {version!r}")
+    if "served" in body:  # the policies' served models, before a held call goes on
+        try:
+            rt.policies.set_served(body["served"])
+        except policies.PolicyError as e:
+            return _error(404 if isinstance(e, policies.UnknownPolicy) else 400, str(e))
     rt.gate.resume(version)
     return web.json_response(state(rt))
+
+
+async def post_policies(request: web.Request) -> web.Response:
+    rt = request.app[RT_KEY]
+    body = await _body(request)
+    try:
+        rt.policies.set_served(body.get("served", {}))
+    except policies.PolicyError as e:
+        return _error(404 if isinstance(e, policies.UnknownPolicy) else 400, str(e))
+    return web.json_response(rt.policies.state())
 
 
 async def get_state(request: web.Request) -> web.Response:
@@ -236,6 +258,7 @@ ROUTES = [
     web.post("/rewards", post_reward),
     web.get("/rewards", get_reward),
     web.post("/resources", put_resources),
+    web.post("/policies", post_policies),
     web.get("/healthz", healthz),
     web.get("/openapi.json", openapi_json),
 ]

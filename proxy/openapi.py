@@ -16,6 +16,10 @@ _STATE = {"type": "object", "properties": {
         "agent_gone": {"type": "boolean"}}},
     "orphaned": {"type": "integer"}},
     "required": ["paused", "in_flight", "policy_version"]}
+_POLICIES = {"type": "object", "properties": {
+    "default": {"type": "string"}, "served": {"type": "object"}, "calls": {"type": "object"},
+    "overlaps": {"type": "object"}}, "required": ["default", "served", "calls"]}
+_STATE["properties"]["policies"] = _POLICIES
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -38,6 +42,7 @@ def _op(summary: str, ok: dict[str, Any], *, body: dict[str, Any] | None = None,
 def document() -> dict[str, Any]:
     ident = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"}
     whole = {"type": "integer", "minimum": 0}
+    served = {"type": "object", "additionalProperties": {"type": ["string", "null"], "minLength": 1}}
     subs = {"type": "array", "items": {"type": "object", "properties": {
         "text": {"type": "string"}, "target": {"const": "system"},
         "span": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 2, "maxItems": 2}},
@@ -52,8 +57,12 @@ def document() -> dict[str, Any]:
                                    "not finish within the timeout)", _STATE, errors=(400, 504),
                                    body={"type": "object", "properties": {"timeout": {"type": "number",
                                                                                       "minimum": 0}}})},
-            "/resume": {"post": _op("Release held calls; new calls run under policy_version", _STATE,
-                                    body={"type": "object", "properties": {"policy_version": whole}})},
+            "/resume": {"post": _op("Release held calls; new calls run under policy_version (and the "
+                                    "policies' served models)", _STATE, errors=(400, 404),
+                                    body={"type": "object", "properties": {"policy_version": whole,
+                                                                           "served": served}})},
+            "/policies": {"post": _op("The model each policy's next calls are sent upstream as",
+                                      _POLICIES, errors=(400, 404), body={"type": "object", "properties": {"served": served}})},
             "/state": {"get": _op("Paused, in flight, held, policy version, counts", _STATE, errors=())},
             "/flush": {"post": _op("Every recorded row made visible as Parquet", {"type": "object"},
                                    errors=(503,))},

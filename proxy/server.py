@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
 import os
 import re
@@ -20,7 +21,7 @@ from aiohttp import web
 
 from lgt.store.writer import TableWriter
 
-from . import auth
+from . import auth, policies
 from .addons import (
     Answers,
     Capture,
@@ -57,6 +58,7 @@ class ProxyConfig:
     store: Path
     upstream: str | None = None
     served_model: str | None = None
+    policies: Path | None = None  # a JSON file: the run's policies, [{name, match, served}] (policies.py)
     upstream_api_key: str | None = None
     upstream_ca: Path | None = None
     upstream_insecure: bool = False
@@ -121,10 +123,26 @@ class ProxyConfig:
             raise ConfigError(f"--idle-timeout must be a positive number of seconds, not {self.idle_timeout}")
         if self.upstream_ca is not None and not Path(self.upstream_ca).is_file():
             raise ConfigError(f"--upstream-ca {self.upstream_ca} is not a file")
+        self.read_policies()
         ports = [p for p in (self.listen_port, self.control_port, self.reverse_port) if p]
         if len(set(ports)) != len(ports):
             raise ConfigError("--listen-port, --control-port and --reverse-port must differ")
         return self
+
+    def read_policies(self) -> policies.Policies:
+        """The policies of ``--policies`` (one, ``default``, without it); ConfigError names what is wrong."""
+        if self.policies is None:
+            return policies.Policies()
+        try:
+            spec = json.loads(Path(self.policies).read_text())
+        except OSError as e:
+            raise ConfigError(f"--policies {self.policies}: {e.strerror}") from None
+        except ValueError as e:
+            raise ConfigError(f"--policies {self.policies} is not valid JSON ({e})") from None
+        try:
+            return policies.parse(spec)
+        except policies.PolicyError as e:
+            raise ConfigError(f"--policies {self.policies}: {e}") from None
 
     @property
     def proxy_dir(self) -> Path:
@@ -368,6 +386,7 @@ def _runtime(cfg: ProxyConfig, store: Path, secret: bytes, writers: list[TableWr
         gate=Gate(cfg.pause_mode, cfg.policy_version),
         upstream=cfg.upstream.rstrip("/") if cfg.upstream else None,
         served_model=cfg.served_model,
+        policies=cfg.read_policies(),
         upstream_api_key=cfg.upstream_api_key,
         max_body_bytes=int(cfg.max_body_mb * (1 << 20)),
         seqs=_recover_seqs(store),

@@ -92,12 +92,19 @@ def _add_translation_and_schema_files(root: Path) -> None:
     pass
 
 
+def _add_policy(root: Path) -> None:
+    # Schema 7 adds calls.policy, nullable: older files read it as null, which the calls view reads as
+    # schema.DEFAULT_POLICY (every call before it belonged to a run's one policy). Nothing to move.
+    pass
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "add the rollouts and rewards tables", _add_rollouts_and_rewards),
     Migration(3, "add calls.capture, calls.capture_reason and the egress table", _add_capture_and_egress),
     Migration(4, "add calls.sampling and rollouts.split", _add_sampling_and_split),
     Migration(5, "add calls.api", _add_api),
     Migration(6, "add calls.translation and each table's schema file", _add_translation_and_schema_files),
+    Migration(7, "add calls.policy", _add_policy),
 )
 assert [m.version for m in MIGRATIONS] == list(range(2, SCHEMA_VERSION + 1)), "one migration a version"
 

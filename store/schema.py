@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 6  # 1: calls; 2: + rollouts, rewards; 3: + calls.capture(_reason), egress;
-# 4: + calls.sampling, rollouts.split; 5: + calls.api; 6: + calls.translation, each table's schema file
+SCHEMA_VERSION = 7  # 1: calls; 2: + rollouts, rewards; 3: + calls.capture(_reason), egress;
+# 4: + calls.sampling, rollouts.split; 5: + calls.api; 6: + calls.translation, each table's schema file;
+# 7: + calls.policy
 SCHEMA_VERSION_KEY = b"lgt.schema_version"
 TABLE_KEY = b"lgt.table"
 
@@ -33,6 +34,8 @@ STATUSES = (
 )
 
 _TS = pa.timestamp("us", tz="UTC")
+
+DEFAULT_POLICY = "default"  # calls.policy of a run without a policies section, and of rows before schema 7
 
 EXTRA_CHOICE = pa.struct(
     [
@@ -85,6 +88,9 @@ CALLS = pa.schema(
         ("usage_completion_tokens", pa.int64()),
         ("usage_total_tokens", pa.int64()),
         ("proxy_session", pa.string()),  # which proxy process wrote the record
+        # the policy the call belongs to (docs/policies.md): one of the run's policies, DEFAULT_POLICY
+        # when the run names none; null before schema 7 (the views read it as DEFAULT_POLICY)
+        ("policy", pa.string()),
     ],
     metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode(), TABLE_KEY: b"calls"},
 )

@@ -41,7 +41,7 @@ def test_the_control_api_keeps_its_word(fuzzed: ProxyProc) -> None:
         check()
         ran.add(operation.label)
     assert {"POST /pause", "POST /resume", "GET /state", "POST /flush", "POST /rewards", "GET /rewards",
-            "POST /resources", "GET /metrics"} <= ran  # every operation of the control API
+            "POST /resources", "GET /metrics", "POST /policies"} <= ran  # every operation of the control API
     fuzzed.client.resume()
 
 

@@ -192,7 +192,7 @@ def write_v1_store(root: Path) -> None:
     """A store as the proxy wrote it at schema version 1: calls only, no migration record."""
     (root / "calls").mkdir(parents=True)
     rows = tool_rollout("old", "1+2", "3")
-    later = ("capture", "capture_reason", "sampling", "api", "translation")  # added after version 1
+    later = ("capture", "capture_reason", "sampling", "api", "translation", "policy")  # after version 1
     v1 = pa.schema([f for f in schema.CALLS if f.name not in later],
                    metadata={schema.SCHEMA_VERSION_KEY: b"1", schema.TABLE_KEY: b"calls"})
     table = pa.Table.from_pylist(rows, schema=v1)
@@ -202,27 +202,30 @@ def write_v1_store(root: Path) -> None:
 def test_a_version_1_store_is_brought_to_the_current_version(tmp_path: Path) -> None:
     write_v1_store(tmp_path)
     assert store_version(tmp_path) == 1
-    assert migrate(tmp_path) == 6 == schema.SCHEMA_VERSION
+    assert migrate(tmp_path) == 7 == schema.SCHEMA_VERSION
     record = orjson.loads((tmp_path / META_DIR / RECORD).read_bytes())
-    assert record["schema_version"] == 6
+    assert record["schema_version"] == 7
     assert [(a["version"], a["name"]) for a in record["applied"]] == [
         (2, "add the rollouts and rewards tables"),
         (3, "add calls.capture, calls.capture_reason and the egress table"),
         (4, "add calls.sampling and rollouts.split"),
         (5, "add calls.api"),
-        (6, "add calls.translation and each table's schema file")]
+        (6, "add calls.translation and each table's schema file"),
+        (7, "add calls.policy")]
     assert all((tmp_path / t).is_dir() for t in ("rollouts", "rewards", "egress"))
     for table, columns in schema.TABLES.items():  # no rows, the current columns
         t = pq.read_table(tmp_path / schema.schema_file(table))
         assert t.num_rows == 0 and t.schema.equals(columns)
-        assert t.schema.metadata[schema.SCHEMA_VERSION_KEY] == b"6"
+        assert t.schema.metadata[schema.SCHEMA_VERSION_KEY] == b"7"
     # a plain DuckDB given only views.sql (no lgt): the v1 rows, the new columns as null, empty tables
     plain = duckdb.connect()
     plain.execute("SET file_search_path = ?", [str(tmp_path)])
     plain.execute(views_sql())
     assert plain.execute("SELECT count(*), count(api), count(translation) FROM calls").fetchone() == (2, 0, 0)
+    # rows from before calls.policy read as the one policy of a run that named none
+    assert plain.execute("SELECT list(DISTINCT policy) FROM calls").fetchone() == ([schema.DEFAULT_POLICY],)
     assert plain.execute("SELECT count(*) FROM egress").fetchone() == (0,)
-    assert migrate(tmp_path) == 6  # nothing left to do; the record is kept as it was
+    assert migrate(tmp_path) == 7  # nothing left to do; the record is kept as it was
     assert orjson.loads((tmp_path / META_DIR / RECORD).read_bytes()) == record
     add_reward(tmp_path, "old", 1)  # and the old rows are readable next to new tables
     con = connect(tmp_path)
@@ -230,10 +233,11 @@ def test_a_version_1_store_is_brought_to_the_current_version(tmp_path: Path) -> 
     assert con.execute("SELECT count(*) FROM egress").fetchone() == (0,)
     # a version-3 calls file next to the old one: the old rows read capture as null
     new_rows = [{**r, "call_id": r["call_id"] + "-new", "rollout_id": "new", "capture": "full",
-                 "api": "messages"} for r in tool_rollout("new", "1+2", "3")]
+                 "api": "messages", "policy": "planner"} for r in tool_rollout("new", "1+2", "3")]
     pq.write_table(pa.Table.from_pylist(new_rows, schema=schema.CALLS), tmp_path / "calls" / "part-2.parquet")
-    assert connect(tmp_path).execute("SELECT rollout_id, capture, api FROM calls GROUP BY ALL ORDER BY 1"
-                                     ).fetchall() == [("new", "full", "messages"), ("old", None, None)]
+    assert connect(tmp_path).execute("SELECT rollout_id, capture, api, policy FROM calls GROUP BY ALL "
+                                     "ORDER BY 1").fetchall() == [("new", "full", "messages", "planner"),
+                                                      ("old", None, None, schema.DEFAULT_POLICY)]
 
 
 def test_a_recorded_version_1_is_migrated_on_connect(tmp_path: Path) -> None:

@@ -147,6 +147,7 @@ class Record:
         rt.metrics.count(STATUS_REJECTED)
         try:
             rt.writer.append({**refused_row(call, flow, rt.max_body_bytes, rt.gate.policy_version),
+                              "policy": call.policy or rt.policies.default,
                               "proxy_session": rt.writer.session})
         except Exception:  # the answer stands; the store's own failure is logged where it is written
             rt.metrics.record_failures += 1
@@ -213,6 +214,7 @@ class Record:
         row = call_row(call, status, http_status, error, response_json, ended)
         if row["capture_reason"] not in (None, NOT_REQUESTED, HOSTED):
             rt.metrics.degraded(row["capture_reason"])
+        row["policy"] = call.policy or rt.policies.default  # hosted calls too: the run's default
         row["proxy_session"] = rt.writer.session
         rt.metrics.count(status)
         rt.metrics.latency.observe((ended - call.started_us) / 1e6)

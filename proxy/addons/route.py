@@ -88,7 +88,9 @@ class Route:
             if self.upstream is not None:  # Gemini's ?alt=sse&key=… is not the engine's
                 self.route(flow, f"{self.upstream.path.rstrip('/')}/{call.endpoint}",
                            keep_query=call.api != dialects.GEMINI)
-                call.upstream, call.served_model = self.rt.upstream, self.rt.served_model
+                call.upstream = self.rt.upstream
+                call.served_model = self.rt.policies.served_as(call.policy or self.rt.policies.default,
+                                                               self.rt.served_model)
 
     def _reverse(self, flow: http.HTTPFlow) -> None:
         if self.upstream is None:

@@ -19,7 +19,7 @@ from mitmproxy import http
 
 from lgt.store.writer import TableWriter
 
-from .. import resources
+from .. import policies, resources
 from ..auth import Identity
 from ..gate import Gate
 from ..metrics import Metrics
@@ -42,6 +42,8 @@ class Runtime:
     metrics: Metrics = field(default_factory=Metrics)
     upstream: str | None = None  # base URL, e.g. http://127.0.0.1:8000/v1
     served_model: str | None = None
+    # the run's policies: which one each call belongs to, and the model each is served as (policies.py)
+    policies: policies.Policies = field(default_factory=lambda: policies.Policies())
     upstream_api_key: str | None = None
     listen: tuple[str, int] | None = None  # where agents reach this proxy (GET /state says it)
     remote: Any = None  # lgt.store.remote.RemoteStore when the store is on S3

@@ -43,6 +43,7 @@ class Call:
     request: dict[str, Any] = field(default_factory=dict)  # for the engine, before capture is injected
     agent_request: dict[str, Any] | None = None  # a translated API's request, parsed
     requested_model: str | None = None
+    policy: str | None = None  # the policy the call belongs to (policies.py); None: not read yet
     translation: list[str] = field(default_factory=list)  # what translating the request approximated
     rewrite: bool = False  # the body must be sent re-serialised even when capture adds nothing
     refusal: str | None = None  # why the proxy answered the call itself (any addon; Record writes it)

@@ -8,7 +8,7 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
-from .. import dialects, wire
+from .. import dialects, policies, wire
 from ..auth import Identity
 from .capture import HOSTED
 from .runtime import Runtime
@@ -166,6 +166,7 @@ class Translate:
             return
         call.requested_model = (call.agent_request or req).get("model")
         call.request = req
+        call.policy = self.rt.policies.assign(policies.facts(req, call.agent_request, call.requested_model))
         if self.translates:  # a limit past the run's cap lowered; one the context cannot hold left out
             capped = wire.cap_output(call.endpoint, req, self.max_output, call.translation)
             context = await self.rt.engine_context()

@@ -5,8 +5,11 @@
 -- The tables, one Parquet file set each (whole files only: writers rename finished files in). Each
 -- table's folder also holds <table>/_schema/<table>.parquet, no rows and the table's current columns,
 -- so a table that has no files yet is an empty view, and older files read newer columns as null.
+-- calls.policy: the policy each call belongs to. Rows written before it existed (schema 7) read as
+-- 'default', the one policy of a run that names none (lgt.store.schema.DEFAULT_POLICY).
 CREATE OR REPLACE VIEW calls AS
-SELECT * FROM read_parquet('calls/**/*.parquet', union_by_name = true);
+SELECT * REPLACE (coalesce(policy, 'default') AS policy)
+FROM read_parquet('calls/**/*.parquet', union_by_name = true);
 
 CREATE OR REPLACE VIEW rollouts_log AS
 SELECT * FROM read_parquet('rollouts/**/*.parquet', union_by_name = true);
