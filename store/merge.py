@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .realign import TRUNCATION, realign_offset
+from .schema import DEFAULT_POLICY
 
 # Why a call starts a new sample (merge_breaks.reason).
 EXCLUDED_CALL = "excluded_call"  # the call before it was excluded (failed, no token ids, ...)
@@ -29,7 +30,9 @@ NO_TOKENIZER = "no_tokenizer"  # exact mode without a tokenizer: the tokens diff
 # prompt: vLLM reports tool_calls, not stop, for a reply its tool parser read calls from.
 STOPPED = ("stop", "tool_calls")
 
-SampleScalars = tuple[str, int, int, int, int]  # rollout_id, attempt, sample_index, n_calls, masked
+# rollout_id, attempt, sample_index, n_calls, masked, policy
+SampleScalars = tuple[str, int, int, int, int, str]
+Key = tuple[str, int, str]  # rollout_id, attempt, policy: the calls merged into samples together
 
 
 _ZEROS = pa.py_buffer(bytes(4 << 16))  # logprob 0.0 for up to 64k context tokens at a time
@@ -41,7 +44,7 @@ class _Call:
     """One call of the stream. Its token lists are zero-copy slices of its batch's Arrow buffers:
     comparing two (``Buffer.equals``) is a memcmp, and joining them copies each byte once."""
 
-    key: tuple[str, int]
+    key: Key
     seq: int
     prev_seq: int | None
     next_seq: int | None
@@ -141,13 +144,13 @@ class _Output:
         self.versions = array("i")
         self.offsets = array("i", [0])
 
-    def add(self, key: tuple[str, int], s: _Sample) -> None:
+    def add(self, key: Key, s: _Sample) -> None:
         self.ids += s.ids
         self.logprobs += s.logprobs
         self.runs += s.runs
         self.versions += s.versions
         self.offsets.append(self.offsets[-1] + sum(s.runs))
-        self.scalars.append((key[0], key[1], s.index, len(s.runs) // 2, s.masked))
+        self.scalars.append((key[0], key[1], s.index, len(s.runs) // 2, s.masked, key[2]))
         if self.offsets[-1] >= self.CHUNK_TOKENS:
             self.flush()
 
@@ -189,13 +192,15 @@ def merge_calls(batches: Iterable[pa.RecordBatch], order: dict, mode: str,
     """Merge the calls in ``batches`` (rows of the calls table, any order) into samples, one pass.
 
     Only the calls in ``order`` (:func:`call_order`: candidate attempts) are taken, each attempt's
-    in seq order: a call whose predecessor has not come by yet waits (with its own copy of its
-    bytes) until it has. Guarantees: every generated token of a trainable call lands in exactly one
+    calls of one policy in seq order (``calls.policy``: each policy's calls are merged among
+    themselves, a planner's call extending the planner's call before it, not the coder's in between):
+    a call whose predecessor has not come by yet waits (with its own copy of its bytes) until it
+    has. Guarantees: every generated token of a trainable call lands in exactly one
     sample, unchanged, with its logprob and policy version, and mask 1; every other token has mask
     0, logprob 0 and policy version -1.
     """
-    attempts: dict[tuple[str, int], _Attempt] = {}
-    waiting: dict[tuple[tuple[str, int], int], _Call] = {}
+    attempts: dict[Key, _Attempt] = {}
+    waiting: dict[tuple[Key, int], _Call] = {}
     out = _Output()
     state = Merged([], [], [], Counter())
     seen = 0
@@ -297,8 +302,8 @@ def _calls(batch: pa.RecordBatch, order: dict) -> Iterator[_Call]:
     logprobs_ok = lp.is_valid().to_pylist()
     rows = zip(col("rollout_id").to_pylist(), col("attempt").to_pylist(), col("seq").to_pylist(),
                col("status").to_pylist(), col("policy_version").to_pylist(),
-               col("finish_reason").to_pylist())
-    for i, (rid, attempt, seq, status, version, finish) in enumerate(rows):
+               col("finish_reason").to_pylist(), col("policy").to_pylist())
+    for i, (rid, attempt, seq, status, version, finish, policy) in enumerate(rows):
         neighbours = order.get((rid, attempt, seq))
         if neighbours is None:
             continue
@@ -307,13 +312,14 @@ def _calls(batch: pa.RecordBatch, order: dict) -> Iterator[_Call]:
         excluded = status if status != "ok" else "no_token_ids" if not tokens_ok[i] else None
         if excluded is None:
             has_logprobs = logprobs_ok[i] and lpo[i + 1] - lpo[i] == n_gen
-            yield _Call((rid, attempt), seq, prev, nxt, None, version, finish in STOPPED,
+            yield _Call((rid, attempt, policy or DEFAULT_POLICY), seq, prev, nxt, None, version,
+                        finish in STOPPED,
                         prompt.slice(pb + 4 * po[i], 4 * (po[i + 1] - po[i])),
                         response.slice(rb + 4 * ro[i], 4 * n_gen),
                         logprobs.slice(lb + 4 * lpo[i], 4 * n_gen) if has_logprobs else _nans(n_gen),
                         not has_logprobs)
         else:
-            yield _Call((rid, attempt), seq, prev, nxt, excluded, version, False)
+            yield _Call((rid, attempt, policy or DEFAULT_POLICY), seq, prev, nxt, excluded, version, False)
 
 
 _NAN = b"\x00\x00\xc0\x7f"  # float32 quiet NaN, little-endian

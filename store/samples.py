@@ -45,7 +45,7 @@ import pyarrow.dataset as ds
 from .merge import Merged, SampleScalars, merge_calls
 from .migrations import migrate
 from .query import connect, group_rollouts, named_queries
-from .schema import CALLS
+from .schema import CALLS, DEFAULT_POLICY
 
 SQL = named_queries("lgt.store", "sql/sample_build.sql")
 
@@ -64,8 +64,9 @@ SAMPLES = pa.schema([
     ("behaviour_logprobs", pa.list_(pa.float32())),
     ("policy_versions", pa.list_(pa.int32())),
     ("reward", pa.float64()),
-    ("rollout_tokens", pa.int64()),  # generated (loss-masked) tokens of the rollout's samples
+    ("rollout_tokens", pa.int64()),  # generated (loss-masked) tokens of the rollout's samples of its policy
     ("mode", pa.string()),
+    ("policy", pa.string()),  # the policy whose calls the sample holds (calls.policy; docs/policies.md)
 ])
 TOKEN_LISTS = ("input_ids", "loss_mask", "behaviour_logprobs", "policy_versions")
 
@@ -78,7 +79,7 @@ MERGE_BREAKS = pa.schema([
 
 BATCH_ROWS = 16384  # calls per Arrow batch read from the calls files
 CALL_COLUMNS = ["rollout_id", "attempt", "seq", "status", "policy_version", "finish_reason",
-                "prompt_token_ids", "response_token_ids", "response_logprobs"]
+                "prompt_token_ids", "response_token_ids", "response_logprobs", "policy"]
 
 
 @dataclass(frozen=True)
@@ -287,9 +288,9 @@ def rollout_scalars(con: duckdb.DuckDBPyConnection,
     samples, and per sample (in merge order) its rollout's group, task, reward and trained tokens,
     ``keep`` false where the rollout is not trained (it generated no tokens)."""
     meta = pa.table([pa.array(col, t) for col, t in zip(
-                        list(zip(*scalars)) or [[]] * 5,
-                        (pa.string(), pa.int32(), pa.int32(), pa.int32(), pa.int64()))],
-                    names=["rollout_id", "attempt", "sample_index", "n_calls", "masked"])
+                        list(zip(*scalars)) or [[]] * 6,
+                        (pa.string(), pa.int32(), pa.int32(), pa.int32(), pa.int64(), pa.string()))],
+                    names=["rollout_id", "attempt", "sample_index", "n_calls", "masked", "policy"])
     meta = meta.append_column("row", pa.array(range(meta.num_rows), pa.int64()))
     con.register("_lgt_sample_meta", meta)
     try:
@@ -308,15 +309,29 @@ def assemble(merged: Merged, per_sample: pa.Table, mode: str) -> pa.Table:
     """The samples table: scalars beside the merged token lists, rollouts not trained left out."""
     lists = [pa.chunked_array([c[i] for c in merged.chunks], SAMPLES.field(name).type)
              for i, name in enumerate(TOKEN_LISTS)]
-    ids = [f"{r}~{a}#{k}" for r, a, k in zip(per_sample.column("rollout_id").to_pylist(),
-                                             per_sample.column("attempt").to_pylist(),
-                                             per_sample.column("sample_index").to_pylist())]
+    ids = [sample_id(r, a, k, p) for r, a, k, p in zip(*(per_sample.column(c).to_pylist() for c in (
+        "rollout_id", "attempt", "sample_index", "policy")))]
     cols = {"sample_id": pa.array(ids, pa.string()),
             "mode": pa.array([mode] * per_sample.num_rows, pa.string()), **dict(zip(TOKEN_LISTS, lists))}
     table = pa.table([cols[f.name] if f.name in cols else per_sample.column(f.name).cast(f.type)
                       for f in SAMPLES], schema=SAMPLES)
     keep = per_sample.column("keep")
     return table if all(keep.to_pylist()) else table.filter(keep)
+
+
+def sample_id(rollout_id: str, attempt: int, index: int, policy: str) -> str:
+    """``<rollout>~<attempt>#<index>``, the index counted within the policy's calls; a policy other
+    than the default named before it (``#planner.0``). The ``samples`` view spells it the same."""
+    return f"{rollout_id}~{attempt}#{index}" if policy == DEFAULT_POLICY else \
+        f"{rollout_id}~{attempt}#{policy}.{index}"
+
+
+def split_by_policy(samples: pa.Table) -> dict[str, pa.Table]:
+    """Each policy's samples (rows of :data:`SAMPLES`), in the order of their first sample: what each
+    policy trains on. Every sample already holds one policy's calls, its rollout's reward, and the
+    rollout's tokens of that policy (``rollout_tokens``), so each rollout counts once in each update."""
+    names = list(dict.fromkeys(samples.column("policy").to_pylist()))
+    return {n: samples.filter(pc.equal(samples.column("policy"), n)) for n in names}
 
 
 def make_report(mode: str, merged: Merged, samples: pa.Table, breaks: pa.Table,

@@ -21,6 +21,8 @@ from typing import Any
 import click
 import duckdb
 
+from .schema import DEFAULT_POLICY
+
 TRUNCATE = 1200  # characters of one message or token span shown before eliding its middle
 
 
@@ -90,7 +92,15 @@ class Verdict:
     excluded: str | None  # why the call's tokens are not trained on (None: they are)
     link: str | None  # first | extends | excluded_call | truncation | differs (None: call excluded)
     context_from: int  # the first prompt token new to the sample
-    sample: int | None  # which of the attempt's samples it is in
+    sample: int | None  # which of the attempt's samples of the call's policy it is in
+    policy: str = DEFAULT_POLICY  # the call's policy (calls.policy)
+
+    @property
+    def label(self) -> str | None:
+        """The sample as its id ends (``0``; ``planner.0`` for a policy other than the default)."""
+        if self.sample is None:
+            return None
+        return str(self.sample) if self.policy == DEFAULT_POLICY else f"{self.policy}.{self.sample}"
 
 
 def call_excluded(call: dict[str, Any]) -> str | None:
@@ -119,18 +129,21 @@ def rollout_excluded(rollout: dict[str, Any], rewarded: bool) -> str | None:
 
 
 def verdicts(calls: list[dict[str, Any]], rollout_reason: str | None) -> list[Verdict]:
-    """Per call, in seq order, as ``sample_links`` decides: a call joins the sample of the call
-    before it when that call was trained and this prompt starts with its prompt + generated tokens."""
+    """Per call, in seq order, as ``sample_links`` decides: a call joins the sample of its policy's call
+    before it when that call was trained and this prompt starts with its prompt + generated tokens
+    (``sample`` counts within the call's policy: each policy's calls make its own samples)."""
     out: list[Verdict] = []
-    prev: dict[str, Any] | None = None
-    sample = -1
+    prevs: dict[str, dict[str, Any]] = {}
+    samples: dict[str, int] = {}
     for c in calls:
+        policy = c.get("policy") or DEFAULT_POLICY
+        prev, sample = prevs.get(policy), samples.get(policy, -1)
         own = call_excluded(c)
         if c["status"] == "rejected":  # answered by the proxy: passed over, the next call links past it
-            out.append(Verdict(own, None, 0, None))
+            out.append(Verdict(own, None, 0, None, policy))
             continue
         if own is not None:
-            out.append(Verdict(own, None, 0, None))
+            out.append(Verdict(own, None, 0, None, policy))
         else:
             held: list[int] = []
             if sample < 0:
@@ -145,8 +158,9 @@ def verdicts(calls: list[dict[str, Any]], rollout_reason: str | None) -> list[Ve
             else:
                 link = "differs"
             sample += link != "extends"
-            out.append(Verdict(rollout_reason, link, len(held) if link == "extends" else 0, sample))
-        prev = c
+            samples[policy] = sample
+            out.append(Verdict(rollout_reason, link, len(held) if link == "extends" else 0, sample, policy))
+        prevs[policy] = c
     return out
 
 
@@ -183,7 +197,7 @@ def render(traj: Trajectory, tokenizer: Any | None = None, *, truncate: int | No
     marks = verdicts(traj.calls, why_not)
     n_gen = sum(len(c.get("response_token_ids") or []) for c in traj.calls)
     n_trained = sum(len(c["response_token_ids"]) for c, v in zip(traj.calls, marks) if v.excluded is None)
-    n_samples = len({v.sample for v in marks if v.sample is not None})
+    n_samples = len({v.label for v in marks if v.label is not None})
     summary = (f"{plural(len(traj.calls), 'call')} · {n_gen} generated tokens, {n_trained} trained · "
                f"{'' if why_not is None else 'would be '}{plural(n_samples, 'sample')}")
     lines.append(summary + (click.style(f" · nothing trained: {why_not}", fg="yellow") if why_not else ""))
@@ -208,7 +222,7 @@ def render(traj: Trajectory, tokenizer: Any | None = None, *, truncate: int | No
             tok.append(LINKS[v.link].format(new=len(prompt) - v.context_from))
         trained = v.excluded is None
         if trained:
-            tok.append(f"generated {len(gen)} · trained (sample {v.sample})")
+            tok.append(f"generated {len(gen)} · trained (sample {v.label})")
             if not logprobs_recorded(c):
                 tok.append(click.style("logprobs recomputed by the trainer", fg="yellow"))
         elif v.link is not None:  # a good call of a rollout that is not trained
@@ -331,7 +345,9 @@ def _num(v: Any) -> str:
 
 def _call_header(c: dict[str, Any]) -> list[str]:
     status = c["status"]
-    parts = [f"call {c['seq']}", f"policy v{c['policy_version']}",
+    policy = c.get("policy") or DEFAULT_POLICY
+    parts = [f"call {c['seq']}",
+             f"policy {'' if policy == DEFAULT_POLICY else policy + ' '}v{c['policy_version']}",
              click.style(status, fg="green" if status == "ok" else "red")]
     if c.get("latency_ms") is not None:
         parts.append(f"{c['latency_ms']:.0f} ms" + (f" (first byte {c['ttfb_ms']:.0f} ms)"

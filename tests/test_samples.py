@@ -34,6 +34,7 @@ from lgt.store.samples import (
     build_samples,
     call_order,
     install,
+    split_by_policy,
     store_root,
     trained_rollouts,
 )
@@ -354,6 +355,41 @@ def test_calls_out_of_order_merge_the_same(tmp_path: Path, tok: Tokenizer) -> No
         return {s[:3]: [col[k] for col in lists] for k, s in enumerate(m.scalars)}
     assert samples(in_order) == samples(backwards) and len(samples(in_order)) == 5
     assert sorted(map(str, in_order.breaks)) == sorted(map(str, backwards.breaks)) != []
+
+
+def test_each_policys_calls_make_its_own_samples(tmp_path: Path, tok: Tokenizer) -> None:
+    """A planner and a coder taking turns in one rollout (calls.policy): each policy's calls merge among
+    themselves, the coder's calls in between neither split nor join the planner's sample; each sample
+    counts its rollout's tokens of its own policy."""
+    planner = Agent(tok).run("r1", [Turn("plan the water", "first the water."),
+                                    Turn("and then", "then the day.", version=1),
+                                    Turn("done?", "yes.", version=2)])
+    coder = Agent(tok).run("r1", [Turn("write the water", "water = 42"), Turn("run it", "ok then.")])
+    calls = []
+    for i, c in enumerate([planner[0], coder[0], planner[1], coder[1], planner[2]]):
+        calls.append({**c, "seq": i, "policy": "planner" if c in planner else "coder"})
+    other = [{**c, "policy": None} for c in Agent(tok).run("r2", [Turn("hi", "hello."), Turn("and", "so.")])]
+    con = store_of(tmp_path, calls + other, files=2)
+    b = build_samples(con)
+    got = by_id(b)
+    assert sorted(got) == ["r1~0#coder.0", "r1~0#planner.0", "r2~0#0"]  # r2: a store row of no policy
+    for sid, mine in (("r1~0#planner.0", planner), ("r1~0#coder.0", coder)):
+        s = got[sid]
+        assert s["input_ids"] == mine[-1]["prompt_token_ids"] + mine[-1]["response_token_ids"]
+        assert (s["n_calls"], s["sample_index"], s["reward"]) == (len(mine), 0, 1.0)
+        assert [v for _, _, v in generated_runs(s)] == [c["policy_version"] for c in mine]
+        assert s["rollout_tokens"] == sum(s["loss_mask"]) == sum(len(c["response_token_ids"]) for c in mine)
+    assert got["r2~0#0"]["policy"] == "default" and b.merge_breaks.num_rows == 0
+    parts = split_by_policy(b.samples)
+    assert {k: v.column("sample_id").to_pylist() for k, v in parts.items()} == {
+        p: [sid for sid, r in got.items() if r["policy"] == p] for p in ("planner", "coder", "default")}
+    assert all(t.schema == SAMPLES for t in parts.values())
+    install(con)  # the plain-SQL views agree
+    view = {r["sample_id"]: r for r in con.sql("FROM samples").to_arrow_table().to_pylist()}
+    assert view.keys() == got.keys()
+    for sid, r in got.items():
+        assert {k: v for k, v in r.items() if k != "behaviour_logprobs"} == \
+            {k: v for k, v in view[sid].items() if k != "behaviour_logprobs"}
 
 
 # --- bad input, empty stores --------------------------------------------------------------------------

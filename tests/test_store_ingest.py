@@ -408,6 +408,24 @@ def test_show_lists_what_was_approximated_and_the_calls_the_proxy_refused(tmp_pa
     assert "extends the previous call" in text  # the refused call does not split the sample
 
 
+def test_show_names_each_calls_policy_and_merges_within_it(tmp_path: Path) -> None:
+    coder = tool_rollout("r-two", "6*7", "42")  # the coder's two calls, a planner's call between them
+    planner = call_row("r-two", 1, [{"role": "user", "content": "plan 6*7"}], {"role": "assistant",
+                                                                               "content": "Multiply."})
+    coder[1]["seq"] = 2
+    with TableWriter(tmp_path, "calls") as w:
+        for row, policy in ((coder[0], "coder"), (planner, "planner"), (coder[1], "coder")):
+            w.append({**row, "policy": policy})
+    add_rollout(tmp_path, "r-two", task_id="mult", group_id="g0", step=0)
+    add_reward(tmp_path, "r-two", 1)
+    text = plain(render(load_trajectory(connect(tmp_path), "r-two")))
+    assert "── call 0 · policy coder v0 · ok" in text and "── call 1 · policy planner v0 · ok" in text
+    assert "── call 2 · policy coder v0 · ok" in text
+    assert "extends the previous call" in text and "a new sample" not in text  # the coder's call 0
+    assert "3 calls · 62 generated tokens, 62 trained · 2 samples" in text  # the coder's and the planner's
+    assert "trained (sample coder.0)" in text and "trained (sample planner.0)" in text
+
+
 def test_show_renders_turns_tool_calls_tokens_and_rewards(store: Path) -> None:
     text = plain(render(load_trajectory(connect(store), "r-ok")))
     assert text.splitlines()[0] == "rollout r-ok · attempt 0 · task mult · group g0 · step 0 · status ok"

@@ -36,10 +36,12 @@ SELECT rollout_id, attempt, sum(masked) AS rollout_tokens FROM _lgt_sample_meta 
 FROM sample_rollouts('_lgt_sample_tokens');
 
 -- name: sample_facts
--- Per merged sample (in merge order) its rollout's group, task, reward and trained tokens; keep is
--- false where the rollout is not trained (_lgt_rollouts: the rows of rollout_facts).
+-- Per merged sample (in merge order) its rollout's group, task and reward, its policy and the
+-- rollout's trained tokens of that policy; keep is false where the rollout is not trained
+-- (_lgt_rollouts: the rows of rollout_facts).
 SELECT m.row, r.excluded IS NULL AS keep, m.rollout_id, m.attempt, m.sample_index,
-       m.n_calls, r.group_id, r.task_id, r.reward, r.rollout_tokens
+       m.n_calls, r.group_id, r.task_id, r.reward, m.policy,
+       sum(m.masked) OVER (PARTITION BY m.rollout_id, m.attempt, m.policy) AS rollout_tokens
 FROM _lgt_sample_meta m JOIN _lgt_rollouts r USING (rollout_id, attempt)
 ORDER BY m.row;
 

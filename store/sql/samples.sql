@@ -14,7 +14,7 @@
 -- the policy and hold no tokens: they are left out here and in sample_order, so a call the agent
 -- sent again still extends the one before it.
 CREATE OR REPLACE VIEW sample_calls AS
-SELECT rollout_id, attempt, seq, policy_version, finish_reason,
+SELECT rollout_id, attempt, policy, seq, policy_version, finish_reason,
        prompt_token_ids, response_token_ids,
        CASE WHEN response_logprobs IS NULL OR len(response_logprobs) <> len(response_token_ids)
             THEN list_resize([]::FLOAT[], len(response_token_ids), 'NaN'::FLOAT)
@@ -33,14 +33,15 @@ FROM rollouts r
 JOIN rewards w ON w.rollout_id = r.rollout_id AND w.attempt = r.attempt AND w.call_id IS NULL
 WHERE r.status = 'ok' AND r.split = 'train';
 
--- The calls of candidate attempts in seq order: the seq of the call before and after each one.
--- Scalar columns only, so cheap on any store; build_samples reads the token lists in one pass
--- over the calls files and takes each attempt's calls in this order.
+-- The calls of candidate attempts in seq order, each policy's apart (calls.policy: a policy's samples
+-- hold its own calls only): the seq of the policy's call before and after each one. Scalar columns
+-- only, so cheap on any store; build_samples reads the token lists in one pass over the calls files
+-- and takes each attempt's calls in this order.
 CREATE OR REPLACE VIEW sample_order AS
 SELECT rollout_id, attempt, seq, lag(seq) OVER w AS prev_seq, lead(seq) OVER w AS next_seq
 FROM calls SEMI JOIN sample_candidates USING (rollout_id, attempt)
 WHERE status <> 'rejected'
-WINDOW w AS (PARTITION BY rollout_id, attempt ORDER BY seq);
+WINDOW w AS (PARTITION BY rollout_id, attempt, policy ORDER BY seq);
 
 -- How each trainable call of a candidate attempt continues the one before it (exact mode):
 --   first          the attempt's first trainable call: it starts sample 0
@@ -60,9 +61,9 @@ WITH w AS (
            lag(response_token_ids) OVER w AS prev_response,
            sum((excluded IS NULL)::INTEGER) OVER w - (excluded IS NULL)::INTEGER AS trainable_before
     FROM sample_calls SEMI JOIN sample_candidates USING (rollout_id, attempt)
-    WINDOW w AS (PARTITION BY rollout_id, attempt ORDER BY seq)
+    WINDOW w AS (PARTITION BY rollout_id, attempt, policy ORDER BY seq)
 ), linked AS (
-    SELECT rollout_id, attempt, seq, policy_version,
+    SELECT rollout_id, attempt, policy, seq, policy_version,
            prompt_token_ids, response_token_ids, response_logprobs,
            CASE WHEN trainable_before = 0 THEN 'first'
                 WHEN prev_excluded IS NOT NULL THEN 'excluded_call'
@@ -74,8 +75,8 @@ WITH w AS (
                AS context_from
     FROM w WHERE excluded IS NULL
 )
-SELECT *, sum((link <> 'extends')::INTEGER) OVER (PARTITION BY rollout_id, attempt ORDER BY seq) - 1
-          AS sample_index
+SELECT *, sum((link <> 'extends')::INTEGER) OVER (PARTITION BY rollout_id, attempt, policy ORDER BY seq)
+          - 1 AS sample_index
 FROM linked;
 
 -- Why samples split: one row per call that started a new sample after the attempt's first.
@@ -107,7 +108,7 @@ LEFT JOIN query_table(sample_tokens) t
 -- logprob 0, policy version -1) then its generated tokens (mask 1, recorded logprobs, the policy
 -- version that generated them).
 CREATE OR REPLACE VIEW sample_lists AS
-SELECT rollout_id, attempt, sample_index, count(*) AS n_calls,
+SELECT rollout_id, attempt, policy, sample_index, count(*) AS n_calls,
        flatten(list(prompt_token_ids[context_from + 1:] || response_token_ids ORDER BY seq))
            AS input_ids,
        flatten(list(list_resize([]::TINYINT[], len(prompt_token_ids) - context_from, 0)
@@ -119,16 +120,20 @@ SELECT rollout_id, attempt, sample_index, count(*) AS n_calls,
                     || list_resize([]::INTEGER[], len(response_token_ids), policy_version)
                     ORDER BY seq)) AS policy_versions,
        sum(len(response_token_ids)) AS masked_tokens
-FROM sample_links GROUP BY rollout_id, attempt, sample_index;
+FROM sample_links GROUP BY rollout_id, attempt, policy, sample_index;
 
 CREATE OR REPLACE VIEW sample_tokens AS
 SELECT rollout_id, attempt, sum(masked_tokens) AS rollout_tokens FROM sample_lists GROUP BY ALL;
 
--- What the trainer trains on (exact mode), before it adds advantages and loss weights.
+-- What the trainer trains on (exact mode), before it adds advantages and loss weights. Each sample
+-- holds one policy's calls; rollout_tokens counts the rollout's trained tokens of that policy (with one
+-- policy, all of them), and a policy other than 'default' is named in the sample id (r~0#planner.0).
 CREATE OR REPLACE VIEW samples AS
-SELECT s.rollout_id || '~' || s.attempt || '#' || s.sample_index AS sample_id,
+SELECT s.rollout_id || '~' || s.attempt || '#'
+       || CASE WHEN s.policy = 'default' THEN '' ELSE s.policy || '.' END || s.sample_index AS sample_id,
        s.rollout_id, s.attempt, r.group_id, r.task_id, s.sample_index, s.n_calls,
-       s.input_ids, s.loss_mask, s.behaviour_logprobs, s.policy_versions,
-       r.reward, r.rollout_tokens, 'exact' AS mode
+       s.input_ids, s.loss_mask, s.behaviour_logprobs, s.policy_versions, r.reward,
+       sum(s.masked_tokens) OVER (PARTITION BY s.rollout_id, s.attempt, s.policy) AS rollout_tokens,
+       'exact' AS mode, s.policy
 FROM sample_lists s JOIN sample_rollouts('sample_tokens') r USING (rollout_id, attempt)
 WHERE r.excluded IS NULL;

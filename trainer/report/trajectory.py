@@ -59,13 +59,14 @@ def trajectory_json(traj: show.Trajectory, tokenizer: Any, trained: tuple | None
                              else show.CALL_EXCLUDED.get(v.excluded, f"call status {v.excluded}"))
         call = {
             "seq": c["seq"], "call_id": c["call_id"], "policy_version": c["policy_version"],
+            "policy": c.get("policy"),
             "status": c["status"], "http_status": c.get("http_status"), "error": c.get("error"),
             "latency_ms": finite(c.get("latency_ms")), "ttfb_ms": finite(c.get("ttfb_ms")),
             "streamed": c.get("streamed"), "api": c.get("api") or c["endpoint"], "endpoint": c["endpoint"],
             "model": c.get("requested_model"), "served_model": c.get("served_model"),
             "capture": c.get("capture"), "capture_reason": c.get("capture_reason"),
             "translation": list(c.get("translation") or ()), "finish_reason": c.get("finish_reason"),
-            "link": v.link, "link_text": link_text, "sample": v.sample, "trained": is_trained,
+            "link": v.link, "link_text": link_text, "sample": v.label, "trained": is_trained,
             "excluded": excluded_text, "messages": shown, "skipped": skipped, "reply": _reply(resp),
             "prompt_tokens": len(prompt), "context_from": v.context_from,
             "context_text": _elide(_decode(tokenizer, prompt[v.context_from:])) if tokenizer else None,
@@ -76,7 +77,7 @@ def trajectory_json(traj: show.Trajectory, tokenizer: Any, trained: tuple | None
         calls.append(call)
     return {
         "rollout": jsonable(dict(r)), "attempts": traj.attempts, "reward": _reward(whole),
-        "excluded": why_not, "samples": len({v.sample for v in marks if v.sample is not None}),
+        "excluded": why_not, "samples": len({v.label for v in marks if v.label is not None}),
         "trained": ({"step": trained[0], "advantage": advantage, "loss_weight": finite(trained[2])}
                     if trained else None),
         "decoded": tokenizer is not None, "calls": calls,
