@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from lgt.proxy import policies as proxy_policies
 from lgt.trainer.apo.optimize import ApoConfig
 from lgt.trainer.backends.base import BACKENDS, TorchConfig, VerlConfig
 from lgt.trainer.distill.teacher import TeacherSection, tokenizer_mismatch
@@ -78,6 +79,9 @@ class RunConfig:
     apo: ApoConfig | None = None  # lgt-train apo: which resource, the optimiser, the critic (apo.py)
     teacher: TeacherSection | None = None  # on-policy distillation's teacher (distill/teacher.py)
     sft: SftConfig | None = None  # lgt-train sft: which of the teacher's traces (distill/traces.py)
+    # several policies in one run: [{name, match, served}, ...], the first the default; which policy each
+    # call belongs to is the proxy's rule (lgt.proxy.policies, docs/policies.md). null: one policy
+    policies: Any = None
     mode: str = "async"
     group_size: int = 8
     batch_groups: int = 4
@@ -299,6 +303,8 @@ def build(cls: type, raw: Any, prefix: str, base: Path, start: Any = None) -> An
 
 def convert(tp: Any, value: Any, key: str, base: Path, default: Any = None) -> Any:
     """``value`` as type ``tp``; ``default``: the field's default (a section's, see :func:`build`)."""
+    if tp is Any:  # a section its component reads and checks itself (policies: validate)
+        return value
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is BackendConfig or (origin in (typing.Union, types.UnionType)
@@ -415,6 +421,11 @@ def validate(cfg: RunConfig) -> None:
     need(t is None or t > 0, f"proxy.upstream_timeout_s must be a positive number of seconds, not {t}")
     bad_log = trackers.problem(cfg.log)
     need(bad_log is None, bad_log or "")
+    if cfg.policies is not None:
+        try:
+            proxy_policies.parse(cfg.policies)
+        except proxy_policies.PolicyError as e:
+            raise ConfigError(str(e)) from None
     validate_teacher(cfg)
 
 

@@ -78,6 +78,19 @@ def test_minimal_defaults_and_paths(tmp_path: Path) -> None:
     assert json.loads(json.dumps(cfg.to_json()))["agent"]["command"] == ["python", "agent.py"]
 
 
+def test_policies_are_read_as_written_and_saved_with_the_run(tmp_path: Path) -> None:
+    section = ("policies:\n  - {name: coder, served: coder}\n"
+               "  - {name: planner, match: {model: 'planner*'}, served: planner}\n"
+               "  - {name: side, match: [{kind: side}, {system: '(?i)title'}]}\n")
+    cfg = config.load(write(tmp_path, BASE + section))
+    assert [p["name"] for p in cfg.policies] == ["coder", "planner", "side"]
+    assert cfg.policies[2]["match"] == [{"kind": "side"}, {"system": "(?i)title"}]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / config.RUN_FILE).write_text(json.dumps(cfg.to_json()))
+    assert config.saved(tmp_path / "run").policies == cfg.policies
+    assert config.load(write(tmp_path, BASE)).policies is None  # one policy, as before
+
+
 def test_a_section_written_in_part_keeps_the_runs_defaults_for_the_rest(tmp_path: Path) -> None:
     """One default per key, whether its section is written or not: ``engine: {ready_timeout: 300}``
     does not turn the run's 512-token context into the model's whole context (8k-32k for a real
@@ -160,6 +173,14 @@ def test_overrides(tmp_path: Path) -> None:
     ("proxy: {upstream_timeout_s: 0}\n", "proxy.upstream_timeout_s must be a positive number of seconds"),
     ("restarts: -1\n", "restarts must be a whole number ≥ 0, not -1"),
     ("algorithm: {std_normalize: 'yes'}\n", "algorithm.std_normalize must be true or false"),
+    ("policies: []\n", "policies must be a list of at least one policy"),
+    ("policies: [{name: a}, {name: a, match: {kind: side}}]\n", "two policies are named 'a'"),
+    ("policies: [{name: a}, {name: b, match: {model_name: x}}]\n",
+     "policy 'b''s rule has unknown condition(s) model_name (known: model, system, kind)"),
+    ("policies: [{name: a}, {name: b, match: {system: '[x'}}]\n",
+     "policy 'b''s rule: system '[x' is not a regular expression"),
+    ("policies: [{name: a}, {name: b, match: {model: p}}, {name: c, match: {model: p}}]\n",
+     "policy 'c' and policy 'b' have the same rule {model: 'p'}: a call cannot belong to both"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, extra: str, message: str) -> None:
     text = BASE.replace("agent: {command: [python, agent.py]}\n", "") if extra.startswith("agent") else BASE
