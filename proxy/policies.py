@@ -1,10 +1,12 @@
 """Several policies behind one proxy: which policy each LLM call belongs to, and what it is served as.
 
-A run names its policies in order; each may have rules (``match``) and a served model name::
+A run names its policies in order; each may have rules (``match``), a served model name, and another
+engine to be sent to (``upstream``, its base URL; default: the proxy's ``--upstream``)::
 
     [{"name": "coder", "served": "coder"},                        # the first: the default
      {"name": "planner", "match": {"model": "planner*"}, "served": "planner"},
-     {"name": "side", "match": [{"kind": "side"}, {"system": "title generator"}]}]
+     {"name": "side", "match": [{"kind": "side"}, {"system": "title generator"}]},
+     {"name": "judge", "match": {"model": "judge"}, "served": "qwen-7b", "upstream": "http://gpu2:8000/v1"}]
 
 A rule is a mapping of conditions that must all hold; a policy's ``match`` is one rule or a list of
 rules, any of which places a call on it. The conditions (:data:`CONDITIONS`):
@@ -30,6 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
+from urllib.parse import urlsplit
 
 DEFAULT = "default"  # the one policy of a run that names none (lgt.store.schema.DEFAULT_POLICY)
 KINDS = ("main", "side")
@@ -74,6 +77,7 @@ class Policy:
     name: str
     rules: tuple[Rule, ...] = ()
     served: str | None = None  # the model name the upstream is asked for (None: the proxy's own)
+    upstream: str | None = None  # another engine's base URL (None: the proxy's --upstream)
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,10 @@ class Policies:
         self.calls[name] += 1
         return name
 
+    def upstream_of(self, name: str) -> str | None:
+        """The base URL a policy's calls go to when it is not the proxy's ``--upstream`` (else None)."""
+        return next((p.upstream for p in self.policies if p.name == name), None)
+
     def served_as(self, name: str, fallback: str | None) -> str | None:
         """The model name a call of policy ``name`` is sent upstream as (``fallback``: the proxy's own
         served model, for a policy that names none)."""
@@ -159,18 +167,21 @@ class Policies:
     def state(self) -> dict[str, Any]:
         return {"default": self.default,
                 "served": dict(self.served),
+                "upstreams": {p.name: p.upstream for p in self.policies if p.upstream},
                 "calls": {n: self.calls[n] for n in self.names},
                 "overlaps": {" > ".join(k): n for k, n in self.overlaps.items()}}
 
 
 def parse(spec: Any) -> Policies:
-    """The policies of a section ``[{name, match?, served?}, …]``; PolicyError (one sentence) when it
-    cannot work: not a list of at least one policy, a name given twice or not a plain name, an unknown
-    key or condition, a pattern that is not a regular expression, a kind that is not main or side, a
-    rule given twice, or a policy no call could reach (a later policy without rules, or one after a
-    policy whose rule takes every call)."""
+    """The policies of a section ``[{name, match?, served?, upstream?}, …]``; PolicyError (one
+    sentence) when it cannot work: not a list of at least one policy, a name given twice or not a
+    plain name, an unknown key or condition, a pattern that is not a regular expression, a kind that
+    is not main or side, an upstream that is not an http(s) URL, a rule given twice, or a policy no
+    call could reach (a later policy without rules, or one after a policy whose rule takes every
+    call)."""
     if not isinstance(spec, list) or not spec:
         raise PolicyError("policies must be a list of at least one policy, each {name, match, served}")
+    keys = ("name", "match", "served", "upstream")
     out: list[Policy] = []
     seen_rules: dict[tuple[Any, ...], str] = {}
     catch_all: str | None = None
@@ -178,9 +189,10 @@ def parse(spec: Any) -> Policies:
         where = f"policies[{i}]"
         if not isinstance(item, dict):
             raise PolicyError(f"{where} must be a mapping with a name, not {item!r}")
-        unknown = sorted(set(item) - {"name", "match", "served"})
+        unknown = sorted(set(item) - set(keys))
         if unknown:
-            raise PolicyError(f"{where} has unknown key(s) {', '.join(unknown)} (known: name, match, served)")
+            raise PolicyError(f"{where} has unknown key(s) {', '.join(map(str, unknown))} (known: "
+                              f"{', '.join(keys)})")
         name = item.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise PolicyError(f"{where}.name must be a plain name (letters, digits, '.', '_', '-'), "
@@ -191,6 +203,13 @@ def parse(spec: Any) -> Policies:
         served = item.get("served")
         if served is not None and (not isinstance(served, str) or not served):
             raise PolicyError(f"{where}: served must be a model name, not {served!r}")
+        upstream = item.get("upstream")
+        if upstream is not None:
+            u = urlsplit(upstream) if isinstance(upstream, str) else None
+            if u is None or u.scheme not in ("http", "https") or not u.hostname:
+                raise PolicyError(f"{where}: upstream must be an engine's http(s) base URL like "
+                                  f"http://127.0.0.1:8001/v1, not {upstream!r}")
+            upstream = upstream.rstrip("/")
         rules = _rules(item.get("match"), where)
         if i > 0 and not rules:
             raise PolicyError(f"{where} has no match rule, so no call would reach it (only the first "
@@ -205,7 +224,7 @@ def parse(spec: Any) -> Policies:
             seen_rules[r.key()] = name
             if r.key() == (None, None, None):
                 catch_all = name
-        out.append(Policy(name, tuple(rules), served))
+        out.append(Policy(name, tuple(rules), served, upstream))
     return Policies(tuple(out))
 
 

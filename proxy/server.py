@@ -123,7 +123,9 @@ class ProxyConfig:
             raise ConfigError(f"--idle-timeout must be a positive number of seconds, not {self.idle_timeout}")
         if self.upstream_ca is not None and not Path(self.upstream_ca).is_file():
             raise ConfigError(f"--upstream-ca {self.upstream_ca} is not a file")
-        self.read_policies()
+        if any(p.upstream for p in self.read_policies().policies) and self.upstream is None:
+            raise ConfigError("--policies: a policy's upstream needs --upstream (without one, every LLM "
+                              "call goes where the agent sent it)")
         ports = [p for p in (self.listen_port, self.control_port, self.reverse_port) if p]
         if len(set(ports)) != len(ports):
             raise ConfigError("--listen-port, --control-port and --reverse-port must differ")

@@ -114,7 +114,8 @@ BAD = [
     ({"name": "a"}, "policies must be a list of at least one policy"),
     ([{"name": "a"}, {"name": "a", "match": {"kind": "side"}}], "two policies are named 'a'"),
     ([{"name": "a b"}], r"policies\[0\].name must be a plain name"),
-    ([{"name": "a", "rule": {}}], r"policies\[0\] has unknown key\(s\) rule \(known: name, match, served\)"),
+    ([{"name": "a", "rule": {}}],
+     r"policies\[0\] has unknown key\(s\) rule \(known: name, match, served, upstream\)"),
     ([{"name": "a"}, {"name": "b", "match": {"modle": "x"}}],
      r"policy 'b''s rule has unknown condition\(s\) modle \(known: model, system, kind\), so it would match "
      "nothing it could"),
@@ -130,6 +131,9 @@ BAD = [
     ([{"name": "a"}, {"name": "b", "match": {}}, {"name": "c", "match": {"kind": "side"}}],
      "policy 'c' comes after policy 'b', whose empty rule takes every call"),
     ([{"name": "a", "served": ""}], "served must be a model name"),
+    ([{"name": "a", "upstream": "gpu2:8000"}],
+     r"policy 'a': upstream must be an engine's http\(s\) base URL like http://127.0.0.1:8001/v1, "
+     "not 'gpu2:8000'"),
 ]
 
 
@@ -143,9 +147,17 @@ def test_a_section_that_cannot_work_is_refused_in_one_sentence(spec: Any, messag
 # --- through the proxy ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def proxy(tmp_path_factory: pytest.TempPathFactory, upstream: FakeUpstream):
+def judge_engine() -> Any:
+    """A second engine: a policy of its own model there."""
+    with FakeUpstream.in_thread(port=0, served_model="judge-7b") as up:
+        yield up
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory, upstream: FakeUpstream, judge_engine: FakeUpstream):
     root = tmp_path_factory.mktemp("policies")
-    (root / "policies.json").write_text(json.dumps(section()))
+    judge = {"name": "judge", "match": {"model": "judge"}, "served": "judge-7b", "upstream": judge_engine.url}
+    (root / "policies.json").write_text(json.dumps([*section(), judge]))
     p = ProxyProc(root / "store", upstream.url, "--policies", str(root / "policies.json")).start()
     yield p
     p.stop()
@@ -203,6 +215,24 @@ def test_each_call_is_recorded_under_its_policy_and_served_as_its_model(proxy, u
     assert state["overlaps"] == {"planner > side": 1} and state["default"] == "coder"
 
 
+def test_a_policy_on_another_engine_is_sent_there(proxy, upstream, judge_engine, rollout) -> None:
+    tools = [{"type": "function", "function": {"name": "verdict", "parameters": {"type": "object"}}}]
+    body = {"model": "judge", "tools": tools, "messages": [{"role": "user", "content": "Is 6*7 42?"}]}
+    before = len(posts(upstream))
+    with agent(proxy, rollout) as client:
+        r = client.post("https://api.openai.invalid/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["model"] == "judge"  # the agent's name, put back
+    assert len(posts(upstream)) == before  # the shared engine was not asked
+    sent = posts(judge_engine)[-1]
+    assert sent.path == "/v1/chat/completions" and sent.body["model"] == "judge-7b"
+    assert "authorization" not in sent.headers  # the agent's key never leaves for an engine
+    (row,) = proxy.calls("rollout_id = ?", [rollout])
+    assert (row["policy"], row["upstream"], row["served_model"], row["capture"]) == (
+        "judge", judge_engine.url, "judge-7b", "full")
+    assert row["response_token_ids"] and proxy.client.state()["policies"]["upstreams"] == {
+        "judge": judge_engine.url}
+
+
 def test_the_control_api_changes_a_policys_served_model(proxy, upstream, rollout) -> None:
     body = {"model": "planner", "messages": [{"role": "user", "content": "Plan it."}]}
     ctl = proxy.client
@@ -242,9 +272,18 @@ def test_a_bad_policies_file_stops_the_proxy_before_it_starts(tmp_path: Path) ->
     bad = tmp_path / "policies.json"
     bad.write_text(json.dumps([{"name": "a"}, {"name": "b", "match": {"system": "(x"}}]))
     store = tmp_path / "store"
-    out = subprocess.run([sys.executable, "-m", "lgt.proxy.cli", "--store", str(store), "--upstream",
-                          "http://127.0.0.1:9/v1", "--policies", str(bad), "--listen-port", "0"],
-                         capture_output=True, text=True, timeout=60)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "lgt.proxy.cli", "--store", str(store), "--policies",
+                               str(bad), "--listen-port", "0", *args], capture_output=True, text=True,
+                              timeout=60)
+
+    out = run("--upstream", "http://127.0.0.1:9/v1")
     assert out.returncode == 2
     assert f"--policies {bad}: policy 'b''s rule: system '(x' is not a regular expression" in out.stderr
+    bad.write_text(json.dumps([{"name": "a", "upstream": "http://127.0.0.1:9/v1"}]))
+    out = run()
+    assert out.returncode == 2 and "--policies: a policy's upstream needs --upstream" in out.stderr
+    bad.write_text("[{")
+    assert f"--policies {bad} is not valid JSON" in run("--upstream", "http://127.0.0.1:9/v1").stderr
     assert not store.exists()  # nothing written

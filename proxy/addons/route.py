@@ -86,11 +86,13 @@ class Route:
                 return
             self.rt.saw_model(call.requested_model)
             if self.upstream is not None:  # Gemini's ?alt=sse&key=… is not the engine's
-                self.route(flow, f"{self.upstream.path.rstrip('/')}/{call.endpoint}",
-                           keep_query=call.api != dialects.GEMINI)
-                call.upstream = self.rt.upstream
-                call.served_model = self.rt.policies.served_as(call.policy or self.rt.policies.default,
-                                                               self.rt.served_model)
+                policy = call.policy or self.rt.policies.default
+                own = self.rt.policies.upstream_of(policy)  # a policy served by another engine
+                up = urlsplit(own) if own else self.upstream
+                self.route(flow, f"{up.path.rstrip('/')}/{call.endpoint}",
+                           keep_query=call.api != dialects.GEMINI, up=up)
+                call.upstream = own or self.rt.upstream
+                call.served_model = self.rt.policies.served_as(policy, self.rt.served_model)
 
     def _reverse(self, flow: http.HTTPFlow) -> None:
         if self.upstream is None:
@@ -100,9 +102,9 @@ class Route:
             return
         self.route(flow, flow.request.path.partition("?")[0])
 
-    def route(self, flow: http.HTTPFlow, path: str, keep_query: bool = True) -> None:
-        assert self.upstream is not None
-        up = self.upstream
+    def route(self, flow: http.HTTPFlow, path: str, keep_query: bool = True, up: Any = None) -> None:
+        up = up or self.upstream
+        assert up is not None
         query = flow.request.path.partition("?")[2] if keep_query else ""
         flow.request.scheme = up.scheme
         flow.request.host = up.hostname or "127.0.0.1"
