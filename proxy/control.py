@@ -178,7 +178,7 @@ async def get_state(request: web.Request) -> web.Response:
 
 async def get_metrics(request: web.Request) -> web.Response:
     rt = request.app[RT_KEY]
-    text = rt.metrics.prometheus(rt.gate, rt.writer.rows_written)
+    text = rt.metrics.prometheus(rt.gate, rt.writer.rows_written) + rt.policies.prometheus()
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type": "text/plain; version=0.0.4"})
 

@@ -172,6 +172,18 @@ class Policies:
                 "overlaps": {" > ".join(k): n for k, n in self.overlaps.items()}}
 
 
+    def prometheus(self) -> str:
+        """The calls assigned per policy and those several policies' rules took, as Prometheus text."""
+        lines = ["# HELP lgt_proxy_policy_calls_total LLM calls assigned to each policy.",
+                 "# TYPE lgt_proxy_policy_calls_total counter"]
+        lines += [f'lgt_proxy_policy_calls_total{{policy="{n}"}} {self.calls[n]}' for n in self.names]
+        lines += ["# HELP lgt_proxy_policy_overlaps_total LLM calls the rules of more than one policy took "
+                  "(the first of them answered).",
+                  "# TYPE lgt_proxy_policy_overlaps_total counter",
+                  f"lgt_proxy_policy_overlaps_total {sum(self.overlaps.values())}"]
+        return "\n".join(lines) + "\n"
+
+
 def parse(spec: Any) -> Policies:
     """The policies of a section ``[{name, match?, served?, upstream?}, …]``; PolicyError (one
     sentence) when it cannot work: not a list of at least one policy, a name given twice or not a

@@ -213,6 +213,9 @@ def test_each_call_is_recorded_under_its_policy_and_served_as_its_model(proxy, u
         (p, s, "ok") for _, p, s in sends]
     state = proxy.client.state()["policies"]
     assert state["overlaps"] == {"planner > side": 1} and state["default"] == "coder"
+    metrics = proxy.client.metrics()
+    assert 'lgt_proxy_policy_calls_total{policy="side"} 2' in metrics
+    assert "lgt_proxy_policy_overlaps_total 1" in metrics
 
 
 def test_a_policy_on_another_engine_is_sent_there(proxy, upstream, judge_engine, rollout) -> None:
