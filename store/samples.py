@@ -329,7 +329,8 @@ def sample_id(rollout_id: str, attempt: int, index: int, policy: str) -> str:
 def split_by_policy(samples: pa.Table) -> dict[str, pa.Table]:
     """Each policy's samples (rows of :data:`SAMPLES`), in the order of their first sample: what each
     policy trains on. Every sample already holds one policy's calls, its rollout's reward, and the
-    rollout's tokens of that policy (``rollout_tokens``), so each rollout counts once in each update."""
+    rollout's tokens of that policy (``rollout_tokens``), so each rollout counts once in each update
+    when each table gets its own advantages and loss weights (``lgt.trainer.rl.algorithm.assign``)."""
     names = list(dict.fromkeys(samples.column("policy").to_pylist()))
     return {n: samples.filter(pc.equal(samples.column("policy"), n)) for n in names}
 
