@@ -40,9 +40,9 @@ CONDITIONS = ("model", "system", "kind")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 # What makes a call a side call, read from the recorded harnesses (tests/fixtures/harnesses): each entry
-# is a set of facts about the call that all hold. The title calls of opencode and Claude Code and Gemini
-# CLI's model router offer the model no tools and go on from no earlier answer; every main call of the
-# recorded harnesses offers tools, or continues a conversation (Codex's follow-ups over WebSocket name
+# is a set of facts about the call that all hold. opencode's title call and Gemini CLI's model router
+# offer the model no tools and go on from no earlier answer; every main call of the recorded harnesses
+# offers tools, or continues a conversation (Codex's follow-ups over WebSocket name
 # ``previous_response_id`` and repeat no tools).
 SIDE_CALLS: tuple[dict[str, bool], ...] = (
     {"offers_tools": False, "continues": False},
