@@ -158,14 +158,17 @@ def creds(rollout_id: str, store: Path, attempt: int, host: str, port: int,
 @click.option("--control-port", default=8081, show_default=True, type=int)
 @secret_option
 @click.option("--policy-version", type=int, help="resume: the new policy version.")
+@click.option("--served-model", default=None,
+              help="resume: the upstream's model calls go to from now on (e.g. a LoRA adapter's name).")
 @click.option("--timeout", default=60.0, show_default=True, type=float, help="pause: drain timeout.")
 def ctl(action: str, store: Path, control_host: str, control_port: int, secret_file: Path | None,
-        policy_version: int | None, timeout: float) -> None:
+        policy_version: int | None, served_model: str | None, timeout: float) -> None:
     """Call the running proxy's control API (token: $LGT_CONTROL_TOKEN, else from the store's secret)."""
     try:
         api = ControlClient(f"http://{control_host}:{control_port}", resolve_token(None, store, secret_file))
         calls = {"state": api.state, "metrics": api.metrics, "flush": api.flush,
-                 "pause": lambda: api.pause(timeout), "resume": lambda: api.resume(policy_version)}
+                 "pause": lambda: api.pause(timeout),
+                 "resume": lambda: api.resume(policy_version, served_model)}
         out = calls[action]()
     except (ControlError, ValueError) as e:
         raise click.ClickException(str(e)) from None

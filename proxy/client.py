@@ -105,10 +105,14 @@ class ControlClient:
         still running at the timeout (the proxy stays paused)."""
         return self.call("POST", "/pause", {"timeout": timeout}, timeout=timeout + 10)
 
-    def resume(self, policy_version: int | None = None) -> dict[str, Any]:
-        """Release held calls; later ones are recorded under ``policy_version`` (unchanged if None)."""
-        return self.call("POST", "/resume", {} if policy_version is None
-                         else {"policy_version": policy_version})
+    def resume(self, policy_version: int | None = None, served_model: str | None = None) -> dict[str, Any]:
+        """Release held calls; later ones are recorded under ``policy_version`` (unchanged if None) and
+        sent to the upstream's model ``served_model`` (unchanged if None: a proxy older than that field
+        is never sent it)."""
+        body: dict[str, Any] = {} if policy_version is None else {"policy_version": policy_version}
+        if served_model is not None:
+            body["served_model"] = served_model
+        return self.call("POST", "/resume", body)
 
     def set_served(self, served: dict[str, str | None]) -> dict[str, Any]:
         """The model each named policy's next calls are sent upstream as (None: the proxy's own):

@@ -3,6 +3,10 @@
     POST /pause   {"timeout": 60}          hold new LLM calls, return once none is in flight
                                            (504 with the state if they did not finish in time)
     POST /resume  {"policy_version": 3}    release held calls; new calls run under version 3
+                  {"policy_version": 3, "served_model": "policy-v3"}
+                                           … and are sent to the upstream's model "policy-v3" (a
+                                           LoRA adapter loaded for that version); without it the
+                                           served model stays as it was
                   {"served": {"planner": "planner-v3"}}   also: the policies' served models, changed
                                            before the held calls go on (docs/policies.md)
     POST /policies {"served": {"planner": "planner-v3"}}
@@ -153,11 +157,20 @@ async def resume(request: web.Request) -> web.Response:
     version = _whole(body.get("policy_version"))
     if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
         return _error(400, f"policy_version must be a non-negative integer, not {version!r}")
+    served = body.get("served_model")
+    if served is not None:
+        if not isinstance(served, str) or not served.strip():
+            return _error(400, "served_model must be the name of a model the upstream serves, "
+                               f"not {served!r}")
+        if rt.upstream is None:
+            return _error(400, "served_model needs an upstream: this proxy only observes (no --upstream)")
     if "served" in body:  # the policies' served models, before a held call goes on
         try:
             rt.policies.set_served(body["served"])
         except policies.PolicyError as e:
             return _error(404 if isinstance(e, policies.UnknownPolicy) else 400, str(e))
+    if served is not None:
+        rt.served_model = served  # before the gate opens: every released call is routed to it
     rt.gate.resume(version)
     return web.json_response(state(rt))
 

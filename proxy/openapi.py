@@ -57,10 +57,13 @@ def document() -> dict[str, Any]:
                                    "not finish within the timeout)", _STATE, errors=(400, 504),
                                    body={"type": "object", "properties": {"timeout": {"type": "number",
                                                                                       "minimum": 0}}})},
-            "/resume": {"post": _op("Release held calls; new calls run under policy_version (and the "
-                                    "policies' served models)", _STATE, errors=(400, 404),
-                                    body={"type": "object", "properties": {"policy_version": whole,
-                                                                           "served": served}})},
+            "/resume": {"post": _op("Release held calls; new calls run under policy_version (sent to "
+                                    "served_model, and the policies' served models)", _STATE,
+                                    errors=(400, 404),
+                                    body={"type": "object", "properties": {
+                                        "policy_version": whole,
+                                        "served_model": {"type": "string", "minLength": 1},
+                                        "served": served}})},
             "/policies": {"post": _op("The model each policy's next calls are sent upstream as",
                                       _POLICIES, errors=(400, 404),
                                       body={"type": "object", "properties": {"served": served}})},

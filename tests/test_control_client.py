@@ -177,3 +177,35 @@ def test_the_trainers_proxy_client_starts_a_proxy(tmp_path: Path, upstream: Fake
     finally:
         pc.stop()
     assert pc.proc is not None and pc.proc.returncode is not None
+
+
+def test_resume_names_the_served_model_the_next_calls_go_to(tmp_path: Path, upstream: FakeUpstream,
+                                                            clean_env) -> None:
+    """A LoRA run's resume names the new version's adapter: calls released after it are sent to that
+    model and recorded at that version; a resume without one keeps it; a restart keeps it too."""
+    store = tmp_path / "store"
+    pc = ProxyClient.start(store, upstream.url, log_path=tmp_path / "proxy.log", served_model="policy")
+    proxy = ProxyProc(store, upstream.url)
+    proxy.port, proxy.control_port = pc.port, int(pc.control_url.rsplit(":", 1)[1])
+    try:
+        one_call(proxy, "r-served")  # version 0, the engine's own name
+        pc.pause(timeout=10)
+        assert pc.resume(1, served_model="policy-v1")["served_model"] == "policy-v1"
+        one_call(proxy, "r-served")
+        pc.pause(timeout=10)
+        assert pc.resume(2)["served_model"] == "policy-v1"  # none named: unchanged
+        one_call(proxy, "r-served")
+        with pytest.raises(ControlError, match="answered POST /resume with 400: served_model must be the "
+                                               "name of a model the upstream serves, not ''"):
+            pc.api.resume(3, served_model="")
+        assert pc.argv[pc.argv.index("--served-model") + 1] == "policy-v1"  # a restart starts with it
+        ProxyGroup([pc]).check_served("policy")  # an adapter of the engine's model is its own
+        pc.flush()
+        rows = connect(store).execute("SELECT policy_version, served_model FROM calls WHERE rollout_id = "
+                                      "'r-served' ORDER BY started_at").fetchall()
+        assert rows == [(0, "policy"), (1, "policy-v1"), (2, "policy-v1")]
+        # the model the upstream was asked for is the adapter's: the fake echoes it in its answer
+        asked = [r.body["model"] for r in upstream.requests if r.path.endswith("/chat/completions")]
+        assert asked[-3:] == ["policy", "policy-v1", "policy-v1"]
+    finally:
+        pc.stop()

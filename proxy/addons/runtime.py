@@ -112,6 +112,9 @@ class Runtime:
         cards = body.get("data") if isinstance(body, dict) and status == 200 else None
         cards = [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
         card = next((c for c in cards if c.get("id") == self.served_model), cards[0] if cards else None)
+        if card is not None and card.get("max_model_len") is None and card.get("parent"):
+            # a LoRA adapter's card (vLLM gives it no length): its base model's
+            card = next((c for c in cards if c.get("id") == card["parent"]), card)
         n = card.get("max_model_len") if card else None
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
             self.max_model_len = n
