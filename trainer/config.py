@@ -36,7 +36,7 @@ from lgt.trainer.rl.algorithm import AlgorithmConfig, LossConfig
 from lgt.trainer.rollout.agent import AgentSpec
 from lgt.trainer.rollout.resources import ResourceSpec
 from lgt.trainer.run.evaluation import EvalConfig
-from lgt.trainer.serving.launch import EngineConfig
+from lgt.trainer.serving.launch import EngineConfig, lora_max_rank, lora_rank_of
 from lgt.trainer.serving.proxy import ProxySection
 
 MODES = ("sync", "async")
@@ -48,6 +48,7 @@ SET_BY_RUN = {
     (EngineConfig, "model"): "model.path (or the checkpoint resumed)",
     (EngineConfig, "log_path"): "the run (<run_dir>/logs/engine.log)",
     (EngineConfig, "seed"): "the run's seed",
+    (EngineConfig, "lora_rank"): "backend.lora.rank",
 }
 
 
@@ -401,6 +402,12 @@ def validate(cfg: RunConfig) -> None:
          f"restarts must be a whole number ≥ 0, not {cfg.restarts!r}")
     need(cfg.engine.max_model_len is None or cfg.engine.max_model_len >= 16,
          "engine.max_model_len must be at least 16")
+    lora = getattr(cfg.backend, "lora", None) if isinstance(cfg.backend, TorchConfig) else None
+    if lora is not None:  # the adapters the engine loads: their rank within its --max-lora-rank
+        try:
+            lora_max_rank(lora_rank_of(lora), cfg.engine.max_lora_rank)
+        except ValueError as e:
+            need(False, str(e))
     need(cfg.tasks.suffix in (".jsonl", ".json", ".parquet"),
          f"tasks must be a .jsonl or .parquet file, not {cfg.tasks.name}")
     need(cfg.max_minutes is None or cfg.max_minutes > 0, "max_minutes must be positive")

@@ -11,6 +11,7 @@ read; nothing here checks the config again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -109,17 +110,39 @@ class Policy:
             restarts=cfg.restarts, log=self.runlog.log))
 
     # ------------------------------------------------------------------------------------ serving
-    def serve(self, serve_dir: Path, weights: Callable[[], Any] | None = None) -> None:
+    def serve_backend(self, backend: Any, model_dir: Path, checkpoint: Path | None) -> None:
+        """``lgt-train run``: serve what ``backend`` trains (:meth:`serve`), each version synced to the
+        engine as :func:`lgt.trainer.serving.sync.choose` says: full fine-tuning serves ``checkpoint``
+        (or ``model_dir``) and sends every weight after each step; a LoRA backend (``backend.lora``)
+        serves the base model ``model_dir`` and loads its adapter under a versioned name, or, where the
+        backend or engine cannot serve adapters, sends its merged weights (one line in the log says
+        which)."""
+        from lgt.trainer.serving import sync
+        from lgt.trainer.serving.launch import lora_rank_of
+
+        lora = getattr(self.cfg.backend, "lora", None)
+        if lora is None:
+            self.serve(checkpoint or model_dir, weights=backend.named_weights)
+            return
+        engine = dataclasses.replace(self.cfg.engine, lora_rank=lora_rank_of(lora)) \
+            if callable(getattr(backend, "save_adapter", None)) else self.cfg.engine
+        how = sync.choose(backend, engine, self.run_dir / "engine-adapters", lora=lora, say=self.runlog.log)
+        restore = checkpoint is not None or how.kind == "adapter"
+        self.serve(model_dir, sync=how, restore=restore, engine=engine)
+
+    def serve(self, serve_dir: Path, weights: Callable[[], Any] | None = None, *,
+              sync: Any = None, restore: bool = False, engine: Any = None) -> None:
         """The engine on ``serve_dir`` and lgt-proxy in front of it (the supervisor), the rollout
-        controller."""
+        controller. ``sync``, ``restore``: :meth:`~lgt.trainer.run.supervisor.Supervisor.serve`'s;
+        ``engine``: the engine's config, if not the run's (LoRA settings added)."""
         from lgt.trainer.rollout.controller import RolloutController
 
         cfg = self.cfg
-        self.supervisor = Supervisor(cfg.engine, cfg.proxy, store=self.store,
+        self.supervisor = Supervisor(engine or cfg.engine, cfg.proxy, store=self.store,
                                      store_url=self.remote.url or self.store,
                                      logs_dir=self.run_dir / "logs", seed=cfg.seed, restarts=cfg.restarts,
                                      progress=self.progress, log=self.runlog.log)
-        self.supervisor.serve(serve_dir, weights)
+        self.supervisor.serve(serve_dir, weights, sync=sync, restore=restore)
         resources = None
         if cfg.resources:
             from lgt.trainer.rollout.resources import Resources
@@ -139,8 +162,29 @@ class Policy:
             updates, extra, _ = checkpoints.read_state(checkpoint)
             step = int(extra.get("step", updates))  # the run's step; the backend may update more often
             self.progress = Progress(step=step, version=int(extra.get("version", step)))
+        adapter = adapter_folder(checkpoint) if checkpoint is not None else None
+        if adapter is not None:  # a LoRA run's checkpoint: its base model, the adapter loaded on top
+            self.serve_adapter(adapter)
+            return
         self.serve(with_chat_template(self.cfg, checkpoint, self.run_dir, f"model-{checkpoint.name}")
                    if checkpoint is not None else self.ensure_model())
+
+    def serve_adapter(self, adapter: Path) -> None:
+        """The config's model served with the LoRA adapter in ``adapter`` loaded on top (its rank read
+        from adapter_config.json), every call going to it (an engine given by ``engine.url`` must have
+        been started for adapters: ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``)."""
+        import json
+        import shutil
+
+        from lgt.trainer.serving import sync
+
+        rank = int(json.loads((adapter / "adapter_config.json").read_text())["r"])
+        engine = dataclasses.replace(self.cfg.engine, lora_rank=rank)
+        how = sync.Adapters(lambda dest: shutil.copytree(adapter, dest), self.run_dir / "engine-adapters",
+                            engine.served_model_name)
+        self.runlog.log(f"serving the LoRA adapter {adapter} on {self.cfg.model.path} as "
+                        f"{how.name(self.progress.version)}")
+        self.serve(self.ensure_model(), sync=how, engine=engine)
 
     async def close_rollouts(self) -> None:
         if self.controller is not None:
@@ -150,6 +194,15 @@ class Policy:
     def stop(self) -> None:
         if self.supervisor is not None:
             self.supervisor.stop()
+
+
+def adapter_folder(checkpoint: Path) -> Path | None:
+    """The PEFT adapter folder a LoRA run's checkpoint holds (``adapter_config.json`` in it, or in its
+    ``adapter`` folder), or None (a full model's checkpoint)."""
+    for folder in (checkpoint, checkpoint / "adapter"):
+        if (folder / "adapter_config.json").is_file():
+            return folder
+    return None
 
 
 def with_chat_template(cfg: RunConfig, model_dir: Path, run_dir: Path, name: str = "model") -> Path:

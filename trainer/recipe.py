@@ -25,9 +25,11 @@ samples as they are). Nothing after setup reads the run config.
      and the per-token advantages (:mod:`lgt.trainer.distill.opd`), still while the rollouts run;
   3. ``POST /pause`` to the proxy: new model calls are held, in-flight ones drain (seconds recorded);
   4. on a GPU the engine sleeps (its memory freed for the update); the backend trains; the engine
-     wakes and gets the new weights without a restart (``backend.named_weights``);
+     wakes and gets the new weights without a restart (:mod:`lgt.trainer.serving.sync`: every weight,
+     ``backend.named_weights``; or, training LoRA, the new adapter loaded under ``<served>-v<version>``
+     and, once the pause drained, the older ones unloaded);
   5. a checkpoint (weights, optimizer, the trained groups) before ``POST /resume`` with the new policy
-     version; held calls continue on the new weights; the step's metrics row.
+     version (and the adapter's name); held calls continue on the new weights; the step's metrics row.
 
 **cleanup** stops the proxy and the engine it started, cancels unfinished rollouts, closes the backend;
 the summary, metrics.csv, plots and report pages are written however the run ended.
@@ -110,7 +112,7 @@ class Recipe:
             write_json(self.run_dir / cfgmod.RUN_FILE, cfg.to_json())
         self.tokenizer = _decoder(model_dir)
         self.teacher = policy.ensure_teacher(model_dir, self.backend)  # made, checked before any engine
-        policy.serve(ckpt or model_dir, weights=self.backend.named_weights)
+        policy.serve_backend(self.backend, model_dir, ckpt)
         self.supervisor, self.controller = policy.supervisor, policy.controller
         self.teacher.start()  # the teacher's engine, once the student's runs
         self.scheduler = GroupScheduler(
@@ -216,13 +218,14 @@ class Recipe:
             metrics = await timed("train", self.train_on, prepared.samples)
             if asleep:
                 await timed("wake", sup.engine.wake_up)
-            await timed("sync", lambda: sup.engine.update_weights(self.backend.named_weights()),
+            drained = pause.get("drained", True)
+            await timed("sync", lambda: sup.push(progress.version + 1, drained=drained),
                         paused=True)  # a new engine
         progress.trained([g.group_id for g in batch], prepared.samples.num_rows)
         self.scheduler.trained(batch)
         if progress.step % self.checkpoint_every == 0 or progress.step >= self.stop_rules.steps:
             await timed("checkpoint", self.save_checkpoint)
-        await timed("resume", sup.proxy.resume, progress.version, paused=True)
+        await timed("resume", lambda: sup.proxy.resume(progress.version, sup.served_model), paused=True)
         self.runlog.trained(progress.step, progress.version, prepared.samples)
         self.runlog.step(step_row(
             step=progress.step, version=progress.version, time_s=self.runlog.elapsed(), columns=self.columns,

@@ -7,6 +7,11 @@ this run started that died — at most ``restarts`` times in all; one more death
 error. The engine comes back on its port with the current policy's weights; the proxy on its ports and
 store (its write-ahead log recovered). Calls that were in flight failed: their agents' SDKs retry them,
 or the attempt fails and is retried; new calls are held while the engine starts.
+
+Each policy version reaches the engine through the run's weight sync (:mod:`lgt.trainer.serving.sync`:
+the full weights, or a LoRA adapter loaded under a versioned name): :meth:`~Supervisor.push` after a
+training step; ``served_model`` is then the name the proxy's resume gives, so the calls released go to
+that version (an engine or a proxy started again gets it too).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 from lgt.trainer.run.progress import Progress
 from lgt.trainer.serving.launch import EngineConfig, EngineError
 from lgt.trainer.serving.proxy import ProxyClient, ProxyError, ProxyGroup, ProxySection
+from lgt.trainer.serving.sync import Adapters, FullWeights, WeightSync
 
 DYING_S = 2.0  # how long a call that failed is given to show it was its engine's or proxy's death
 
@@ -46,24 +52,36 @@ class Supervisor:
         self.restarts = 0  # engine and proxy restarts in this process
         self.progress = progress
         self.log = log
-        self.weights: Callable[[], Any] | None = None
+        self.sync: WeightSync | None = None
+        self.served_model: str | None = None  # the engine's model calls go to (None: its own name)
+        self.restored = False  # the engine's starting weights are not model_dir's (serve's restore)
         self.engine: Any = None
         self.proxy: Any = None
 
-    def serve(self, model_dir: Path, weights: Callable[[], Any] | None = None) -> None:
+    @property
+    def weights(self) -> Callable[[], Any] | None:
+        """The full weights a restarted engine gets (None: the run's starting model is enough)."""
+        return self.sync.weights if isinstance(self.sync, FullWeights) else None
+
+    def serve(self, model_dir: Path, weights: Callable[[], Any] | None = None, *,
+              sync: WeightSync | None = None, restore: bool = False) -> None:
         """The engine on ``model_dir`` (or the weights ``weights()`` yields, for an attached engine),
-        lgt-proxy in front of it at the current policy version, and one warm-up request."""
+        lgt-proxy in front of it at the current policy version, and one warm-up request. ``sync``
+        (default: the full ``weights``) puts each version into the engine; an adapter sync, or
+        ``restore``, puts the current version there before the proxy starts (``model_dir`` is then the
+        base model)."""
         from lgt.trainer.serving import engine as enginemod
         from lgt.trainer.serving.weights import checkpoint_tensors
 
-        self.weights = weights
+        self.sync = sync if sync is not None else FullWeights(weights) if weights is not None else None
+        adapters = isinstance(self.sync, Adapters)
         cfg, version = self.engine_cfg, self.progress.version
         if cfg.url:  # a running engine: it serves this run's weights from now on
             self.log(f"using the vLLM engine at {cfg.url} (engine.url): loading {model_dir.name} ...")
             self.engine = enginemod.Engine.attach(dataclasses.replace(cfg, model=model_dir))
-            if weights is not None:
-                self.engine.update_weights(weights())
-            else:
+            if self.sync is not None and not adapters:
+                self.engine.update_weights(self.sync.weights())
+            else:  # the base model's own weights (an adapter goes on top of them)
                 self.engine.update_weights(checkpoint_tensors(model_dir))
         else:
             self.log(f"starting the vLLM engine on {model_dir.name} ...")
@@ -71,20 +89,33 @@ class Supervisor:
                 cfg, model=model_dir, log_path=self.logs_dir / "engine.log", seed=self.seed))
             if self.engine.dtype_note:
                 self.log(self.engine.dtype_note)
+        if self.sync is not None and (adapters or (restore and not cfg.url)):
+            self.served_model = self.sync.restore(self.engine, version)
+            self.restored = True
         p = self.proxy_cfg
         if p.url:  # running replicas, one or several, on the run's store
             self.proxy = ProxyGroup([ProxyClient.connect(self.store, url, p.port, p.token) for url in p.url])
             self.proxy.check_served(cfg.served_model_name)
-            self.proxy.resume(version)
+            self.proxy.resume(version, self.served_model)
         else:
             started = ProxyClient.start(
                 self.store_url, self.engine.url, log_path=self.logs_dir / "proxy.log",
                 policy_version=version, port=p.port, control_port=p.control_port,
                 command=list(p.command) if p.command else None,
                 upstream_timeout=p.upstream_timeout_s, listen_host=p.listen_host, egress=p.egress_args(),
-                served_model=cfg.served_model_name, max_output_tokens=p.max_output_tokens)
+                served_model=self.served_model or cfg.served_model_name,
+                max_output_tokens=p.max_output_tokens)
             self.proxy = ProxyGroup([started])
         self.warm_up()
+
+    def push(self, version: int, *, drained: bool = True) -> str | None:
+        """Policy ``version`` into the engine (after a training step, the proxy paused): the run's weight
+        sync; ``drained``: the pause drained (an adapter sync then unloads the older adapters). Returns
+        the model name the proxy's resume names (:attr:`served_model`; None: the engine's own)."""
+        assert self.sync is not None, "serve() was given no weights to sync"
+        served = self.sync.update(self.engine, version, drained=drained)
+        self.served_model = served
+        return served
 
     def endpoints(self) -> list[ProxyClient]:
         """The proxy replicas, for the rollout controller."""
@@ -161,21 +192,28 @@ class Supervisor:
         await asyncio.to_thread(old.stop, 5)  # what is left of its process group, and its temporary folder
         self.engine = await asyncio.to_thread(enginemod.Engine.start,
                                               dataclasses.replace(old.cfg, port=old.port))
-        # it serves the weights the run started from
-        if self.progress.updates_this_run and self.weights is not None:
+        # it serves the weights the run started from; the current version's adapter is loaded again
+        if isinstance(self.sync, Adapters):
+            self.served_model = await asyncio.to_thread(self.sync.restore, self.engine, self.progress.version)
+        elif (self.progress.updates_this_run or self.restored) and self.weights is not None:
             await asyncio.to_thread(self.engine.update_weights, self.weights())
         if not paused:
-            await asyncio.to_thread(self.proxy.resume, self.progress.version)
+            await asyncio.to_thread(self.proxy.resume, self.progress.version, self.served_model)
 
     async def _restart_proxy(self, paused: bool) -> None:
-        restarted = await asyncio.to_thread(self.proxy.restart_dead, self.progress.version)
+        restarted = await asyncio.to_thread(self.proxy.restart_dead, self.progress.version, self.served_model)
         if not restarted:  # the error was not a replica this run started dying: nothing to restart
             raise RuntimeError("lgt-proxy stopped answering and it was not started by this run")
         if paused:
             await asyncio.to_thread(self.proxy.pause, 10)
 
     def stop(self) -> None:
-        """The proxy and the engine (an error stopping one does not keep the other running)."""
+        """The proxy and the engine (an error stopping one does not keep the other running); an adapter
+        sync's folders (and its adapters, from an engine that outlives the run)."""
+        if isinstance(self.sync, Adapters):
+            attached = self.engine is not None and self.engine.attached and not self.engine.died
+            with contextlib.suppress(Exception):
+                self.sync.close(self.engine if attached else None)
         for thing in (self.proxy, self.engine):
             if thing is not None:
                 with contextlib.suppress(Exception):

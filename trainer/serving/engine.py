@@ -7,7 +7,9 @@
 Weight sync without a restart (``Engine.update_weights``): the tensors (Hugging Face names) are handed
 to the workers (:mod:`lgt.trainer.serving.weights`: a file, shared memory or CUDA IPC handles), then
 pause(wait) -> the workers load them (``/collective_rpc``) -> reset the prefix cache (cached KV of the
-old weights would be served otherwise) -> resume.
+old weights would be served otherwise) -> resume. An engine started for LoRA (``cfg.lora_rank``) also
+takes adapters without a restart: ``load_adapter(name, folder)`` (a PEFT folder) serves it under its own
+name beside the base model, ``unload_adapter(name)`` stops serving it.
 
 Every call first checks that the process is alive; a dead engine raises ``EngineError`` naming its pid,
 exit code and log. ``stop()`` sends SIGTERM to the whole process group (vLLM's engine core is a child
@@ -42,6 +44,7 @@ from lgt.trainer.serving.launch import (
     engine_dtype,
     engine_python,
     is_cpu_build,
+    lora_max_rank,
     make_scratch,
 )
 from lgt.trainer.serving.weights import (
@@ -64,6 +67,17 @@ T = TypeVar("T")
 WATCH_S = 2.0  # how often a request without a time limit looks at the engine's /health
 HEALTH_MISSES = 3  # misses in a row after which an engine that we started is taken for dying
 DYING_S = 15.0  # the most a failed request waits for an engine that stopped answering /health to exit
+
+
+def adapter_rank(folder: Path) -> int | None:
+    """The rank ``r`` a PEFT adapter folder's adapter_config.json gives (None: it gives none)."""
+    import json
+
+    try:
+        r = json.loads((Path(folder) / "adapter_config.json").read_text()).get("r")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return r if isinstance(r, int) and not isinstance(r, bool) else None
 
 
 class Engine:
@@ -388,6 +402,81 @@ class Engine:
         resp = self._request("POST", "/collective_rpc", json={"method": method, "args": list(args)},
                              timeout=timeout)
         return resp.json()["results"] if resp.content else []
+
+    # -- LoRA adapters
+
+    def load_adapter(self, name: str, folder: Path) -> float:
+        """Serve the PEFT adapter in ``folder`` (adapter_config.json, adapter_model.safetensors) under
+        ``name`` beside the base model, without a pause (new adapters get new ids, so no cached KV is
+        shared with the old); return the seconds it took. The folder must stay until the adapter is
+        unloaded (vLLM reads it again when it evicted the adapter from its cache). EngineError (one
+        sentence) when the engine was not started for adapters, the folder is not an adapter, or vLLM
+        refuses it (a rank above its ``--max-lora-rank``, a name already served)."""
+        folder = Path(folder)
+        if not self.cfg.serves_adapters:
+            raise EngineError("the vLLM engine was not started for LoRA adapters (engine.lora_rank is set by "
+                              "a run whose backend.lora is set): it serves merged weights only")
+        missing = [f for f in ("adapter_config.json", "adapter_model.safetensors")
+                   if not (folder / f).exists()]
+        if missing:
+            raise EngineError(f"{folder} is not a PEFT adapter folder: it has no {' or '.join(missing)}")
+        rank = adapter_rank(folder)
+        most = self.max_lora_rank
+        if rank is not None and most is not None and rank > most:
+            raise EngineError(f"the LoRA adapter in {folder} has rank {rank}, above the engine's "
+                              f"--max-lora-rank {most}: start the engine with engine.max_lora_rank of at "
+                              f"least {rank}")
+        self.check_alive()
+        t0 = time.perf_counter()
+        self._adapter_call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder.resolve())},
+                           f"loading the LoRA adapter {name!r} from {folder}")
+        seconds = time.perf_counter() - t0
+        log.info("LoRA adapter %s loaded in %.3f s from %s", name, seconds, folder)
+        return seconds
+
+    @property
+    def max_lora_rank(self) -> int | None:
+        """The ``--max-lora-rank`` this process started the engine with (None: not known, attached)."""
+        if self.proc is None or self.cfg.lora_rank is None:
+            return self.cfg.max_lora_rank
+        return lora_max_rank(self.cfg.lora_rank, self.cfg.max_lora_rank)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving the adapter ``name`` (calls naming it are refused from then on). EngineError
+        when it is not loaded."""
+        self.check_alive()
+        self._adapter_call("/v1/unload_lora_adapter", {"lora_name": name},
+                           f"unloading the LoRA adapter {name!r}")
+        log.info("LoRA adapter %s unloaded", name)
+
+    def adapters(self) -> list[str]:
+        """The names of the adapters the engine serves now (its ``/v1/models`` cards with a parent)."""
+        cards = self._request("GET", "/v1/models").json().get("data") or []
+        return [c["id"] for c in cards if isinstance(c, dict) and c.get("parent") and c.get("id")]
+
+    def _adapter_call(self, path: str, body: dict[str, str], what: str) -> None:
+        import httpx
+
+        try:
+            resp = self._client.post(path, json=body, timeout=120.0)
+        except httpx.HTTPError as e:
+            self.await_exit()
+            self.check_alive()
+            raise EngineError(f"the vLLM engine at {self.base_url} did not answer {what}: {e}") from e
+        if resp.status_code == 404 and "not found" in resp.text.lower() and "lora" not in resp.text.lower():
+            raise EngineError(f"the vLLM engine at {self.base_url} has no {path}: it was not started with "
+                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora")
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("error", {}).get("message") or resp.text
+            except (ValueError, AttributeError):
+                detail = resp.text
+            too_big = re.search(r"LoRA rank (\d+) is greater than max_lora_rank (\d+)", str(detail))
+            if too_big:
+                raise EngineError(f"{what} failed: its rank {too_big[1]} is above the engine's "
+                                  f"--max-lora-rank {too_big[2]}")
+            raise EngineError(f"{what} failed: the vLLM engine answered {resp.status_code}: "
+                              f"{str(detail)[:400]} (its log: {self.log_path})")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        transport: str = "auto", *, directory: Path | None = None) -> float:

