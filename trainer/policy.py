@@ -158,21 +158,24 @@ class Policy:
         from lgt.trainer.backends import checkpoints
 
         self.prepare()
+        base = None
         if checkpoint is not None:
-            updates, extra, _ = checkpoints.read_state(checkpoint)
+            updates, extra, base = checkpoints.read_state(checkpoint)
             step = int(extra.get("step", updates))  # the run's step; the backend may update more often
             self.progress = Progress(step=step, version=int(extra.get("version", step)))
         adapter = adapter_folder(checkpoint) if checkpoint is not None else None
         if adapter is not None:  # a LoRA run's checkpoint: its base model, the adapter loaded on top
-            self.serve_adapter(adapter)
+            self.serve_adapter(adapter, base if base is not None and base != checkpoint else None)
             return
         self.serve(with_chat_template(self.cfg, checkpoint, self.run_dir, f"model-{checkpoint.name}")
                    if checkpoint is not None else self.ensure_model())
 
-    def serve_adapter(self, adapter: Path) -> None:
-        """The config's model served with the LoRA adapter in ``adapter`` loaded on top (its rank read
-        from adapter_config.json), every call going to it (an engine given by ``engine.url`` must have
-        been started for adapters: ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``)."""
+    def serve_adapter(self, adapter: Path, base: Path | None = None) -> None:
+        """The base model (``base``: the model the checkpoint's run trained, as its state names it; None:
+        the config's) served with the LoRA adapter in ``adapter`` loaded on top (its rank read from
+        adapter_config.json) as ``<served_model_name>-v<version>``, every call going to it (an engine
+        given by ``engine.url`` must have been started for adapters: ``--enable-lora`` and
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``)."""
         import json
         import shutil
 
@@ -182,9 +185,10 @@ class Policy:
         engine = dataclasses.replace(self.cfg.engine, lora_rank=rank)
         how = sync.Adapters(lambda dest: shutil.copytree(adapter, dest), self.run_dir / "engine-adapters",
                             engine.served_model_name)
-        self.runlog.log(f"serving the LoRA adapter {adapter} on {self.cfg.model.path} as "
+        model_dir = base if base is not None else self.ensure_model()
+        self.runlog.log(f"serving the LoRA adapter {adapter} on {model_dir} as "
                         f"{how.name(self.progress.version)}")
-        self.serve(self.ensure_model(), sync=how, engine=engine)
+        self.serve(model_dir, sync=how, engine=engine)
 
     async def close_rollouts(self) -> None:
         if self.controller is not None:

@@ -292,3 +292,44 @@ def test_the_proxy_sends_each_versions_calls_to_its_adapter(engine: Engine, tiny
         sup.stop()
     assert not (tmp_path / "adapters").exists()
     assert engine.adapters() == []  # not the run's engine: its adapters are unloaded when the run ends
+
+
+@pytest.mark.slow
+def test_eval_serves_a_lora_checkpoints_adapter_on_its_base_model(engine: Engine, tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """``lgt-train eval``'s serving (Policy.serve_checkpoint) of a LoRA run's checkpoint — a finished
+    checkpoint holding a PEFT adapter and naming its base model — on the running engine: the adapter
+    loaded as policy-v<version>, every call through the proxy going to it at that version."""
+    import json
+
+    from lgt.trainer import config
+    from lgt.trainer.backends.checkpoints import DONE, STATE_FILE
+    from lgt.trainer.policy import Policy, adapter_folder
+
+    policy = PeftPolicy(tiny_model_dir)
+    policy.step()
+    ckpt = tmp_path / "checkpoints" / "step-3"
+    policy.save_adapter(ckpt / "adapter")
+    (ckpt / STATE_FILE).write_text(json.dumps({"step": 3, "base_model": str(tiny_model_dir),
+                                               "extra": {"step": 3, "version": 3}}))
+    (ckpt / DONE).write_text("")
+    assert adapter_folder(ckpt) == ckpt / "adapter" and adapter_folder(tiny_model_dir) is None
+    (tmp_path / "tasks.jsonl").write_text('{"task_id": "a", "question": "q"}\n')
+    (tmp_path / "run.yaml").write_text(
+        f"agent: {{command: [python, agent.py]}}\ntasks: tasks.jsonl\nmodel: {{path: {tmp_path / 'none'}}}\n"
+        f"engine: {{url: '{engine.url}', max_model_len: 512}}\n")
+    cfg = config.load(tmp_path / "run.yaml")
+    served = Policy(cfg, ([], []), tmp_path / "eval")
+    try:
+        served.serve_checkpoint(ckpt)
+        assert served.supervisor.served_model == "policy-v3" and engine.adapters() == ["policy-v3"]
+        chat(served.supervisor.proxy.replicas[0].rollout_env("r-eval", proxy_mode="base_url")
+             ["LGT_PROXY_BASE_URL"])
+        served.supervisor.proxy.flush()
+        rows = connect(served.store).execute("SELECT policy_version, served_model FROM calls").fetchall()
+        assert rows == [(3, "policy-v3")]
+        assert (engine_logprobs(engine, "policy-v3", PROMPT_IDS) - policy.logprobs(PROMPT_IDS)).abs().max() \
+            < TOLERANCE
+    finally:
+        served.stop()
+    assert engine.adapters() == []
