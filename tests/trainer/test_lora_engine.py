@@ -333,3 +333,48 @@ def test_eval_serves_a_lora_checkpoints_adapter_on_its_base_model(engine: Engine
     finally:
         served.stop()
     assert engine.adapters() == []
+
+
+def _backend_trains_lora() -> bool:
+    import dataclasses
+
+    from lgt.trainer.backends.torch_backend import TorchConfig
+
+    return "lora" in {f.name for f in dataclasses.fields(TorchConfig)}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _backend_trains_lora(), reason="the torch backend has no backend.lora here")
+def test_a_lora_run_loads_each_version_and_routes_its_calls_to_it(tmp_path: Path,
+                                                                  arith_model_dir: Path) -> None:
+    """``lgt-train run`` with backend.lora (its own engine, started for adapters): every call recorded at
+    version v went to policy-v<v>; the run's log says the adapter path; ``lgt-train eval`` of the last
+    checkpoint serves its adapter, answering the run's last evaluation's greedy calls token for token."""
+    import json
+
+    from lgt.testing.runs import lgt_train, lgt_train_cmd, metrics, write_config
+
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path, arith_model_dir, steps=3, eval={"split": 0.05, "every": 3, "samples": 1},
+                       backend={"lr": 1e-2, "lora": {"rank": 8}})
+    out = lgt_train(str(cfg), "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [r["version"] for r in metrics(run_dir)] == [1, 2, 3]
+    text = " ".join((out.stdout + out.stderr).split())
+    assert "LoRA: each update loads the new adapter into the engine as policy-v<version>" in text
+    con = connect(run_dir / "store")
+    pairs = con.execute("SELECT DISTINCT policy_version, served_model FROM calls ORDER BY 1").fetchall()
+    assert pairs and all(model == f"policy-v{v}" for v, model in pairs)
+    assert len(pairs) >= 2  # later calls went to later adapters
+    answers = ("SELECT o.task_id, c.response_token_ids, c.served_model "
+               "FROM calls c JOIN rollouts o USING (rollout_id, attempt) "
+               "WHERE c.sampling = 'greedy' AND o.step = 3 ORDER BY 1")
+    last = con.execute(answers).fetchall()
+    assert last and {m for _, _, m in last} == {"policy-v3"}
+    eval_dir = tmp_path / "eval"
+    out = lgt_train_cmd("eval", str(cfg), "--checkpoint", str(run_dir / "checkpoints" / "step-00000003"),
+                        "--run-dir", str(eval_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    [row] = [json.loads(line) for line in (eval_dir / "eval.jsonl").read_text().splitlines()]
+    assert (row["step"], row["version"]) == (3, 3)
+    assert connect(eval_dir / "store").execute(answers).fetchall() == last
