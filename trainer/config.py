@@ -403,7 +403,7 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.engine.max_model_len is None or cfg.engine.max_model_len >= 16,
          "engine.max_model_len must be at least 16")
     lora = getattr(cfg.backend, "lora", None) if isinstance(cfg.backend, TorchConfig) else None
-    if lora is not None:  # the adapters the engine loads: their rank within its --max-lora-rank
+    if lora is not None and cfg.engine.serve_adapters:  # the adapters' rank within its --max-lora-rank
         try:
             lora_max_rank(lora_rank_of(lora), cfg.engine.max_lora_rank)
         except ValueError as e:

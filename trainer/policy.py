@@ -124,8 +124,9 @@ class Policy:
         if lora is None:
             self.serve(checkpoint or model_dir, weights=backend.named_weights)
             return
-        engine = dataclasses.replace(self.cfg.engine, lora_rank=lora_rank_of(lora)) \
-            if callable(getattr(backend, "save_adapter", None)) else self.cfg.engine
+        engine = self.cfg.engine
+        if engine.serve_adapters and callable(getattr(backend, "save_adapter", None)):
+            engine = dataclasses.replace(engine, lora_rank=lora_rank_of(lora))
         how = sync.choose(backend, engine, self.run_dir / "engine-adapters", lora=lora, say=self.runlog.log)
         restore = checkpoint is not None or how.kind == "adapter"
         self.serve(model_dir, sync=how, restore=restore, engine=engine)

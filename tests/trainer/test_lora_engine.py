@@ -84,6 +84,9 @@ def test_the_run_config_refuses_a_rank_above_engine_max_lora_rank(tmp_path: Path
     with pytest.raises(config.ConfigError, match=r"^backend.lora.rank 32 is above the engine's max_lora_rank "
                                                  r"16 \(vLLM's --max-lora-rank\)"):
         config.validate(dataclasses.replace(cfg, backend=with_lora(lora={"rank": 32})))
+    # an engine that serves no adapters takes the merged weights whatever the rank
+    config.validate(dataclasses.replace(cfg, backend=with_lora(lora={"rank": 32}),
+                                        engine=dataclasses.replace(cfg.engine, serve_adapters=False)))
     with pytest.raises(config.ConfigError,
                        match=r"^engine.lora_rank is set by backend.lora.rank; leave it out$"):
         config.load(_written(tmp_path, "engine: {lora_rank: 8}\n"))
@@ -129,6 +132,8 @@ def test_the_sync_is_the_adapter_where_backend_and_engine_can_and_one_line_says_
     assert isinstance(choose(_Backend(), EngineConfig(), tmp_path, lora=lora, say=lines.append), FullWeights)
     assert isinstance(choose(_LoraBackend(), EngineConfig(), tmp_path, lora=lora, say=lines.append),
                       FullWeights)
+    assert isinstance(choose(_LoraBackend(), EngineConfig(serve_adapters=False), tmp_path, lora=lora,
+                             say=lines.append), FullWeights)
     sync = choose(_LoraBackend(), EngineConfig(lora_rank=8, served_model_name="p"), tmp_path, lora=lora,
                   say=lines.append)
     assert isinstance(sync, Adapters) and sync.name(3) == "p-v3"
@@ -137,6 +142,8 @@ def test_the_sync_is_the_adapter_where_backend_and_engine_can_and_one_line_says_
         "(the full weight path)",
         "LoRA: the engine was not started for adapters: each update sends the merged weights (the full "
         "weight path)",
+        "LoRA: the engine was not started for adapters (engine.serve_adapters: false): each update sends "
+        "the merged weights (the full weight path)",
         "LoRA: each update loads the new adapter into the engine as p-v<version>"]
 
 

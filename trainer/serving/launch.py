@@ -60,7 +60,8 @@ class EngineConfig:
     lora_rank (set by the run: its backend's ``lora.rank``; None: no adapters) starts vLLM ready to
     load LoRA adapters at runtime, up to max_lora_rank (None: the smallest of vLLM's allowed ranks that
     holds lora_rank), max_loras of them in one batch (the version being served and the one before,
-    whose calls may still be running at an update).
+    whose calls may still be running at an update). serve_adapters false: such a run sends its merged
+    weights instead, and the engine is started without LoRA.
     """
 
     model: Path | None = None  # set by the run: the model (or checkpoint) being served
@@ -86,6 +87,9 @@ class EngineConfig:
     lora_rank: int | None = None  # set by the run: the rank of the adapters it loads (None: no LoRA)
     max_lora_rank: int | None = None  # vLLM's --max-lora-rank; None: the smallest that holds lora_rank
     max_loras: int = 2  # vLLM's --max-loras: adapters in one batch
+    # false: a run that trains a LoRA adapter sends the merged weights instead (for a model whose
+    # architecture vLLM serves no adapters on, or to compare); the engine is then started without LoRA
+    serve_adapters: bool = True
 
     def __post_init__(self) -> None:
         if self.url is not None and not re.match(r"^https?://[^/\s]+(/v1)?/?$", self.url):

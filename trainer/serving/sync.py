@@ -165,7 +165,8 @@ def choose(backend: Any, engine_cfg: Any, root: Path, *, lora: Any = None,
             "sends the merged weights (the full weight path)")
         return full
     if not getattr(engine_cfg, "serves_adapters", False):
-        say("LoRA: the engine was not started for adapters: each update sends the merged weights "
+        why = " (engine.serve_adapters: false)" if not getattr(engine_cfg, "serve_adapters", True) else ""
+        say(f"LoRA: the engine was not started for adapters{why}: each update sends the merged weights "
             "(the full weight path)")
         return full
     say("LoRA: each update loads the new adapter into the engine as "
