@@ -1,6 +1,7 @@
 """``lgt-train``: the trainer's command line — ``run``, ``serve``, ``eval``, ``apo``, ``record``, ``sft``,
-``engine``, ``make-model``, ``samples``, ``tasks swebench``, and the store's own commands (``sql``,
-``reward``, ``rollout``, ``show``, ``report``: :mod:`lgt.store.cli`). Inspection commands work without torch.
+``engine``, ``export``, ``make-model``, ``samples``, ``tasks swebench``, and the store's own commands
+(``sql``, ``reward``, ``rollout``, ``show``, ``report``: :mod:`lgt.store.cli`). Inspection commands work
+without torch.
 
 Each command checks its input, calls one function and prints the result; a user's mistake ends in one
 sentence (``click.ClickException``), with nothing written.
@@ -121,6 +122,7 @@ def run_cmd(config_file: Path | None, mode: str | None, steps: int | None, max_m
     RUN_DIR, CONFIG_FILE may be left out: the run goes on as it was configured."""
     from lgt.trainer import config as cfgmod
     from lgt.trainer import preflight, recipe
+    from lgt.trainer.backends.checkpoints import is_adapter
 
     overrides = _overrides(sets)
     for key, value in (("mode", mode), ("steps", steps), ("max_minutes", max_minutes)):
@@ -135,7 +137,13 @@ def run_cmd(config_file: Path | None, mode: str | None, steps: int | None, max_m
                                    "--checkpoint (a new run starts from one), not both")
     try:
         if checkpoint is not None:  # the model the run trains: the checkpoint as it is, nothing to make
-            overrides.update({"model.path": str(_checkpoint(checkpoint).resolve()), "model.make": None})
+            start = _checkpoint(checkpoint)
+            if is_adapter(start):
+                raise click.ClickException(f"{start} holds a LoRA adapter, not a model to start from: "
+                                           f"lgt-train export {start.parent.parent} --step "
+                                           f"{int(start.name.removeprefix('step-'))} --merge DIR writes "
+                                           "the merged model, which --checkpoint DIR then starts from")
+            overrides.update({"model.path": str(start.resolve()), "model.make": None})
         if resume_dir is not None:
             cfg = cfgmod.saved(resume_dir, overrides)
             if config_file is not None:
@@ -400,6 +408,27 @@ def _reexec(python: str, cfg: Any) -> None:
     os.environ["LGT_REEXEC"] = "1"
     click.echo(f"the {cfg.backend.name} backend runs in {python}", err=True)
     os.execv(python, [python, "-m", "lgt.trainer.cli", *sys.argv[1:]])
+
+
+@main.command("export")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--step", type=click.IntRange(min=0), help="The checkpoint of this step (default: the latest).")
+@click.option("--merge", "out", required=True, type=click.Path(path_type=Path),
+              help="Where to write the full model (a new or empty folder); a LoRA adapter is merged in.")
+def export_cmd(run_dir: Path, step: int | None, out: Path) -> None:
+    """Write RUN_DIR's checkpoint as a full Hugging Face model folder (weights, config, tokenizer and chat
+    template) that vLLM or transformers serve anywhere: a LoRA adapter merged into the run's model, a
+    full-model checkpoint copied as it is."""
+    from lgt.trainer.backends.checkpoints import checkpoint_at
+    from lgt.trainer.backends.export import check_out, export
+
+    try:
+        ckpt = checkpoint_at(run_dir, step)
+        check_out(out)  # before loading anything
+        done = export(ckpt, out)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{done}: {out}")
 
 
 @main.command("make-model")

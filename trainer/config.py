@@ -158,7 +158,7 @@ def load(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig
 RUN_FILE = "config.json"  # in a run directory: the config the run was trained with (RunConfig.to_json)
 # What a run's checkpoints were made with: a resume cannot change these (another backend, world size
 # or model would not read them).
-FIXED_ON_RESUME = ("backend.name", "backend.world_size", "model.path")
+FIXED_ON_RESUME = ("backend.name", "backend.world_size", "backend.lora", "model.path")
 _SECTION_OF = {TorchConfig: "backend", VerlConfig: "backend", EngineConfig: "engine"}
 
 

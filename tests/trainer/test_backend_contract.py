@@ -16,9 +16,9 @@ ATTRIBUTES = [name for name in Backend.__annotations__ if not name.startswith("_
 
 
 def test_the_protocol_names_what_the_loop_calls() -> None:
-    assert MEMBERS == ["close", "load", "named_weights", "resume", "sample_logprobs",
-                               "save_checkpoint", "train_step"]
-    assert ATTRIBUTES == ["summary"]
+    assert MEMBERS == ["close", "load", "named_weights", "resume", "sample_logprobs", "save_adapter",
+                       "save_checkpoint", "train_step"]
+    assert ATTRIBUTES == ["summary", "lora"]
 
 
 def parameters(function) -> list[inspect.Parameter]:

@@ -7,7 +7,9 @@ A backend trains the policy on batches of samples. What the run (:mod:`lgt.train
     metrics = backend.train_step(samples)             # one update on a pyarrow table of samples
     logprobs = backend.sample_logprobs(samples)       # the policy's log-prob of every token (OPD)
     engine.update_weights(backend.named_weights())    # the new weights into the running engine
-    ckpt = backend.save_checkpoint(root, extra)       # an HF model dir + the backend's state + DONE
+    if backend.lora is not None:                      # a LoRA adapter is trained on the frozen base:
+        backend.save_adapter(path)                    # it as a PEFT folder (vLLM's --enable-lora loads it)
+    ckpt = backend.save_checkpoint(root, extra)       # an HF model dir (or adapter) + the backend's state
     backend.close()
 
 Each reads the table with :func:`lgt.trainer.backends.samples.read_samples`. :data:`BACKENDS` maps a
@@ -47,6 +49,7 @@ class Backend(Protocol):
     """
 
     summary: str  # one line for the run's log (device, dtype, what it trains); "" when there is none
+    lora: LoraConfig | None  # the adapter being trained on the frozen base (backend.lora), None: every weight
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: Any) -> Backend:
@@ -73,13 +76,22 @@ class Backend(Protocol):
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         """``(Hugging Face parameter name, tensor)`` for every weight, what ``Engine.update_weights``
-        takes; the tensors may be views of the live weights: use them before the next ``train_step``."""
+        takes; the tensors may be views of the live weights: use them before the next ``train_step``.
+        With ``lora`` these are the base model's names and the MERGED weights (base + the adapter's
+        update), so an engine that cannot serve adapters gets the current policy the usual way."""
+        ...
+
+    def save_adapter(self, path: str | Path) -> Path:
+        """The current LoRA adapter written as a PEFT folder at ``path`` (``adapter_config.json`` +
+        ``adapter_model.safetensors``: what vLLM's ``--enable-lora`` / ``POST /v1/load_lora_adapter``
+        loads), and ``path``; BackendError when this backend trains no adapter (``lora`` is None)."""
         ...
 
     def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None, *,
                         name: int | None = None) -> Path:
-        """``root/step-<name:08d>`` (default: the update count): an HF model directory vLLM can serve,
-        the backend's own state, the JSON-serialisable ``extra``, ``DONE`` written last
+        """``root/step-<name:08d>`` (default: the update count): an HF model directory vLLM can serve
+        (with ``lora``: the adapter folder instead, the base being the run's model), the backend's own
+        state, the JSON-serialisable ``extra``, ``DONE`` written last
         (:mod:`lgt.trainer.backends.checkpoints`)."""
         ...
 
@@ -103,6 +115,40 @@ def _finite(name: str, value: Any, low: float, *, strict: bool) -> None:
         raise BackendError(f"{name} must be a finite number {'>' if strict else '>='} {low:g}, not {value!r}")
 
 
+# Llama-shaped models' attention and MLP projections (llama, qwen2, mistral, SmolLM2, the demo model):
+# backend.lora trains those of them the model has unless target_modules names others
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """``backend.lora``: train a LoRA adapter (PEFT's) instead of every weight; the base stays frozen.
+
+    ``rank``: the adapter's rank r; ``alpha``: its scale numerator (the update is ``alpha / rank * B A``);
+    ``dropout``: on the adapter's input while training, in [0, 1) (0 by default: the log-probs trained are
+    then the ones the engine sampled from); ``target_modules``: the names of the linear layers that get
+    an adapter (the last part of a module's name, e.g. ``q_proj``), default: those of
+    :data:`DEFAULT_LORA_TARGETS` the model has. Names the model does not have are refused when it loads.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("backend.lora.rank", self.rank)
+        _finite("backend.lora.alpha", self.alpha, 0, strict=True)
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
+                or not 0.0 <= self.dropout < 1.0:
+            raise BackendError(f"backend.lora.dropout must be a number in [0, 1), not {self.dropout!r}")
+        if self.target_modules is not None and (
+                not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules)):
+            raise BackendError("backend.lora.target_modules must be a list of module names (e.g. [q_proj, "
+                               f"v_proj]) or null (the attention and MLP projections), not "
+                               f"{self.target_modules!r}")
+
+
 @dataclass(frozen=True)
 class TorchConfig:
     """How the torch backend trains (CPU or one GPU, any Hugging Face causal LM).
@@ -122,7 +168,8 @@ class TorchConfig:
     trained tokens (``actor/entropy``; one more pass over the logits). ``updates_per_step``: optimizer
     steps per training step, each on its share of the batch's groups. ``epochs``: passes over each
     share, each an optimizer step (PPO epochs: the first pass's log-probs are the ratio's old policy,
-    so later passes are clipped against it).
+    so later passes are clipped against it). ``lora``: train a LoRA adapter (:class:`LoraConfig`) on
+    the frozen model instead of its weights (``None``: full fine-tuning).
     ``loss`` comes from the run's ``algorithm`` section.
     """
 
@@ -145,10 +192,17 @@ class TorchConfig:
     entropy: bool = False
     updates_per_step: int = 1
     epochs: int = 1
+    lora: LoraConfig | None = None
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
         _finite("backend.lr", self.lr, 0, strict=True)
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise BackendError(f"backend.lora must be a LoraConfig, not {type(self.lora).__name__}")
+        if self.lora is not None and (self.train_layers is not None or self.train_embeddings):
+            raise BackendError("backend.lora and backend.train_layers/train_embeddings cannot be combined: "
+                               "with lora every weight of the model stays frozen and only the adapter "
+                               "trains (unset train_layers and train_embeddings)")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0
                                            for b in self.betas):
             raise BackendError(f"backend.betas must be two numbers in [0, 1), not {self.betas!r}")
@@ -239,9 +293,13 @@ class VerlConfig:
     ray_address: str | None = None
     python: str | None = None  # an interpreter with verl when this one has none (preflight.backend_python)
     updates_per_step: int = 1
+    lora: LoraConfig | None = None  # refused: LoRA trains on the torch backend
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
+        if self.lora is not None:
+            raise BackendError("backend.lora is not supported by the verl backend: train LoRA adapters with "
+                               "backend.name: torch, or leave lora out to train every weight on verl")
         _finite("backend.lr", self.lr, 0, strict=True)
         _finite("backend.weight_decay", self.weight_decay, 0, strict=False)
         _finite("backend.grad_clip", self.grad_clip, 0, strict=True)

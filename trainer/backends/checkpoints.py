@@ -1,9 +1,11 @@
 """Checkpoints every backend writes the same way: a Hugging Face model directory plus the trainer's state.
 
 ``<root>/step-<N:08d>/`` (N: the run's step) holds the weights, ``config.json`` and the tokenizer files
-(so vLLM can serve it and ``--resume`` can start the engine on it), ``trainer_state.json`` (``step``:
-the backend's update count; the run's ``extra``; the starting model), and whatever the backend needs
-to continue exactly (the torch backend's ``optimizer.pt``, verl's own sharded state under ``verl/``).
+(so vLLM can serve it and ``--resume`` can start the engine on it) — or, when the backend trains a LoRA
+adapter, the adapter's PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``) and the
+tokenizer files, the base being the starting model — ``trainer_state.json`` (``step``: the backend's
+update count; the run's ``extra``; the starting model), and whatever the backend needs to continue
+exactly (the torch backend's ``optimizer.pt`` and ``rng.pt``, verl's own sharded state under ``verl/``).
 It is written in a temporary directory, renamed into place, and ``DONE`` is written last: a directory
 without ``DONE`` is unfinished and ignored by :func:`latest_checkpoint`. No torch here.
 """
@@ -22,6 +24,7 @@ from lgt.store.files import fsync_dir, write_atomic
 
 DONE = "DONE"
 STATE_FILE = "trainer_state.json"
+ADAPTER_CONFIG = "adapter_config.json"  # a LoRA checkpoint: PEFT's adapter folder
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
 # Files of a model directory that make up its tokenizer (copied into every checkpoint).
 TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
@@ -132,3 +135,28 @@ def find_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{path} is not a finished checkpoint (it has no {DONE} file)")
     raise CheckpointError(f"{path} holds no finished checkpoint: give a run's folder or one of its "
                           "checkpoints/step-N folders")
+
+
+def is_adapter(ckpt: str | Path) -> bool:
+    """Whether the checkpoint holds a LoRA adapter (PEFT's folder) rather than a full model."""
+    return (Path(ckpt) / ADAPTER_CONFIG).is_file()
+
+
+def checkpoint_at(run_dir: str | Path, step: int | None = None) -> Path:
+    """The run's finished checkpoint of ``step`` (default: its latest); CheckpointError in one sentence
+    when ``run_dir`` is no run, has no finished checkpoint, or none of that step."""
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints"
+    if not run_dir.is_dir() or not (root.is_dir() or (run_dir / "config.json").is_file()):
+        raise CheckpointError(f"{run_dir} is not a run folder (no such folder, or it has neither "
+                              "checkpoints/ nor config.json): give the folder lgt-train run wrote")
+    finished = finished_checkpoints(root)
+    if not finished:
+        raise CheckpointError(f"{run_dir} has no finished checkpoint (checkpoints/step-N with a {DONE} file)")
+    if step is None:
+        return finished[-1]
+    by_step = {int(m.group(1)): p for p in finished if (m := CHECKPOINT_RE.match(p.name))}
+    if step not in by_step:
+        raise CheckpointError(f"{run_dir} has no finished checkpoint of step {step}: its steps are "
+                              f"{', '.join(map(str, sorted(by_step)))}")
+    return by_step[step]

@@ -35,11 +35,18 @@ Departures from a textbook loop, each on purpose:
   the rest keeps ``requires_grad`` off, so AdamW holds no state for it and backward stops below the
   lowest trained layer. Checkpoints and the weights pushed to the engine are still the whole model
   (the engine takes a full state dict).
+* ``lora`` (:mod:`lgt.trainer.backends.lora`) puts a PEFT LoRA adapter on the attention and MLP
+  projections and freezes every base weight: AdamW holds the adapter only. The KL reference is the
+  same model with the adapter switched off (no second copy). ``named_weights`` gives the merged
+  weights; ``save_adapter`` the adapter's PEFT folder; a checkpoint is that folder (the base is the
+  run's model, recorded in ``trainer_state.json``).
 
 Samples are read and checked by :func:`lgt.trainer.backends.samples.read_samples` (numpy views over the
 Arrow list buffers, never Python lists of tokens). Checkpoints are Hugging Face directories (weights,
-config, tokenizer files) plus ``optimizer.pt`` and ``trainer_state.json``, written to a temporary
-directory, renamed into place, and marked finished by a ``DONE`` file written last.
+config, tokenizer files; with ``lora`` the adapter's PEFT folder and the tokenizer files) plus
+``optimizer.pt``, ``rng.pt`` (torch's random state: LoRA dropout draws from it) and
+``trainer_state.json``, written to a temporary directory, renamed into place, and marked finished by a
+``DONE`` file written last.
 """
 
 from __future__ import annotations
@@ -58,8 +65,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from lgt.trainer.backends.base import BackendError, TorchConfig
+from lgt.trainer.backends import lora as loras
+from lgt.trainer.backends.base import BackendError, LoraConfig, TorchConfig
 from lgt.trainer.backends.checkpoints import (
+    STATE_FILE,
     CheckpointError,
     latest_checkpoint,
     read_state,
@@ -78,6 +87,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng.pt"
 ENTROPY_CHUNK_ROWS = 1024  # token rows of logits per chunk when computing the entropy metric
 
 
@@ -282,6 +292,7 @@ class TorchBackend:
     """
 
     summary: str  # the device, what it computes in and why, what it trains (set in __init__)
+    lora: LoraConfig | None  # the adapter trained on the frozen base, or None (every weight)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TorchConfig, *,
                  model_dir: Path, base_model_dir: Path, max_seq_len: int, vocab_size: int,
@@ -295,14 +306,19 @@ class TorchBackend:
         self.vocab_size = vocab_size
         self.ref = ref
         self.device = device
+        self.lora = cfg.lora
         self.step = 0
-        self._keeps_positions = "logits_to_keep" in inspect.signature(model.forward).parameters
+        inner = model.get_base_model() if cfg.lora is not None else model  # PEFT passes the keywords on
+        self._keeps_positions = "logits_to_keep" in inspect.signature(inner.forward).parameters
         self.dtype, why = resolve_dtype(cfg.dtype, str(device), key="backend.dtype")
         self._autocast = (torch.autocast(device.type, dtype=DTYPES[self.dtype])
                           if self.dtype != "float32" else contextlib.nullcontext())
         every = list(model.parameters())  # a tied embedding once
         total, trained = sum(p.numel() for p in every), sum(p.numel() for p in every if p.requires_grad)
         what = "every parameter" if trained == total else f"{trained:,} of {total:,} parameters"
+        if cfg.lora is not None:
+            targets = ", ".join(sorted(model.peft_config[loras.ADAPTER].target_modules))
+            what += f" (a LoRA adapter of rank {cfg.lora.rank} on {targets}; the base frozen)"
         compute = "float32" if self.dtype == "float32" else f"{self.dtype} autocast, float32 weights"
         self.summary = f"torch backend on {device}: {compute} ({why}); training {what}"
 
@@ -327,11 +343,13 @@ class TorchBackend:
         trained = None
         if cfg.train_layers is not None:
             trained = freeze_below(model, cfg.train_layers, cfg.train_embeddings)
+        if cfg.lora is not None:
+            model = loras.apply(model, cfg.lora, model_dir)
         if cfg.grad_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         ref = None
-        if cfg.wants_ref_model:
+        if cfg.wants_ref_model and cfg.lora is None:  # with lora: the model with its adapter off
             check_model_dir(base)
             ref = _load_model(base, device).eval().requires_grad_(False)
         params = [p for p in model.parameters() if p.requires_grad]  # frozen ones get no AdamW state
@@ -405,6 +423,9 @@ class TorchBackend:
             if self.ref is not None:
                 with torch.no_grad():
                     mb["ref_logprobs"] = self._forward_logprobs(self.ref, mb)[1]
+            elif self.lora is not None and self.cfg.wants_ref_model:
+                with torch.no_grad(), self.model.disable_adapter():
+                    mb["ref_logprobs"] = self._forward_logprobs(self.model, mb)[1]
             logits, logp = self._forward_logprobs(self.model, mb)
             if old is not None:
                 if k < len(old):
@@ -493,9 +514,23 @@ class TorchBackend:
         """``(Hugging Face parameter name, detached tensor)`` for every parameter, a tied tensor once
         (under its first name, e.g. ``model.embed_tokens.weight``), frozen ones too (``train_layers``):
         the engine takes a whole state dict. Tensors live on the training device
-        in float32; they are views of the live weights: copy them before the next ``train_step``."""
+        in float32; they are views of the live weights: copy them before the next ``train_step``.
+        With ``lora``: the base model's names, each adapted weight merged with the adapter's update
+        (new tensors; the live model keeps base and adapter apart)."""
+        if self.lora is not None:
+            yield from loras.merged_weights(self.model)
+            return
         for name, p in self.model.named_parameters():
             yield name, p.detach()
+
+    def save_adapter(self, path: str | Path) -> Path:
+        """The current adapter as a PEFT folder at ``path`` (``adapter_config.json`` +
+        ``adapter_model.safetensors``, which vLLM's ``--enable-lora`` loads); BackendError without
+        ``lora``."""
+        if self.lora is None:
+            raise BackendError("this torch backend trains every weight (backend.lora is not set): there is "
+                               "no adapter to save")
+        return loras.save(self.model, path)
 
     # ------------------------------------------------------------------------------ checkpoints
 
@@ -506,10 +541,14 @@ class TorchBackend:
         ``extra``; see :mod:`lgt.trainer.backends.checkpoints`) and return it. ``extra`` must be
         JSON-serialisable (TypeError otherwise, before anything is written)."""
         def write(tmp: Path) -> None:
-            self.model.save_pretrained(tmp)
+            if self.lora is not None:
+                loras.save(self.model, tmp)
+            else:
+                self.model.save_pretrained(tmp)
             for src in tokenizer_files(self.model_dir):
                 shutil.copy2(src, tmp / src.name)
             torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+            torch.save(torch.get_rng_state(), tmp / RNG_FILE)
 
         return write_checkpoint(root, self.step, extra, self.base_model_dir, write, name=name)
 
@@ -519,8 +558,20 @@ class TorchBackend:
         was saved with. CheckpointError when ``ckpt_dir`` is not a finished checkpoint."""
         ckpt = Path(ckpt_dir)
         step, extra, base = read_state(ckpt)
+        adapter = (ckpt / loras.ADAPTER_CONFIG).is_file()
+        if adapter != (cfg.lora is not None):
+            raise CheckpointError(f"{ckpt} holds {'a LoRA adapter' if adapter else 'a full model'} but "
+                                  f"backend.lora is {'not set' if adapter else 'set'}: resume with the "
+                                  "backend.lora it was saved with")
         try:
-            backend = cls.load(ckpt, cfg, ref_model_dir=base)
+            if adapter:  # the base from the run's model, the adapter from the checkpoint
+                if base == ckpt:
+                    raise CheckpointError(f"{ckpt} holds a LoRA adapter whose base model (base_model in its "
+                                          f"{STATE_FILE}) is gone: the adapter cannot be resumed without it")
+                backend = cls.load(base, cfg)
+                loras.load_weights(backend.model, ckpt)
+            else:
+                backend = cls.load(ckpt, cfg, ref_model_dir=base)
         except ModelError as e:
             raise CheckpointError(f"{ckpt} does not hold a loadable model ({e})") from None
         opt_state = torch.load(ckpt / OPTIMIZER_FILE, map_location=backend.device, weights_only=True)
@@ -530,6 +581,8 @@ class TorchBackend:
             raise CheckpointError(f"{ckpt}'s optimizer state is for another set of trained parameters than "
                                   "this config trains: resume with the backend.train_layers and "
                                   "train_embeddings it was saved with") from None
+        if (ckpt / RNG_FILE).is_file():
+            torch.set_rng_state(torch.load(ckpt / RNG_FILE, weights_only=True))
         backend.step = step
         return backend, extra
 

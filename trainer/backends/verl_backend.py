@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from lgt.trainer.backends.base import VerlConfig
+from lgt.trainer.backends.base import BackendError, VerlConfig
 from lgt.trainer.backends.checkpoints import CheckpointError, read_state, tokenizer_files, write_checkpoint
 
 VERL_STATE_DIR = "verl"  # a checkpoint's folder for verl's own sharded state (resume)
@@ -33,6 +33,7 @@ class VerlBackend:
     """
 
     summary = ""  # nothing beyond the config to say in the run's log
+    lora = None  # verl trains every weight here (VerlConfig refuses backend.lora)
 
     def __init__(self, actor: Any, config: VerlConfig, base_model: Path) -> None:
         self.actor = actor
@@ -82,6 +83,10 @@ class VerlBackend:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.actor.named_weights()
+
+    def save_adapter(self, path: str | Path) -> Path:
+        raise BackendError("the verl backend trains no LoRA adapter (backend.lora is torch-only): there is "
+                           "no adapter to save")
 
     def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None, *,
                         name: int | None = None) -> Path:
