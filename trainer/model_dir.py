@@ -70,6 +70,30 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def linear_layer_names(path: str | Path, vocab_size: int | None = None) -> list[str] | None:
+    """The last names of the modules whose 2-D ``<module>.weight`` the model's safetensors files hold —
+    its linear layers (``q_proj``, ``down_proj`` …) — read from the files' headers, without torch;
+    tensors of ``vocab_size`` rows (the embedding, an untied output head) left out. None when the folder
+    has no readable safetensors file (another format: the caller cannot tell)."""
+    names: set[str] = set()
+    files = sorted(Path(path).glob("*.safetensors"))
+    for f in files:
+        try:
+            with f.open("rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size)) if 0 < size < 2**28 else None
+        except (OSError, ValueError):
+            return None
+        if not isinstance(header, dict):
+            return None
+        for key, meta in header.items():
+            shape = meta.get("shape") if isinstance(meta, dict) else None
+            matrix = isinstance(shape, list) and len(shape) == 2 and shape[0] != vocab_size
+            if key.endswith(".weight") and matrix:
+                names.add(key.removesuffix(".weight").rsplit(".", 1)[-1])
+    return sorted(names) if files else None
+
+
 def _as_ids(value: Any) -> tuple[int, ...]:
     """An eos_token_id field (int, list of ints or null) as a tuple of ints."""
     if isinstance(value, bool):

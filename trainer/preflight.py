@@ -51,6 +51,7 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     else:
         check_model_dir(m.path, need_chat_template=m.chat_template is None).check_context(
             cfg.engine.max_model_len)
+    check_lora(cfg)
     if t is not None and t.make is not None and t.path is not None:
         _check_make(t.make, t.path, "teacher")
     elif t is not None and t.path is not None:
@@ -67,6 +68,28 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
     except (BackendError, EngineError, ProxyError, ValueError) as e:
         raise ConfigError(str(e)) from None
     return tasks, held
+
+
+def check_lora(cfg: RunConfig) -> None:
+    """``backend.lora``'s target modules against the model's linear layers, read from its weights files'
+    headers (no torch), when the model is there already (a model still to be made is checked when it
+    loads)."""
+    from lgt.trainer.backends.base import lora_targets
+    from lgt.trainer.model_dir import ModelError, check_model_dir, linear_layer_names
+
+    lora = getattr(cfg.backend, "lora", None)
+    if lora is None or not (cfg.model.path / "config.json").is_file():
+        return
+    try:
+        info = check_model_dir(cfg.model.path)
+    except ModelError:
+        return  # made again by model.make
+    have = linear_layer_names(cfg.model.path, info.vocab_size)
+    if have is not None:
+        try:
+            lora_targets(lora, have, info.architecture)
+        except BackendError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check_make(make: Any, path: Path, key: str) -> None:

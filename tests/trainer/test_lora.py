@@ -284,3 +284,27 @@ def test_run_refuses_to_start_from_an_adapter_checkpoint(tiny_model_dir: Path, t
     assert result.exit_code != 0
     assert "holds a LoRA adapter, not a model to start from: lgt-train export" in result.output
     assert not (tmp_path / "run" / "checkpoints" / "step-00000001" / "config.json").exists()
+
+
+def test_preflight_names_missing_targets_before_anything_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lgt.trainer import preflight
+    from lgt.trainer.backends.lora import targetable
+    from lgt.trainer.model_dir import linear_layer_names
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    # the weights files' headers (no torch) name what the loaded model's modules are
+    assert linear_layer_names(tiny_model_dir, vocab(tiny_model_dir)) == targetable(model) == TARGETS
+    assert linear_layer_names(tmp_path) is None  # no safetensors file: cannot tell
+    run_dir = tmp_path / "run"
+    bad = {"model.path": str(tiny_model_dir), "model.make": None, "run_dir": str(run_dir),
+           "backend.lora.target_modules": ["q_proj", "c_attn"]}
+    with pytest.raises(cfgmod.ConfigError, match="names c_attn, which this Qwen2ForCausalLM does not have: "
+                                                 "the linear layers it has are " + ", ".join(TARGETS)):
+        preflight.check_lora(cfgmod.load(EXAMPLE, bad))
+    result = CliRunner().invoke(main, ["run", str(EXAMPLE), *(f"--set={k}={json.dumps(v)}"
+                                                              for k, v in bad.items())])
+    assert result.exit_code == 1 and "names c_attn, which this Qwen2ForCausalLM" in result.output
+    assert not run_dir.exists()  # refused before the run's folder was made
+    preflight.check_lora(cfgmod.load(EXAMPLE, {**bad, "backend.lora.target_modules": ["q_proj"]}))

@@ -149,6 +149,25 @@ class LoraConfig:
                                f"{self.target_modules!r}")
 
 
+def lora_targets(cfg: LoraConfig, have: list[str], kind: str) -> list[str]:
+    """The module names an adapter of ``cfg`` goes on, given the linear layers ``have`` a model of class
+    ``kind`` has (by last name); BackendError (one sentence naming the ones it has) for a target it
+    lacks, or, by default, when it has none of :data:`DEFAULT_LORA_TARGETS`. Used when the config is
+    checked (the layers read from the weights files) and when the model loads (from its modules)."""
+    if cfg.target_modules is None:
+        chosen = [t for t in DEFAULT_LORA_TARGETS if t in have]
+        if not chosen:
+            raise BackendError(f"backend.lora found none of {', '.join(DEFAULT_LORA_TARGETS)} in this "
+                               f"{kind}: set backend.lora.target_modules to some of "
+                               f"{', '.join(have) or 'nothing'}")
+        return chosen
+    missing = [t for t in cfg.target_modules if t not in have]
+    if missing:
+        raise BackendError(f"backend.lora.target_modules names {', '.join(missing)}, which this {kind} does "
+                           f"not have: the linear layers it has are {', '.join(have) or 'none'}")
+    return list(dict.fromkeys(cfg.target_modules))
+
+
 @dataclass(frozen=True)
 class TorchConfig:
     """How the torch backend trains (CPU or one GPU, any Hugging Face causal LM).

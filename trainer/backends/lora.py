@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lgt.trainer.backends.base import DEFAULT_LORA_TARGETS, BackendError, LoraConfig
+from lgt.trainer.backends.base import BackendError, LoraConfig, lora_targets
 from lgt.trainer.backends.checkpoints import ADAPTER_CONFIG
 
 __all__ = ["ADAPTER_CONFIG", "apply", "load_weights", "merge", "merged_weights", "save", "target_modules"]
@@ -34,22 +34,9 @@ def targetable(model: torch.nn.Module) -> list[str]:
 
 
 def target_modules(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
-    """The module names the adapter goes on; BackendError (one sentence, naming the ones the model
-    has) when ``target_modules`` names one the model does not have, or the default finds none."""
-    have = targetable(model)
-    kind = type(model).__name__
-    if cfg.target_modules is None:
-        chosen = [t for t in DEFAULT_LORA_TARGETS if t in have]
-        if not chosen:
-            raise BackendError(f"backend.lora found none of {', '.join(DEFAULT_LORA_TARGETS)} in this "
-                               f"{kind}: set backend.lora.target_modules to some of "
-                               f"{', '.join(have) or 'nothing'}")
-        return chosen
-    missing = [t for t in cfg.target_modules if t not in have]
-    if missing:
-        raise BackendError(f"backend.lora.target_modules names {', '.join(missing)}, which this {kind} does "
-                           f"not have: the linear layers it has are {', '.join(have) or 'none'}")
-    return list(dict.fromkeys(cfg.target_modules))
+    """The module names the adapter goes on (:func:`~lgt.trainer.backends.base.lora_targets` on the
+    model's linear layers): BackendError naming the ones it has for a target it lacks."""
+    return lora_targets(cfg, targetable(model), type(model).__name__)
 
 
 def peft_config(targets: list[str], cfg: LoraConfig, base_model: str | Path) -> object:
