@@ -308,3 +308,51 @@ def test_preflight_names_missing_targets_before_anything_starts(tiny_model_dir: 
     assert result.exit_code == 1 and "names c_attn, which this Qwen2ForCausalLM" in result.output
     assert not run_dir.exists()  # refused before the run's folder was made
     preflight.check_lora(cfgmod.load(EXAMPLE, {**bad, "backend.lora.target_modules": ["q_proj"]}))
+
+
+@pytest.mark.slow
+def test_a_lora_run_serves_its_merged_policy_and_resumes(tmp_path: Path, arith_model_dir: Path) -> None:
+    """``lgt-train run`` with ``backend.lora`` on its own engine, one step, then ``--resume`` to a second:
+    the engine restarted on the base model gets the step-1 adapter merged in before its first call."""
+    from lgt.store.query import connect
+    from lgt.testing.runs import lgt_train, metrics, write_config
+
+    run_dir = tmp_path / "run"
+    # max_staleness 0: step 2 trains only calls of policy version 1, made after the resume
+    cfg = write_config(tmp_path, arith_model_dir, steps=1, max_staleness=0,
+                       backend={"lr": 1e-2, "lora": {"rank": 8}})
+    out = lgt_train(str(cfg), "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "(a LoRA adapter of rank 8 on down_proj, gate_proj" in out.stderr
+    ckpt = run_dir / "checkpoints" / "step-00000001"
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    # an adapter far from a no-op (one step on the barely warm model's rewards, mostly 0, hardly moves
+    # it): the checkpoint rewritten with random B matrices, the rest as the run left it
+    cfg_lora = TorchConfig(lora=LoraConfig(rank=8))
+    backend, extra = TorchBackend.resume(ckpt, cfg_lora)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in backend.model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.05)
+    assert backend.save_checkpoint(run_dir / "checkpoints", extra, name=1) == ckpt
+    out = lgt_train(str(cfg), "--resume", str(run_dir), "--steps", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from step-00000001: step 1, policy version 1" in out.stderr
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+
+    # the calls of policy version 1, served after the restart (the engine started on the base, the
+    # adapter merged in), sampled from the step-1 adapter's policy, not from the base
+    rows = connect(run_dir / "store").execute(
+        "SELECT prompt_token_ids, response_token_ids, response_logprobs FROM calls "
+        "WHERE policy_version = 1 AND len(response_token_ids) > 0").fetchall()
+    assert len(rows) >= 4
+    specs = [(p + r, [0] * len(p) + [1] * len(r), 1.0) for p, r, _ in rows]
+    adapted = backend.sample_logprobs(make_samples(specs))
+    base = TorchBackend.load(arith_model_dir, TorchConfig()).sample_logprobs(make_samples(specs))
+    recorded = [np.asarray(lp, np.float32) for _, _, lp in rows]
+    gap = max(float(np.abs(a[len(p):] - r).max()) for a, (p, _, _), r in zip(adapted, rows, recorded,
+                                                                                strict=True))
+    from_base = max(float(np.abs(b[len(p):] - r).max()) for b, (p, _, _), r in zip(base, rows, recorded,
+                                                                                   strict=True))
+    assert gap < 1e-3 < from_base, (gap, from_base)
