@@ -315,7 +315,7 @@ def test_a_lora_run_serves_its_merged_policy_and_resumes(tmp_path: Path, arith_m
     """``lgt-train run`` with ``backend.lora`` on its own engine, one step, then ``--resume`` to a second:
     the engine restarted on the base model gets the step-1 adapter merged in before its first call."""
     from lgt.store.query import connect
-    from lgt.testing.runs import lgt_train, metrics, write_config
+    from lgt.testing.runs import lgt_train, lgt_train_cmd, metrics, write_config
 
     run_dir = tmp_path / "run"
     # max_staleness 0: step 2 trains only calls of policy version 1, made after the resume
@@ -356,3 +356,19 @@ def test_a_lora_run_serves_its_merged_policy_and_resumes(tmp_path: Path, arith_m
     from_base = max(float(np.abs(b[len(p):] - r).max()) for b, (p, _, _), r in zip(base, rows, recorded,
                                                                                    strict=True))
     assert gap < 1e-3 < from_base, (gap, from_base)
+
+    # lgt-train eval serves a LoRA checkpoint merged into its base: its calls sample from the adapter
+    eval_dir = tmp_path / "eval"
+    out = lgt_train_cmd("eval", str(cfg), "--checkpoint", str(ckpt), "--run-dir", str(eval_dir),
+                        "--set", "eval.split=0.1", "--set", "eval.samples=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (eval_dir / "merged-step-00000001" / "model.safetensors").is_file()
+    assert "eval at step 1" in out.stdout
+    rows = connect(eval_dir / "store").execute(
+        "SELECT prompt_token_ids, response_token_ids, response_logprobs FROM calls "
+        "WHERE len(response_token_ids) > 0 AND sampling IS DISTINCT FROM 'greedy'").fetchall()
+    assert rows
+    adapted = backend.sample_logprobs(make_samples([(p + r, [0] * len(p) + [1] * len(r), 1.0)
+                                                    for p, r, _ in rows]))
+    assert max(float(np.abs(a[len(p):] - np.asarray(lp, np.float32)).max())
+               for a, (p, _, lp) in zip(adapted, rows, strict=True)) < 1e-3
