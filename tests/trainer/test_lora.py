@@ -372,3 +372,17 @@ def test_a_lora_run_serves_its_merged_policy_and_resumes(tmp_path: Path, arith_m
                                                     for p, r, _ in rows]))
     assert max(float(np.abs(a[len(p):] - np.asarray(lp, np.float32)).max())
                for a, (p, _, lp) in zip(adapted, rows, strict=True)) < 1e-3
+
+
+def test_sft_summary_says_how_to_use_an_adapter_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from lgt.trainer.distill.sft import summary_lines
+
+    summary = {"rollouts_read": 1, "rollouts_kept": 1, "calls": 1, "samples": 1, "tokens_trained": 1,
+               "merge_breaks": 0, "bad_traces": 0, "nll_first": 1.0, "nll_last": 0.5, "steps": 1,
+               "minutes": 0.1}
+    adapter = TorchBackend.load(tiny_model_dir, lora_cfg()).save_checkpoint(tmp_path / "a" / "checkpoints")
+    full = TorchBackend.load(tiny_model_dir, TorchConfig()).save_checkpoint(tmp_path / "f" / "checkpoints")
+    assert summary_lines({**summary, "checkpoint": str(adapter)})[-1] == (
+        f"checkpoint: {adapter} (a LoRA adapter: lgt-train export {tmp_path / 'a'} --merge DIR makes it a "
+        "model.path)")
+    assert summary_lines({**summary, "checkpoint": str(full)})[-1].endswith("(use it as model.path of a run)")

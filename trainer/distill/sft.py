@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lgt.trainer.backends.checkpoints import is_adapter
 from lgt.trainer.distill.traces import (
     SftConfig,
     SftError,
@@ -117,7 +118,10 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         b, a = s["eval_before"], s["eval_after"]
         lines.append(f"held-out eval: greedy {_f(b['greedy'])} → {_f(a['greedy'])}   "
                      f"sampled {_f(b['sampled'])} → {_f(a['sampled'])}")
-    return lines + [f"checkpoint: {s['checkpoint']} (use it as model.path of a run)"]
+    ckpt = Path(s["checkpoint"])
+    use = (f"a LoRA adapter: lgt-train export {ckpt.parent.parent} --merge DIR makes it a model.path"
+           if is_adapter(ckpt) else "use it as model.path of a run")
+    return lines + [f"checkpoint: {ckpt} ({use})"]
 
 
 def _f(x: float | None) -> str:
