@@ -6,6 +6,7 @@ sentence before anything is loaded or written."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +26,8 @@ TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arith" / "run.yaml"
 
 
-def lora_cfg(**kw) -> TorchConfig:
-    return TorchConfig(lr=1e-2, micro_batch_tokens=64, lora=LoraConfig(**{"rank": 4, **kw}))
+def lora_cfg(*, micro_batch_tokens: int = 64, **kw) -> TorchConfig:
+    return TorchConfig(lr=1e-2, micro_batch_tokens=micro_batch_tokens, lora=LoraConfig(**{"rank": 4, **kw}))
 
 
 def params(backend: TorchBackend) -> dict[str, torch.Tensor]:
@@ -386,3 +387,18 @@ def test_sft_summary_says_how_to_use_an_adapter_checkpoint(tiny_model_dir: Path,
         f"checkpoint: {adapter} (a LoRA adapter: lgt-train export {tmp_path / 'a'} --merge DIR makes it a "
         "model.path)")
     assert summary_lines({**summary, "checkpoint": str(full)})[-1].endswith("(use it as model.path of a run)")
+
+
+def test_gradient_checkpointing_gives_the_adapter_the_same_gradient(tiny_model_dir: Path) -> None:
+    batch = make_samples(random_specs(10, 4, vocab(tiny_model_dir)))
+    plain = TorchBackend.load(tiny_model_dir, lora_cfg(micro_batch_tokens=4096))
+    ckpt = TorchBackend.load(tiny_model_dir, replace(lora_cfg(), grad_checkpointing=True))
+    assert ckpt.model.is_gradient_checkpointing
+    plain.accumulate(batch)
+    ckpt.accumulate(batch)  # and in micro-batches of 64 padded tokens
+    g_plain = {n: p.grad for n, p in plain.model.named_parameters() if p.grad is not None}
+    g_ckpt = {n: p.grad for n, p in ckpt.model.named_parameters() if p.grad is not None}
+    assert set(g_ckpt) == set(g_plain) == {n for n, _ in plain.model.named_parameters() if ".lora_" in n}
+    for name, g in g_ckpt.items():  # A's gradient is 0 while B is
+        assert (float(g.abs().max()) > 0) == (".lora_B." in name), name
+        torch.testing.assert_close(g, g_plain[name], rtol=1e-4, atol=1e-7, msg=name)
