@@ -261,7 +261,7 @@ def test_target_modules_the_model_lacks_are_named_with_the_ones_it_has(tiny_mode
     ({"backend.lora.dropout": 1}, r"backend.lora.dropout must be a number in \[0, 1\), not 1"),
     ({"backend.lora.target_modules": []}, "backend.lora.target_modules must be a list of module names"),
     ({"backend.lora.rank": 4, "backend.train_layers": 1}, "backend.lora and backend.train_layers"),
-    ({"backend.name": "verl", "backend.lora.rank": 4}, "backend.lora is not supported by the verl backend"),
+    ({"backend.name": "verl", "backend.lora.dropout": 0.1}, "verl's LoRA has no dropout"),
 ])
 def test_config_refuses_bad_lora_settings(override: dict, message: str) -> None:
     with pytest.raises(cfgmod.ConfigError, match=message):

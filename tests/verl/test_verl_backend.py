@@ -20,6 +20,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from lgt.store.samples import SAMPLES  # noqa: E402
+from lgt.trainer.backends.base import LoraConfig  # noqa: E402
 from lgt.trainer.backends.samples import SampleError  # noqa: E402
 from lgt.trainer.backends.verl_actor import VerlConfig, VerlConfigError, VerlInProcessActor  # noqa: E402
 from lgt.trainer.backends.verl_batch import samples_to_dataproto  # noqa: E402
@@ -236,6 +237,7 @@ def test_config_maps_onto_verl_actor_config():
     ({"max_prompt_len": 0}, "backend.max_prompt_len must be a positive integer or null"),
     ({"old_logprobs": "fresh"}, "backend.old_logprobs must be one of behaviour, recompute, not 'fresh'"),
     ({"world_size": 0}, "backend.world_size must be a positive integer"),
+    ({"lora": LoraConfig(dropout=0.1)}, "backend.lora.dropout is 0.1 but verl's LoRA has no dropout"),
 ])
 def test_config_errors_are_one_sentence(values, message):
     with pytest.raises(VerlConfigError, match=message) as err:
@@ -478,3 +480,46 @@ def test_on_policy_distillation_trains_each_token_by_its_own_advantage(tiny_mode
         n_up, n_down = n_up + (s > 0).sum(), n_down + (s < 0).sum()
     assert n_up and n_down
     assert up / n_up > 0 > down / n_down, (up / n_up, down / n_down)
+
+
+def test_verl_lora_trains_its_adapter_gives_merged_weights_and_resumes_exactly(tiny_model_dir, tmp_path):
+    # backend.lora on verl: verl's own LoRA (PEFT in its FSDP engine) on q_proj and v_proj; the weights
+    # for the engine are merged (only the targeted projections move), the checkpoint is a servable
+    # model of them plus verl's state, and --resume continues exactly
+    if torch.cuda.is_available():
+        pytest.skip("CPU check")
+    from transformers import AutoModelForCausalLM
+
+    from lgt.trainer.backends.base import BackendError, entry
+
+    trainer_cls = entry("verl").load_class()
+    samples = on_policy_samples(tiny_model_dir)
+    cfg = VerlConfig(lr=1e-2, param_dtype="fp32", ppo_micro_batch_size_per_gpu=2,
+                     lora=LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj")))
+    trainer = trainer_cls.load(tiny_model_dir, cfg)
+    try:
+        assert trainer.lora == cfg.lora
+        with pytest.raises(BackendError, match="keeps its LoRA adapter inside its FSDP engine"):
+            trainer.save_adapter(tmp_path / "adapter")
+        before = {n: t.float().cpu().clone() for n, t in trainer.named_weights()}
+        trainer.train_step(samples)
+        trainer.train_step(samples)  # B starts at 0: the second step moves A too
+        ckpt = trainer.save_checkpoint(tmp_path / "checkpoints", {"version": 2})
+        weights = {n: t.float().cpu().clone() for n, t in trainer.named_weights()}
+        continued = trainer.train_step(samples)
+    finally:
+        trainer.close()
+    for name, w in weights.items():
+        targeted = name.endswith(("q_proj.weight", "v_proj.weight"))
+        assert (not torch.equal(w, before[name])) == targeted, name
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict()
+    for name, w in weights.items():
+        assert torch.equal(hf[name], w), name
+    resumed, extra = trainer_cls.resume(ckpt, cfg)
+    try:
+        assert extra == {"version": 2} and resumed.step == 2
+        again = resumed.train_step(samples)
+    finally:
+        resumed.close()
+    assert again["loss/pg"] == continued["loss/pg"]
+    assert again["actor/grad_norm"] == continued["actor/grad_norm"]

@@ -84,7 +84,8 @@ class Backend(Protocol):
     def save_adapter(self, path: str | Path) -> Path:
         """The current LoRA adapter written as a PEFT folder at ``path`` (``adapter_config.json`` +
         ``adapter_model.safetensors``: what vLLM's ``--enable-lora`` / ``POST /v1/load_lora_adapter``
-        loads), and ``path``; BackendError when this backend trains no adapter (``lora`` is None)."""
+        loads), and ``path``; BackendError when this backend trains no adapter (``lora`` is None) or
+        cannot write it (verl keeps its adapter inside its FSDP engine and gives it merged only)."""
         ...
 
     def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None, *,
@@ -279,6 +280,8 @@ class VerlConfig:
     behaviour mismatch). ``param_dtype``: FSDP's compute dtype (``fp32``: no autocast; ``auto``: bf16
     on a GPU, fp32 on CPU). ``micro_batch_tokens``: micro-batches packed by a budget of tokens per rank
     (verl's dynamic batch size), as the torch backend's; unset: ``ppo_micro_batch_size_per_gpu`` rows.
+    ``lora``: verl's own LoRA (PEFT inside its FSDP engine; no dropout there) with lgt's settings and
+    default targets; the weights it gives the engine and the checkpoints are the adapter merged in.
     ``world_size``: training ranks (FSDP shards); more than 1 runs on Ray: ``ray_address`` joins an
     existing cluster (``auto``, or ``host:port``), otherwise a local one is started with the run and
     stopped after it. ``model_path`` is set by the run (the model being trained); ``loss`` by the
@@ -312,13 +315,15 @@ class VerlConfig:
     ray_address: str | None = None
     python: str | None = None  # an interpreter with verl when this one has none (preflight.backend_python)
     updates_per_step: int = 1
-    lora: LoraConfig | None = None  # refused: LoRA trains on the torch backend
+    lora: LoraConfig | None = None  # verl's own LoRA (HFModelConfig.lora_rank …): see to_verl_model
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
-        if self.lora is not None:
-            raise BackendError("backend.lora is not supported by the verl backend: train LoRA adapters with "
-                               "backend.name: torch, or leave lora out to train every weight on verl")
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise BackendError(f"backend.lora must be a LoraConfig, not {type(self.lora).__name__}")
+        if self.lora is not None and self.lora.dropout:
+            raise BackendError(f"backend.lora.dropout is {self.lora.dropout} but verl's LoRA has no dropout: "
+                               "leave it at 0 on the verl backend (or use backend.name: torch)")
         _finite("backend.lr", self.lr, 0, strict=True)
         _finite("backend.weight_decay", self.weight_decay, 0, strict=False)
         _finite("backend.grad_clip", self.grad_clip, 0, strict=True)
@@ -399,11 +404,27 @@ class VerlConfig:
 
         if not self.model_path:
             raise BackendError("the verl backend needs model_path (a Hugging Face model directory)")
+        lora: dict[str, Any] = {}
+        if self.lora is not None:  # merge: verl's weights for the engine (and checkpoints) are merged
+            lora = {"lora_rank": self.lora.rank, "lora_alpha": self.lora.alpha, "lora": {"merge": True},
+                    "target_modules": self.verl_lora_targets()}
         return HFModelConfig(
             path=self.model_path, use_remove_padding=self.use_remove_padding,
             enable_gradient_checkpointing=self.gradient_checkpointing,
-            override_config={"attn_implementation": self.attn_implementation},
+            override_config={"attn_implementation": self.attn_implementation}, **lora,
         )
+
+    def verl_lora_targets(self) -> list[str]:
+        """``lora``'s target modules for the model at ``model_path`` (its linear layers read from its
+        safetensors headers: :func:`lora_targets`)."""
+        from lgt.trainer.model_dir import check_model_dir, linear_layer_names
+
+        assert self.lora is not None
+        info = check_model_dir(self.model_path)
+        have = linear_layer_names(self.model_path, info.vocab_size)
+        if have is None:  # no safetensors file to read: verl (PEFT) checks the names itself
+            return list(self.lora.target_modules or DEFAULT_LORA_TARGETS)
+        return lora_targets(self.lora, have, info.architecture)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from lgt.trainer.backends.base import BackendError, VerlConfig
+from lgt.trainer.backends.base import BackendError, LoraConfig, VerlConfig
 from lgt.trainer.backends.checkpoints import CheckpointError, read_state, tokenizer_files, write_checkpoint
 
 VERL_STATE_DIR = "verl"  # a checkpoint's folder for verl's own sharded state (resume)
@@ -33,12 +33,13 @@ class VerlBackend:
     """
 
     summary = ""  # nothing beyond the config to say in the run's log
-    lora = None  # verl trains every weight here (VerlConfig refuses backend.lora)
+    lora: LoraConfig | None  # verl's own LoRA (VerlConfig.to_verl_model); named_weights are merged
 
     def __init__(self, actor: Any, config: VerlConfig, base_model: Path) -> None:
         self.actor = actor
         self.config = config
         self.base_model = base_model  # config and tokenizer files come from here
+        self.lora = config.lora
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: VerlConfig) -> VerlBackend:
@@ -85,8 +86,11 @@ class VerlBackend:
         return self.actor.named_weights()
 
     def save_adapter(self, path: str | Path) -> Path:
-        raise BackendError("the verl backend trains no LoRA adapter (backend.lora is torch-only): there is "
-                           "no adapter to save")
+        """Not on verl: its adapter lives inside its FSDP engine and reaches the engine and checkpoints
+        merged (``named_weights``); BackendError."""
+        what = "keeps its LoRA adapter inside its FSDP engine" if self.lora else "trains no LoRA adapter"
+        raise BackendError(f"the verl backend {what}: save_adapter is the torch backend's (its weights go "
+                           "to the engine merged, through named_weights)")
 
     def save_checkpoint(self, root: str | Path, extra: dict[str, Any] | None = None, *,
                         name: int | None = None) -> Path:
