@@ -155,8 +155,8 @@ class Policy:
 
     def serve_checkpoint(self, checkpoint: Path | None) -> None:
         """``lgt-train eval`` and ``apo``: the engine serves ``checkpoint`` (its step and policy version
-        the progress) or the config's model; no backend. A LoRA checkpoint is served merged into its base
-        (``<run_dir>/merged-step-N``, :func:`lgt.trainer.backends.export.export`), as a full model."""
+        the progress) or the config's model; no backend. A LoRA checkpoint's adapter is served on its base
+        (:meth:`serve_adapter`)."""
         from lgt.trainer.backends import checkpoints
 
         self.prepare()

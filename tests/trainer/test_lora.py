@@ -312,9 +312,9 @@ def test_preflight_names_missing_targets_before_anything_starts(tiny_model_dir: 
 
 
 @pytest.mark.slow
-def test_a_lora_run_serves_its_merged_policy_and_resumes(tmp_path: Path, arith_model_dir: Path) -> None:
+def test_a_lora_run_serves_its_adapter_and_resumes(tmp_path: Path, arith_model_dir: Path) -> None:
     """``lgt-train run`` with ``backend.lora`` on its own engine, one step, then ``--resume`` to a second:
-    the engine restarted on the base model gets the step-1 adapter merged in before its first call."""
+    the engine restarted on the base model gets the step-1 adapter loaded before its first call."""
     from lgt.store.query import connect
     from lgt.testing.runs import lgt_train, lgt_train_cmd, metrics, write_config
 
@@ -343,11 +343,14 @@ def test_a_lora_run_serves_its_merged_policy_and_resumes(tmp_path: Path, arith_m
     assert [r["step"] for r in metrics(run_dir)] == [1, 2]
 
     # the calls of policy version 1, served after the restart (the engine started on the base, the
-    # adapter merged in), sampled from the step-1 adapter's policy, not from the base
+    # adapter loaded as policy-v1), sampled from the step-1 adapter's policy, not from the base
     rows = connect(run_dir / "store").execute(
         "SELECT prompt_token_ids, response_token_ids, response_logprobs FROM calls "
         "WHERE policy_version = 1 AND len(response_token_ids) > 0").fetchall()
     assert len(rows) >= 4
+    served = connect(run_dir / "store").execute(
+        "SELECT DISTINCT served_model FROM calls WHERE policy_version = 1").fetchall()
+    assert served == [("policy-v1",)]
     specs = [(p + r, [0] * len(p) + [1] * len(r), 1.0) for p, r, _ in rows]
     adapted = backend.sample_logprobs(make_samples(specs))
     base = TorchBackend.load(arith_model_dir, TorchConfig()).sample_logprobs(make_samples(specs))
@@ -358,12 +361,13 @@ def test_a_lora_run_serves_its_merged_policy_and_resumes(tmp_path: Path, arith_m
                                                                                    strict=True))
     assert gap < 1e-3 < from_base, (gap, from_base)
 
-    # lgt-train eval serves a LoRA checkpoint merged into its base: its calls sample from the adapter
+    # lgt-train eval serves a LoRA checkpoint's adapter on its base: its calls sample from the adapter
     eval_dir = tmp_path / "eval"
     out = lgt_train_cmd("eval", str(cfg), "--checkpoint", str(ckpt), "--run-dir", str(eval_dir),
                         "--set", "eval.split=0.1", "--set", "eval.samples=1")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert (eval_dir / "merged-step-00000001" / "model.safetensors").is_file()
+    assert connect(eval_dir / "store").execute("SELECT DISTINCT served_model FROM calls").fetchall() == [
+        ("policy-v1",)]
     assert "eval at step 1" in out.stdout
     rows = connect(eval_dir / "store").execute(
         "SELECT prompt_token_ids, response_token_ids, response_logprobs FROM calls "

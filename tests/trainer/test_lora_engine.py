@@ -66,26 +66,23 @@ def test_a_rank_above_the_engines_max_is_one_sentence() -> None:
 
 
 def test_the_run_config_refuses_a_rank_above_engine_max_lora_rank(tmp_path: Path) -> None:
-    """Whatever form backend.lora takes (its section is the torch backend's), the check reads its rank."""
+    """The torch backend's backend.lora: the check reads its rank."""
     import dataclasses
 
     from lgt.trainer import config
-    from lgt.trainer.backends.torch_backend import TorchConfig
+    from lgt.trainer.backends.base import LoraConfig, TorchConfig
 
     (tmp_path / "tasks.jsonl").write_text('{"task_id": "a", "question": "q"}\n')
     (tmp_path / "run.yaml").write_text("agent: {command: [python, agent.py]}\ntasks: tasks.jsonl\n"
                                        "model: {path: m}\nengine: {max_lora_rank: 16}\n")
     cfg = config.load(tmp_path / "run.yaml")
     assert cfg.engine.max_lora_rank == 16
-    fields = {f.name for f in dataclasses.fields(TorchConfig)}
-    with_lora = TorchConfig if "lora" in fields else dataclasses.make_dataclass(
-        "TorchWithLora", [("lora", object, None)], bases=(TorchConfig,), frozen=True)
-    config.validate(dataclasses.replace(cfg, backend=with_lora(lora=None)))  # full fine-tuning
+    config.validate(dataclasses.replace(cfg, backend=TorchConfig(lora=None)))  # full fine-tuning
     with pytest.raises(config.ConfigError, match=r"^backend.lora.rank 32 is above the engine's max_lora_rank "
                                                  r"16 \(vLLM's --max-lora-rank\)"):
-        config.validate(dataclasses.replace(cfg, backend=with_lora(lora={"rank": 32})))
+        config.validate(dataclasses.replace(cfg, backend=TorchConfig(lora=LoraConfig(rank=32))))
     # an engine that serves no adapters takes the merged weights whatever the rank
-    config.validate(dataclasses.replace(cfg, backend=with_lora(lora={"rank": 32}),
+    config.validate(dataclasses.replace(cfg, backend=TorchConfig(lora=LoraConfig(rank=32)),
                                         engine=dataclasses.replace(cfg.engine, serve_adapters=False)))
     with pytest.raises(config.ConfigError,
                        match=r"^engine.lora_rank is set by backend.lora.rank; leave it out$"):
@@ -342,16 +339,7 @@ def test_eval_serves_a_lora_checkpoints_adapter_on_its_base_model(engine: Engine
     assert engine.adapters() == []
 
 
-def _backend_trains_lora() -> bool:
-    import dataclasses
-
-    from lgt.trainer.backends.torch_backend import TorchConfig
-
-    return "lora" in {f.name for f in dataclasses.fields(TorchConfig)}
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _backend_trains_lora(), reason="the torch backend has no backend.lora here")
 def test_a_lora_run_loads_each_version_and_routes_its_calls_to_it(tmp_path: Path,
                                                                   arith_model_dir: Path) -> None:
     """``lgt-train run`` with backend.lora (its own engine, started for adapters): every call recorded at
