@@ -105,13 +105,17 @@ class ControlClient:
         still running at the timeout (the proxy stays paused)."""
         return self.call("POST", "/pause", {"timeout": timeout}, timeout=timeout + 10)
 
-    def resume(self, policy_version: int | None = None, served_model: str | None = None) -> dict[str, Any]:
+    def resume(self, policy_version: int | None = None, served_model: str | None = None,
+               served: dict[str, str | None] | None = None) -> dict[str, Any]:
         """Release held calls; later ones are recorded under ``policy_version`` (unchanged if None) and
         sent to the upstream's model ``served_model`` (unchanged if None: a proxy older than that field
-        is never sent it)."""
+        is never sent it); ``served``: each named policy's served model, changed before a held call
+        goes on (docs/policies.md)."""
         body: dict[str, Any] = {} if policy_version is None else {"policy_version": policy_version}
         if served_model is not None:
             body["served_model"] = served_model
+        if served:
+            body["served"] = served
         return self.call("POST", "/resume", body)
 
     def set_served(self, served: dict[str, str | None]) -> dict[str, Any]:

@@ -12,6 +12,11 @@ Each policy version reaches the engine through the run's weight sync (:mod:`lgt.
 the full weights, or a LoRA adapter loaded under a versioned name): :meth:`~Supervisor.push` after a
 training step; ``served_model`` is then the name the proxy's resume gives, so the calls released go to
 that version (an engine or a proxy started again gets it too).
+
+With a ``policies`` section the proxy it starts gets it (``--policies``, the file ``policies_file``
+with each policy's current served model written in, rewritten after each push, so a proxy started
+again routes as the one before); several policies' adapters (:class:`~lgt.trainer.serving.sync.
+PolicyAdapters`) give each policy's served model (:attr:`~Supervisor.served`), which every resume sends.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 from lgt.trainer.run.progress import Progress
 from lgt.trainer.serving.launch import EngineConfig, EngineError
 from lgt.trainer.serving.proxy import ProxyClient, ProxyError, ProxyGroup, ProxySection
-from lgt.trainer.serving.sync import Adapters, FullWeights, WeightSync
+from lgt.trainer.serving.sync import Adapters, FullWeights, PolicyAdapters, WeightSync
 
 DYING_S = 2.0  # how long a call that failed is given to show it was its engine's or proxy's death
 
@@ -41,7 +46,8 @@ class Supervisor:
 
     def __init__(self, engine: EngineConfig, proxy: ProxySection, *, store: Path, store_url: str | Path,
                  logs_dir: Path, seed: int, restarts: int, progress: Progress,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], policies: list[dict[str, Any]] | None = None,
+                 policies_file: Path | None = None) -> None:
         self.engine_cfg = engine
         self.proxy_cfg = proxy
         self.store = store  # the store's local folder
@@ -55,6 +61,8 @@ class Supervisor:
         self.sync: WeightSync | None = None
         self.served_model: str | None = None  # the engine's model calls go to (None: its own name)
         self.restored = False  # the engine's starting weights are not model_dir's (serve's restore)
+        self.policies = policies  # the proxy's policies section (lgt.proxy.policies), or None
+        self.policies_file = policies_file  # where the proxy reads it (--policies)
         self.engine: Any = None
         self.proxy: Any = None
 
@@ -74,7 +82,7 @@ class Supervisor:
         from lgt.trainer.serving.weights import checkpoint_tensors
 
         self.sync = sync if sync is not None else FullWeights(weights) if weights is not None else None
-        adapters = isinstance(self.sync, Adapters)
+        adapters = isinstance(self.sync, (Adapters, PolicyAdapters))
         cfg, version = self.engine_cfg, self.progress.version
         if cfg.url:  # a running engine: it serves this run's weights from now on
             self.log(f"using the vLLM engine at {cfg.url} (engine.url): loading {model_dir.name} ...")
@@ -96,7 +104,7 @@ class Supervisor:
         if p.url:  # running replicas, one or several, on the run's store
             self.proxy = ProxyGroup([ProxyClient.connect(self.store, url, p.port, p.token) for url in p.url])
             self.proxy.check_served(cfg.served_model_name)
-            self.proxy.resume(version, self.served_model)
+            self.proxy.resume(version, self.served_model, self.served)
         else:
             started = ProxyClient.start(
                 self.store_url, self.engine.url, log_path=self.logs_dir / "proxy.log",
@@ -104,7 +112,7 @@ class Supervisor:
                 command=list(p.command) if p.command else None,
                 upstream_timeout=p.upstream_timeout_s, listen_host=p.listen_host, egress=p.egress_args(),
                 served_model=self.served_model or cfg.served_model_name,
-                max_output_tokens=p.max_output_tokens)
+                max_output_tokens=p.max_output_tokens, policies=self.write_policies())
             self.proxy = ProxyGroup([started])
         self.warm_up()
 
@@ -115,7 +123,29 @@ class Supervisor:
         assert self.sync is not None, "serve() was given no weights to sync"
         served = self.sync.update(self.engine, version, drained=drained)
         self.served_model = served
+        self.write_policies()
         return served
+
+    @property
+    def served(self) -> dict[str, str] | None:
+        """Each policy's served model now (several policies' adapters), for the proxy's resume; None
+        for a run of one policy."""
+        return dict(self.sync.served) if isinstance(self.sync, PolicyAdapters) else None
+
+    def write_policies(self) -> Path | None:
+        """The policies section as the proxy reads it (``--policies``), each policy's current served
+        model written in; None without one. Written whole under another name, then renamed."""
+        if self.policies is None or self.policies_file is None:
+            return None
+        import json
+
+        served = self.served or {}
+        section = [{**p, "served": served[p["name"]]} if p["name"] in served else p for p in self.policies]
+        partial = self.policies_file.with_name(self.policies_file.name + ".tmp")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(section, indent=1) + "\n")
+        partial.replace(self.policies_file)
+        return self.policies_file
 
     def endpoints(self) -> list[ProxyClient]:
         """The proxy replicas, for the rollout controller."""
@@ -193,12 +223,13 @@ class Supervisor:
         self.engine = await asyncio.to_thread(enginemod.Engine.start,
                                               dataclasses.replace(old.cfg, port=old.port))
         # it serves the weights the run started from; the current version's adapter is loaded again
-        if isinstance(self.sync, Adapters):
+        if isinstance(self.sync, (Adapters, PolicyAdapters)):
             self.served_model = await asyncio.to_thread(self.sync.restore, self.engine, self.progress.version)
+            self.write_policies()
         elif (self.progress.updates_this_run or self.restored) and self.weights is not None:
             await asyncio.to_thread(self.engine.update_weights, self.weights())
         if not paused:
-            await asyncio.to_thread(self.proxy.resume, self.progress.version, self.served_model)
+            await asyncio.to_thread(self.proxy.resume, self.progress.version, self.served_model, self.served)
 
     async def _restart_proxy(self, paused: bool) -> None:
         restarted = await asyncio.to_thread(self.proxy.restart_dead, self.progress.version, self.served_model)
@@ -210,7 +241,7 @@ class Supervisor:
     def stop(self) -> None:
         """The proxy and the engine (an error stopping one does not keep the other running); an adapter
         sync's folders (and its adapters, from an engine that outlives the run)."""
-        if isinstance(self.sync, Adapters):
+        if isinstance(self.sync, (Adapters, PolicyAdapters)):
             attached = self.engine is not None and self.engine.attached and not self.engine.died
             with contextlib.suppress(Exception):
                 self.sync.close(self.engine if attached else None)

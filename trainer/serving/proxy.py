@@ -126,12 +126,14 @@ class ProxyClient:
               port: int = 0, control_port: int = 0, command: list[str] | None = None,
               upstream_timeout: float | None = None, listen_host: str = "127.0.0.1",
               egress: list[str] | None = None, served_model: str = "policy",
-              max_output_tokens: int | None = None, timeout: float = 60) -> ProxyClient:
+              max_output_tokens: int | None = None, policies: Path | None = None,
+              timeout: float = 60) -> ProxyClient:
         """Start lgt-proxy on ``store`` (a folder, or ``s3://…``: the proxy uploads there and both
         work in its local mirror). ``upstream`` None: observe-only (calls go where the agent sent them,
         and are recorded as a hosted model's: ``lgt-train record``). ``served_model``: the name the
         upstream serves the policy under (``engine.served_model_name``), which every routed call asks
-        for; ``max_output_tokens``: the proxy's cap on a reply's length (``proxy.max_output_tokens``)."""
+        for; ``max_output_tokens``: the proxy's cap on a reply's length (``proxy.max_output_tokens``);
+        ``policies``: the run's policies section as JSON (``--policies``; read again by a restart)."""
         from lgt.store.remote import resolve
 
         store_arg, store = str(store), resolve(store)[0]
@@ -140,6 +142,8 @@ class ProxyClient:
         route = ["--upstream", upstream, "--served-model", served_model] if upstream is not None else []
         if upstream is not None and max_output_tokens:
             route += ["--max-output-tokens", str(max_output_tokens)]
+        if policies is not None:
+            route += ["--policies", str(policies)]
         cmd = [*(command or find_proxy_command()), "--store", store_arg, *route,
                "--listen-port", str(port), "--control-port", str(control_port),
                "--policy-version", str(policy_version), "--flush-seconds", "0.5"]
@@ -254,11 +258,13 @@ class ProxyClient:
                 return {**e.body, "drained": False}
             raise
 
-    def resume(self, policy_version: int, served_model: str | None = None) -> dict[str, Any]:
+    def resume(self, policy_version: int, served_model: str | None = None,
+               served: dict[str, str | None] | None = None) -> dict[str, Any]:
         """Release held calls at ``policy_version``; with ``served_model``, they go to that model of the
-        engine from now on (the version's LoRA adapter). A restart of this proxy keeps it."""
+        engine from now on (the version's LoRA adapter). A restart of this proxy keeps it. ``served``:
+        each named policy's model (its adapter), changed before the held calls go on."""
         self.check_alive()
-        out = self.api.resume(policy_version, served_model)
+        out = self.api.resume(policy_version, served_model, served)
         if served_model is not None and self.argv is not None and "--served-model" in self.argv:
             self.argv[self.argv.index("--served-model") + 1] = served_model
         return out
@@ -313,8 +319,9 @@ class ProxyGroup:
                 "drain_seconds": max(o.get("drain_seconds", 0.0) for o in out),
                 "in_flight_at_pause": sum(o.get("in_flight_at_pause", 0) for o in out), "replicas": out}
 
-    def resume(self, policy_version: int, served_model: str | None = None) -> dict[str, Any]:
-        return {"replicas": self._each(ProxyClient.resume, policy_version, served_model)}
+    def resume(self, policy_version: int, served_model: str | None = None,
+               served: dict[str, str | None] | None = None) -> dict[str, Any]:
+        return {"replicas": self._each(ProxyClient.resume, policy_version, served_model, served)}
 
     def check_served(self, name: str) -> None:
         """ProxyError unless every replica rewrites calls to ``name``, the model the engine serves

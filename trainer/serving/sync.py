@@ -18,6 +18,8 @@ weights, ``named_weights``, through today's path).
 Both have ``update(engine, version, drained=...)`` (after a training step: returns the model name the
 proxy's resume should name, None for the engine's own) and ``restore(engine, version)`` (an engine
 started again, or a run's first: the current version served; returns the same).
+:class:`PolicyAdapters` holds one :class:`Adapters` per policy of a run of several
+(docs/policies.md): each policy's adapter loaded as ``<policy>-v<version>``.
 """
 
 from __future__ import annotations
@@ -149,6 +151,40 @@ class Adapters:
         shutil.rmtree(self.root, ignore_errors=True)
         self.loaded.clear()
         self.current = None
+
+
+class PolicyAdapters:
+    """Several policies' LoRA adapters on one engine: one :class:`Adapters` per policy, its base name the
+    policy's name, so policy ``coder``'s version N is loaded as ``coder-vN`` (under ``root/<policy>/``).
+    Every policy gets each run-wide version (a policy that did not train in a step has its unchanged
+    adapter loaded under the new version's name), so a call's served model always names its policy
+    and its ``policy_version``. :attr:`served` maps each policy to its current adapter: the proxy's
+    resume sends it (``served``); the proxy's own served model stays the engine's (None)."""
+
+    kind = "adapter"
+
+    def __init__(self, saves: dict[str, Callable[[Path], Any]], root: Path) -> None:
+        self.root = Path(root)
+        self.policies = {name: Adapters(save, self.root / name, name) for name, save in saves.items()}
+        self.served: dict[str, str] = {}
+
+    def update(self, engine: Any, version: int, *, drained: bool = True) -> None:
+        self.served = {name: a.update(engine, version, drained=drained) for name, a in self.policies.items()}
+        return None
+
+    def restore(self, engine: Any, version: int) -> None:
+        self.served = {name: a.restore(engine, version) for name, a in self.policies.items()}
+        return None
+
+    @property
+    def load_s(self) -> float | None:
+        times = [a.load_s for a in self.policies.values() if a.load_s is not None]
+        return sum(times) if times else None
+
+    def close(self, engine: Any = None) -> None:
+        for a in self.policies.values():
+            a.close(engine)
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def choose(backend: Any, engine_cfg: Any, root: Path, *, lora: Any = None,
