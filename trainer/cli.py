@@ -151,6 +151,7 @@ def run_cmd(config_file: Path | None, mode: str | None, steps: int | None, max_m
         else:
             cfg = cfgmod.load(config_file, overrides)
         tasks = preflight.validate(cfg, resume_dir=resume_dir, run_dir=run_dir)  # before anything starts
+        cfgmod.policy_backends(cfg)  # what lgt-train run cannot train of a policies section
         python = preflight.backend_python(cfg)
     except ValueError as e:
         raise click.ClickException(str(e)) from None

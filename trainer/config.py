@@ -430,10 +430,90 @@ def validate(cfg: RunConfig) -> None:
     need(bad_log is None, bad_log or "")
     if cfg.policies is not None:
         try:
-            proxy_policies.parse(cfg.policies)
+            proxy_policies.parse(proxy_section(cfg.policies))
         except proxy_policies.PolicyError as e:
             raise ConfigError(str(e)) from None
     validate_teacher(cfg)
+
+
+POLICY_BACKEND = "backend"  # a policy's own backend settings: the trainer's, never the proxy's
+
+
+def proxy_section(policies: Any) -> Any:
+    """The ``policies`` section as lgt-proxy reads it (``--policies FILE``): each policy without its
+    ``backend`` settings, which are the trainer's."""
+    if not isinstance(policies, list):
+        return policies
+    return [{k: v for k, v in p.items() if k != POLICY_BACKEND} if isinstance(p, dict) else p
+            for p in policies]
+
+
+def several_policies(cfg: RunConfig) -> bool:
+    """Whether the run trains several policies, one adapter each (a ``policies`` section of two or
+    more); one policy trains as a run without the section does."""
+    return isinstance(cfg.policies, list) and len(cfg.policies) > 1
+
+
+def policy_backends(cfg: RunConfig) -> dict[str, BackendConfig]:
+    """Each policy's backend config, in the section's order: the run's ``backend`` section with the
+    policy's own ``backend`` keys written over it (a ``lora`` mapping over the run's ``lora`` key by
+    key), so a policy changes only what it names. ConfigError (one sentence, before anything starts)
+    for what ``lgt-train run`` cannot train: several policies without ``backend.lora`` (each policy is a
+    LoRA adapter on the shared base model and engine), on another backend than torch, or with the
+    engine's adapters switched off; a policy on an engine of its own (``upstream``); ``served`` with
+    several policies (the run names each policy's adapter); a bad key in a policy's ``backend``."""
+    base = cfg.source.parent if cfg.source is not None else Path.cwd()
+    out: dict[str, BackendConfig] = {}
+    several = several_policies(cfg)
+    for i, p in enumerate(cfg.policies or []):
+        where = f"policies[{i}]"
+        if p.get("upstream") is not None:
+            raise ConfigError(f"{where} ({p['name']}) has its own upstream: a policy on an engine of its own "
+                              "is not trained by lgt-train run yet")
+        if several and p.get("served") is not None:
+            raise ConfigError(f"{where}.served is set by lgt-train run (each policy's adapter is served as "
+                              f"<name>-v<version>, here {p['name']}-v<version>): leave it out")
+        own = p.get(POLICY_BACKEND) or {}
+        if not isinstance(own, dict):
+            raise ConfigError(f"{where}.backend must be a mapping of backend keys (e.g. {{lr: 1e-5}}), "
+                              f"not {own!r}")
+        if own and not several:
+            raise ConfigError(f"{where}.backend is for a run of several policies: with one policy, set the "
+                              "run's backend section instead")
+        if "name" in own:
+            raise ConfigError(f"{where}.backend.name: every policy trains on the run's backend "
+                              f"({cfg.backend.name}); leave it out")
+        raw = dict(own)
+        run_lora = getattr(cfg.backend, "lora", None)
+        if isinstance(raw.get("lora"), dict) and run_lora is not None:
+            raw["lora"] = {**_jsonable(run_lora), **raw["lora"]}
+        out[p["name"]] = build(type(cfg.backend), raw, f"{where}.backend.", base, cfg.backend) if raw \
+            else cfg.backend
+    if not several:
+        return out
+    if cfg.backend.name != "torch":
+        raise ConfigError(f"several policies are trained as LoRA adapters by the torch backend, not "
+                          f"{cfg.backend.name}: set backend: {{name: torch, lora: {{rank: 8}}}}")
+    for i, (name, b) in enumerate(out.items()):
+        lora = getattr(b, "lora", None)
+        if lora is None:
+            raise ConfigError(f"{len(out)} policies need backend.lora: each policy trains a LoRA adapter on "
+                              "the shared base model, served by the one engine (add e.g. backend: {lora: "
+                              "{rank: 8}})" if getattr(cfg.backend, "lora", None) is None else
+                              f"policies[{i}].backend.lora is null: each of several policies trains a LoRA "
+                              "adapter")
+        if cfg.engine.serve_adapters:
+            try:
+                lora_max_rank(lora_rank_of(lora), cfg.engine.max_lora_rank)
+            except ValueError as e:
+                raise ConfigError(f"policy {name!r}: {e}") from None
+    if not cfg.engine.serve_adapters:
+        raise ConfigError("several policies need the engine to serve their adapters side by side: leave "
+                          "engine.serve_adapters at true")
+    if cfg.algorithm.estimator == "opd":
+        raise ConfigError("on-policy distillation (algorithm.estimator: opd) trains one policy: leave out "
+                          "the policies section or the estimator")
+    return out
 
 
 def validate_teacher(cfg: RunConfig) -> None:

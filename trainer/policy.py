@@ -25,6 +25,8 @@ from lgt.trainer.run.progress import Progress
 from lgt.trainer.run.runlog import Display, RunLog, write_json
 from lgt.trainer.run.supervisor import Supervisor
 
+POLICIES_FILE = "policies.json"  # in the run directory: the policies section lgt-proxy reads (--policies)
+
 
 class Policy:
     """What a command serves from ``run_dir`` (see the module docstring): build it with :meth:`prepare`,
@@ -131,6 +133,23 @@ class Policy:
         restore = checkpoint is not None or how.kind == "adapter"
         self.serve(model_dir, sync=how, restore=restore, engine=engine)
 
+    def serve_policies(self, backends: dict[str, Any], model_dir: Path) -> None:
+        """``lgt-train run`` of several policies: the base model ``model_dir`` served with each policy's
+        adapter loaded as ``<policy>-v<version>`` (:class:`lgt.trainer.serving.sync.PolicyAdapters`;
+        ``backends``: each policy's, in order), the engine holding two adapters per policy (the current
+        and the previous version's, whose calls may still run at an update) at the largest rank."""
+        from lgt.trainer.serving import sync
+        from lgt.trainer.serving.launch import lora_rank_of
+
+        rank = max(lora_rank_of(b.cfg.lora) for b in backends.values())
+        engine = dataclasses.replace(self.cfg.engine, lora_rank=rank,
+                                     max_loras=max(self.cfg.engine.max_loras, 2 * len(backends)))
+        how = sync.PolicyAdapters({name: b.save_adapter for name, b in backends.items()},
+                                  self.run_dir / "engine-adapters")
+        self.runlog.log(f"LoRA: {len(backends)} policies ({', '.join(backends)}), each update loads each "
+                        "policy's adapter into the engine as <policy>-v<version>")
+        self.serve(model_dir, sync=how, restore=True, engine=engine)
+
     def serve(self, serve_dir: Path, weights: Callable[[], Any] | None = None, *,
               sync: Any = None, restore: bool = False, engine: Any = None) -> None:
         """The engine on ``serve_dir`` and lgt-proxy in front of it (the supervisor), the rollout
@@ -142,7 +161,9 @@ class Policy:
         self.supervisor = Supervisor(engine or cfg.engine, cfg.proxy, store=self.store,
                                      store_url=self.remote.url or self.store,
                                      logs_dir=self.run_dir / "logs", seed=cfg.seed, restarts=cfg.restarts,
-                                     progress=self.progress, log=self.runlog.log)
+                                     progress=self.progress, log=self.runlog.log,
+                                     policies=cfgmod.proxy_section(cfg.policies),
+                                     policies_file=self.run_dir / POLICIES_FILE)
         self.supervisor.serve(serve_dir, weights, sync=sync, restore=restore)
         resources = None
         if cfg.resources:

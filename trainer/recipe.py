@@ -34,6 +34,15 @@ samples as they are). Nothing after setup reads the run config.
 **cleanup** stops the proxy and the engine it started, cancels unfinished rollouts, closes the backend;
 the summary, metrics.csv, plots and report pages are written however the run ended.
 
+**Several policies** (a ``policies`` section of two or more, docs/policies.md): one torch backend per
+policy, each a LoRA adapter on the shared base model with its own optimizer (its settings the run's
+``backend`` with the policy's own ``backend`` keys over them); each step splits the batch's samples by
+policy (:func:`~lgt.trainer.run.admission.prepare_policies`: each policy's advantages within its own
+table), trains each policy with samples on them alone (one with none does not update), loads every
+policy's adapter as ``<policy>-v<version>`` (one run-wide version: the step) and resumes the proxy with
+each policy's served model; checkpoints under ``checkpoints/policies/<policy>/step-N``, metrics as
+``policy/<policy>/<name>`` beside the step's mean.
+
 Departures from the published method, on purpose:
 - Admission control (async) bounds staleness: a group is launched only while every group launched so
   far could be trained within ``max_staleness`` versions; a group whose calls are staler than that when
@@ -83,7 +92,8 @@ class Recipe:
         self.store, self.remote, self.runlog = self.policy.store, self.policy.remote, self.policy.runlog
         self.progress = self.policy.progress
         self.stopped: str | None = None  # why training ended (the final summary says it)
-        self.backend: Any = None
+        self.backend: Any = None  # the backend (with several policies: the first policy's)
+        self.backends: dict[str, Any] = {}  # several policies: each policy's backend, in order
         self.supervisor: Supervisor | None = None
         self.controller: Any = None
         self.scheduler: GroupScheduler | None = None
@@ -98,7 +108,9 @@ class Recipe:
         model_dir = policy.ensure_model()
         ckpt = checkpoints.latest_checkpoint(self.run_dir / "checkpoints") if self.resume else None
         backend_cls = entry(cfg.backend.name).load_class()
-        if ckpt is not None:
+        if cfgmod.several_policies(cfg):
+            ckpt = self.load_policies(backend_cls, model_dir)
+        elif ckpt is not None:
             self.backend, extra = backend_cls.resume(ckpt, cfg.backend)
             self.progress = policy.progress = Progress.from_checkpoint(extra)
             self.runlog.restore(self.progress.step)
@@ -112,7 +124,10 @@ class Recipe:
             write_json(self.run_dir / cfgmod.RUN_FILE, cfg.to_json())
         self.tokenizer = _decoder(model_dir)
         self.teacher = policy.ensure_teacher(model_dir, self.backend)  # made, checked before any engine
-        policy.serve_backend(self.backend, model_dir, ckpt)
+        if self.backends:
+            policy.serve_policies(self.backends, model_dir)
+        else:
+            policy.serve_backend(self.backend, model_dir, ckpt)
         self.supervisor, self.controller = policy.supervisor, policy.controller
         self.teacher.start()  # the teacher's engine, once the student's runs
         self.scheduler = GroupScheduler(
@@ -202,7 +217,7 @@ class Recipe:
         await timed("record", self.controller.flush_records)
         await timed("flush", sup.proxy.flush, paused=False)
         await self.remote.sync(timed)  # a store on S3: the rollouts just recorded up, other replicas' down
-        prepared = await timed("samples", self.samples_for, batch)
+        prepared, per_policy = await timed("samples", self.samples_for, batch)
         prepared, distill = await self.teacher.apply(prepared, timed)  # OPD, while the rollouts still run
         t_paused, metrics = time.monotonic(), {}
         perf.update({f"perf/{name}_s": 0.0 for name in ("train", "sync", "sleep", "wake")})
@@ -215,7 +230,10 @@ class Recipe:
             asleep = sup.engine.sleeps_on_update
             if asleep:
                 await timed("sleep", sup.engine.sleep)
-            metrics = await timed("train", self.train_on, prepared.samples)
+            if self.backends:
+                metrics = await timed("train", self.train_policies, per_policy)
+            else:
+                metrics = await timed("train", self.train_on, prepared.samples)
             if asleep:
                 await timed("wake", sup.engine.wake_up)
             drained = pause.get("drained", True)
@@ -225,7 +243,8 @@ class Recipe:
         self.scheduler.trained(batch)
         if progress.step % self.checkpoint_every == 0 or progress.step >= self.stop_rules.steps:
             await timed("checkpoint", self.save_checkpoint)
-        await timed("resume", lambda: sup.proxy.resume(progress.version, sup.served_model), paused=True)
+        await timed("resume", lambda: sup.proxy.resume(progress.version, sup.served_model, sup.served),
+                    paused=True)
         self.runlog.trained(progress.step, progress.version, prepared.samples)
         self.runlog.step(step_row(
             step=progress.step, version=progress.version, time_s=self.runlog.elapsed(), columns=self.columns,
@@ -236,25 +255,79 @@ class Recipe:
             pause=pause, perf=perf, update_s=time.monotonic() - t_step, paused_s=time.monotonic() - t_paused,
             metrics={**distill, **metrics}))
 
-    def samples_for(self, batch: list[Group]) -> admission.Prepared:
-        """The batch's samples from the store, ready for the loss (:func:`~.run.admission.prepare`)."""
+    def samples_for(self, batch: list[Group]) -> tuple[admission.Prepared, dict[str, admission.Prepared]]:
+        """The batch's samples from the store, ready for the loss (:func:`~.run.admission.prepare`), and,
+        with several policies, each policy's (:func:`~.run.admission.prepare_policies`; else empty)."""
         samples = build_group_samples(self.store, [g.group_id for g in batch],
                                       mode=self.algorithm.sample_mode, tokenizer=self.tokenizer).samples
-        return admission.prepare(samples, self.progress.version, self.algorithm, self.max_staleness)
+        if self.backends:
+            return admission.prepare_policies(samples, list(self.backends), self.progress.version,
+                                              self.algorithm, self.max_staleness)
+        return admission.prepare(samples, self.progress.version, self.algorithm, self.max_staleness), {}
 
-    def train_on(self, samples: pa.Table) -> dict[str, float]:
+    def train_on(self, samples: pa.Table, backend: Any = None) -> dict[str, float]:
         """``backend.updates_per_step`` optimizer steps on disjoint shares of the batch's groups (each
-        share weighted so its rollouts count once); metrics averaged over them."""
-        runs = [self.backend.train_step(share)
+        share weighted so its rollouts count once); metrics averaged over them. ``backend``: the run's
+        unless given (a policy's)."""
+        backend = backend or self.backend
+        runs = [backend.train_step(share)
                 for share in admission.shares(samples, self.updates_per_step, self.algorithm)]
-        if len(runs) == 1:
-            return runs[0]
-        keys = {key for m in runs for key in m if isinstance(m[key], (int, float))}
-        return {key: sum(m.get(key, 0.0) for m in runs) / len(runs) for key in keys}
+        return _mean(runs)
+
+    def train_policies(self, batches: dict[str, admission.Prepared]) -> dict[str, float]:
+        """Each policy's backend trained on its own samples (a policy with none is not updated): its
+        metrics as ``policy/<name>/<metric>`` (with its ``samples`` and ``rollout/reward_mean``), and
+        the mean over the policies trained under the plain names."""
+        out: dict[str, float] = {}
+        runs = []
+        for name, prepared in batches.items():
+            out[f"policy/{name}/samples"] = prepared.samples.num_rows
+            if not prepared.samples.num_rows:
+                continue
+            m = self.train_on(prepared.samples, self.backends[name])
+            runs.append(m)
+            out[f"policy/{name}/rollout/reward_mean"] = prepared.metrics()["rollout/reward_mean"]
+            out.update({f"policy/{name}/{k}": v for k, v in m.items() if isinstance(v, (int, float))})
+        return {**_mean(runs), **out}
+
+    def load_policies(self, backend_cls: Any, model_dir: Path) -> Path | None:
+        """Several policies' backends (:attr:`backends`), each on the base model with its own settings
+        (:func:`~lgt.trainer.config.policy_backends`), or, resuming, each from its checkpoint of the
+        newest step every policy finished (``checkpoints/policies/<name>/step-N``); that checkpoint of
+        the first policy (None: a new run)."""
+        from lgt.trainer.backends import checkpoints
+
+        configs = cfgmod.policy_backends(self.cfg)
+        root = self.run_dir / "checkpoints" / "policies"
+        step = None
+        if self.resume:
+            finished = [{p.name for p in checkpoints.finished_checkpoints(root / name)} for name in configs]
+            common = sorted(set.intersection(*finished)) if finished else []
+            step = common[-1] if common else None
+        extra: dict[str, Any] = {}
+        for name, bcfg in configs.items():
+            if step is not None:
+                self.backends[name], extra = backend_cls.resume(root / name / step, bcfg)
+            else:
+                self.backends[name] = backend_cls.load(model_dir, bcfg)
+        self.backend = next(iter(self.backends.values()))
+        if step is None:
+            return None
+        self.progress = self.policy.progress = Progress.from_checkpoint(extra)
+        self.runlog.restore(self.progress.step)
+        self.runlog.log(f"resuming {len(configs)} policies from {step}: step {self.progress.step}, "
+                        f"policy version {self.progress.version}")
+        return root / next(iter(configs)) / step
 
     def save_checkpoint(self) -> None:
         # named by the run's step (backend.updates_per_step > 1 makes several updates in one)
         root = self.run_dir / "checkpoints"
+        if self.backends:  # each policy's own: checkpoints/policies/<name>/step-N
+            for name, backend in self.backends.items():
+                backend.save_checkpoint(root / "policies" / name, self.progress.checkpoint(),
+                                        name=self.progress.step)
+                prune_checkpoints(root / "policies" / name, self.keep_checkpoints)
+            return
         self.backend.save_checkpoint(root, self.progress.checkpoint(), name=self.progress.step)
         prune_checkpoints(root, self.keep_checkpoints)
 
@@ -262,9 +335,10 @@ class Recipe:
     def cleanup(self) -> None:
         self.teacher.stop()
         self.policy.stop()
-        if self.backend is not None:
-            with contextlib.suppress(Exception):
-                self.backend.close()
+        for backend in self.backends.values() or [self.backend]:
+            if backend is not None:
+                with contextlib.suppress(Exception):
+                    backend.close()
 
 
 def run(cfg: RunConfig, tasks: Tasks, *, run_dir: Path | None = None, resume: bool = False,
@@ -288,6 +362,14 @@ def run(cfg: RunConfig, tasks: Tasks, *, run_dir: Path | None = None, resume: bo
                 finish(run_dir, r.store, stopped=r.stopped)
         r.runlog.close(r.stopped)  # the trackers' runs end with the summary and plots (if they began)
     return run_dir
+
+
+def _mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's metrics, or the mean of each numeric one over several."""
+    if len(runs) == 1:
+        return runs[0]
+    keys = {key for m in runs for key in m if isinstance(m[key], (int, float))}
+    return {key: sum(m.get(key, 0.0) for m in runs) / len(runs) for key in keys}
 
 
 def _decoder(model_dir: Path) -> Any:

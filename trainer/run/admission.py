@@ -16,6 +16,8 @@ functions, and only these, what to do next:
   admission control keeps that rare); optionally groups with equal rewards; then advantages and loss
   weights over the rollouts that remain (:func:`lgt.trainer.rl.algorithm.assign`: each rollout counts once
   in this step, however many samples it became).
+* :func:`prepare_policies` — with several policies, :func:`prepare` on each policy's own samples
+  (:func:`lgt.store.samples.split_by_policy`): each policy's advantages and loss weights within its table.
 * :func:`shares` — the batch split into ``updates_per_step`` disjoint shares of whole groups, each
   re-weighted so its rollouts count once in its own optimizer step.
 """
@@ -29,6 +31,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lgt.store.samples import split_by_policy
 from lgt.trainer.rl.algorithm import AlgorithmConfig, assign
 
 
@@ -116,6 +119,23 @@ def prepare(samples: pa.Table, version: int, algorithm: AlgorithmConfig, max_sta
     kept = set(t["group_id"].to_pylist())
     return Prepared(t, n_rollouts, len(stale), len(flat),
                     [version - v for g, v in oldest.items() if g in kept])
+
+
+def prepare_policies(samples: pa.Table, policies: list[str], version: int, algorithm: AlgorithmConfig,
+                     max_staleness: int) -> tuple[Prepared, dict[str, Prepared]]:
+    """Several policies' batch: each of ``policies`` prepared on its own samples (its advantages and loss
+    weights within its table, so each rollout counts once in each policy's update; an empty table for a
+    policy with no call in the batch), and the batch as one for the step's row: the policies' tables
+    together, its counts (stale and zero-variance groups, staleness) those of :func:`prepare` on the
+    whole batch. Samples of a policy not in ``policies`` are not trained."""
+    tables = split_by_policy(samples)
+    empty = samples.slice(0, 0)
+    each = {name: prepare(tables.get(name, empty), version, algorithm, max_staleness) for name in policies}
+    whole = prepare(samples, version, algorithm, max_staleness)
+    trained = [p.samples for p in each.values() if p.samples.num_rows]
+    table = pa.concat_tables(trained, promote_options="permissive") if trained else whole.samples.slice(0, 0)
+    rollouts = len(set(zip(table["rollout_id"].to_pylist(), table["attempt"].to_pylist())))
+    return Prepared(table, rollouts, whole.stale_groups, whole.zero_variance_groups, whole.staleness), each
 
 
 def shares(samples: pa.Table, k: int, algorithm: AlgorithmConfig) -> list[pa.Table]:
