@@ -437,82 +437,140 @@ def validate(cfg: RunConfig) -> None:
 
 
 POLICY_BACKEND = "backend"  # a policy's own backend settings: the trainer's, never the proxy's
+# a policy's keys that are the trainer's, never the proxy's: its backend settings, and for a full model on
+# an engine of its own, that model and engine (the proxy gets the engine's URL and name instead)
+TRAINER_KEYS = (POLICY_BACKEND, "model", "engine")
+
+
+@dataclass(frozen=True)
+class OwnEngine:
+    """A policy that is a full model on an engine of its own (``policies[i].model``): its model section
+    and its engine's config (the run's ``engine`` with the policy's own ``engine`` keys over it)."""
+
+    model: ModelSection
+    engine: EngineConfig
+    key: str  # where the section says it: policies[i].model
 
 
 def proxy_section(policies: Any) -> Any:
-    """The ``policies`` section as lgt-proxy reads it (``--policies FILE``): each policy without its
-    ``backend`` settings, which are the trainer's."""
+    """The ``policies`` section as lgt-proxy reads it (``--policies FILE``): each policy without the
+    trainer's keys (:data:`TRAINER_KEYS`)."""
     if not isinstance(policies, list):
         return policies
-    return [{k: v for k, v in p.items() if k != POLICY_BACKEND} if isinstance(p, dict) else p
+    return [{k: v for k, v in p.items() if k not in TRAINER_KEYS} if isinstance(p, dict) else p
             for p in policies]
 
 
 def several_policies(cfg: RunConfig) -> bool:
-    """Whether the run trains several policies, one adapter each (a ``policies`` section of two or
-    more); one policy trains as a run without the section does."""
+    """Whether the run trains several policies (a ``policies`` section of two or more); one policy
+    trains as a run without the section does."""
     return isinstance(cfg.policies, list) and len(cfg.policies) > 1
+
+
+def own_engines(cfg: RunConfig) -> dict[str, OwnEngine]:
+    """The policies that are full models on engines of their own (a ``model`` section: its ``path``, and
+    ``make`` as the run's ``model.make``), each with its engine (the run's ``engine`` section with the
+    policy's own ``engine`` keys over it), in the section's order. ConfigError (one sentence): ``model``
+    on the first policy (the run's model is the first policy's), ``engine`` without ``model``, an engine
+    at a URL, a bad key."""
+    base = cfg.source.parent if cfg.source is not None else Path.cwd()
+    out: dict[str, OwnEngine] = {}
+    for i, p in enumerate(cfg.policies or []):
+        where = f"policies[{i}]"
+        if p.get("model") is None:
+            if p.get("engine") is not None:
+                raise ConfigError(f"{where}.engine is for a policy on an engine of its own: give it a model "
+                                  f"too ({where}.model: {{path: ...}}), or set the run's engine section")
+            continue
+        if i == 0:
+            raise ConfigError(f"{where}.model: the first policy is the run's own model (model.path), served "
+                              "by the run's engine; put the policy on an engine of its own later in the list")
+        model = build(ModelSection, p["model"], f"{where}.model.", base)
+        engine = build(EngineConfig, p.get("engine") or {}, f"{where}.engine.", base, cfg.engine)
+        if engine.url is not None:
+            raise ConfigError(f"{where}.engine.url: lgt-train run starts a policy's own engine (an engine "
+                              "at a URL serves the weights it has, not the policy's): leave it out")
+        out[p["name"]] = OwnEngine(model, engine, f"{where}.model")
+    return out
 
 
 def policy_backends(cfg: RunConfig) -> dict[str, BackendConfig]:
     """Each policy's backend config, in the section's order: the run's ``backend`` section with the
     policy's own ``backend`` keys written over it (a ``lora`` mapping over the run's ``lora`` key by
-    key), so a policy changes only what it names. ConfigError (one sentence, before anything starts)
-    for what ``lgt-train run`` cannot train: several policies without ``backend.lora`` (each policy is a
-    LoRA adapter on the shared base model and engine), on another backend than torch, or with the
-    engine's adapters switched off; a policy on an engine of its own (``upstream``); ``served`` with
-    several policies (the run names each policy's adapter); a bad key in a policy's ``backend``."""
+    key), so a policy changes only what it names. A policy on an engine of its own
+    (:func:`own_engines`) trains its full weights (the run's ``lora`` is not its). The policies on the
+    run's engine: one trains as a run without the section does (every weight, or an adapter with
+    ``backend.lora``); several are LoRA adapters on the shared base model, one engine serving them all.
+    ConfigError (one sentence, before anything starts) for what ``lgt-train run`` cannot train: several
+    policies on the run's engine without ``backend.lora``, on another backend than torch, or with the
+    engine's adapters switched off; a policy at an ``upstream`` of its own (lgt-train run starts a
+    policy's own engine: ``model``); ``served`` with several policies (the run names each one's model);
+    ``lora`` for a policy on its own engine; a bad key in a policy's ``backend``."""
     base = cfg.source.parent if cfg.source is not None else Path.cwd()
     out: dict[str, BackendConfig] = {}
     several = several_policies(cfg)
+    own = own_engines(cfg)
     for i, p in enumerate(cfg.policies or []):
         where = f"policies[{i}]"
         if p.get("upstream") is not None:
-            raise ConfigError(f"{where} ({p['name']}) has its own upstream: a policy on an engine of its own "
-                              "is not trained by lgt-train run yet")
+            raise ConfigError(f"{where} ({p['name']}) has an upstream of its own, whose weights lgt-train "
+                              f"run cannot update: give it a model ({where}.model: {{path: ...}}) and the "
+                              "run starts and trains its engine")
         if several and p.get("served") is not None:
-            raise ConfigError(f"{where}.served is set by lgt-train run (each policy's adapter is served as "
-                              f"<name>-v<version>, here {p['name']}-v<version>): leave it out")
-        own = p.get(POLICY_BACKEND) or {}
-        if not isinstance(own, dict):
+            raise ConfigError(f"{where}.served is set by lgt-train run (a policy's adapter is served as "
+                              f"<name>-v<version>, a policy's own engine as <name>, here {p['name']}): "
+                              "leave it out")
+        mine = p.get(POLICY_BACKEND) or {}
+        if not isinstance(mine, dict):
             raise ConfigError(f"{where}.backend must be a mapping of backend keys (e.g. {{lr: 1e-5}}), "
-                              f"not {own!r}")
-        if own and not several:
+                              f"not {mine!r}")
+        if mine and not several:
             raise ConfigError(f"{where}.backend is for a run of several policies: with one policy, set the "
                               "run's backend section instead")
-        if "name" in own:
+        if "name" in mine:
             raise ConfigError(f"{where}.backend.name: every policy trains on the run's backend "
                               f"({cfg.backend.name}); leave it out")
-        raw = dict(own)
+        raw = dict(mine)
         run_lora = getattr(cfg.backend, "lora", None)
-        if isinstance(raw.get("lora"), dict) and run_lora is not None:
+        if p["name"] in own:
+            if raw.get("lora") is not None:
+                raise ConfigError(f"{where}.backend.lora: a policy on an engine of its own trains its full "
+                                  "weights; leave lora out")
+            if run_lora is not None:
+                raw["lora"] = None
+        elif isinstance(raw.get("lora"), dict) and run_lora is not None:
             raw["lora"] = {**_jsonable(run_lora), **raw["lora"]}
         out[p["name"]] = build(type(cfg.backend), raw, f"{where}.backend.", base, cfg.backend) if raw \
             else cfg.backend
     if not several:
         return out
     if cfg.backend.name != "torch":
-        raise ConfigError(f"several policies are trained as LoRA adapters by the torch backend, not "
-                          f"{cfg.backend.name}: set backend: {{name: torch, lora: {{rank: 8}}}}")
-    for i, (name, b) in enumerate(out.items()):
+        raise ConfigError(f"several policies are trained by the torch backend, not {cfg.backend.name}: set "
+                          "backend: {name: torch, lora: {rank: 8}}")
+    if cfg.algorithm.estimator == "opd":
+        raise ConfigError("on-policy distillation (algorithm.estimator: opd) trains one policy: leave out "
+                          "the policies section or the estimator")
+    shared = {name: b for name, b in out.items() if name not in own}
+    if len(shared) < 2:  # the run's engine serves one policy: as a run without the section
+        return out
+    for name, b in shared.items():
+        i = next(j for j, p in enumerate(cfg.policies) if p["name"] == name)
         lora = getattr(b, "lora", None)
         if lora is None:
-            raise ConfigError(f"{len(out)} policies need backend.lora: each policy trains a LoRA adapter on "
-                              "the shared base model, served by the one engine (add e.g. backend: {lora: "
-                              "{rank: 8}})" if getattr(cfg.backend, "lora", None) is None else
-                              f"policies[{i}].backend.lora is null: each of several policies trains a LoRA "
-                              "adapter")
+            raise ConfigError(f"{len(shared)} policies on the run's engine need backend.lora: each trains a "
+                              "LoRA adapter on the shared base model, served by the one engine (add e.g. "
+                              "backend: {lora: {rank: 8}}, or give a policy an engine of its own: model)"
+                              if getattr(cfg.backend, "lora", None) is None else
+                              f"policies[{i}].backend.lora is null: each of several policies on the run's "
+                              "engine trains a LoRA adapter")
         if cfg.engine.serve_adapters:
             try:
                 lora_max_rank(lora_rank_of(lora), cfg.engine.max_lora_rank)
             except ValueError as e:
                 raise ConfigError(f"policy {name!r}: {e}") from None
     if not cfg.engine.serve_adapters:
-        raise ConfigError("several policies need the engine to serve their adapters side by side: leave "
-                          "engine.serve_adapters at true")
-    if cfg.algorithm.estimator == "opd":
-        raise ConfigError("on-policy distillation (algorithm.estimator: opd) trains one policy: leave out "
-                          "the policies section or the estimator")
+        raise ConfigError("several policies on the run's engine need it to serve their adapters side by "
+                          "side: leave engine.serve_adapters at true")
     return out
 
 

@@ -46,6 +46,8 @@ class Policy:
         self.progress = Progress()
         self.supervisor: Supervisor | None = None
         self.controller: Any = None
+        self.policy_engines: dict[str, Any] = {}  # policies on engines of their own (serve_policies)
+        self.proxy_policies = cfgmod.proxy_section(cfg.policies)  # the section lgt-proxy reads
 
     def prepare(self) -> None:
         """The run directory, its store and (a new run's) config.json. A resumed run's config.json is
@@ -112,17 +114,19 @@ class Policy:
             restarts=cfg.restarts, log=self.runlog.log))
 
     # ------------------------------------------------------------------------------------ serving
-    def serve_backend(self, backend: Any, model_dir: Path, checkpoint: Path | None) -> None:
+    def serve_backend(self, backend: Any, model_dir: Path, checkpoint: Path | None, *,
+                      lora: Any = "run") -> None:
         """``lgt-train run``: serve what ``backend`` trains (:meth:`serve`), each version synced to the
         engine as :func:`lgt.trainer.serving.sync.choose` says: full fine-tuning serves ``checkpoint``
         (or ``model_dir``) and sends every weight after each step; a LoRA backend (``backend.lora``)
         serves the base model ``model_dir`` and loads its adapter under a versioned name, or, where the
         backend or engine cannot serve adapters, sends its merged weights (one line in the log says
-        which)."""
+        which). ``lora``: the backend's LoRA settings, if not the run's ``backend.lora``."""
         from lgt.trainer.serving import sync
         from lgt.trainer.serving.launch import lora_rank_of
 
-        lora = getattr(self.cfg.backend, "lora", None)
+        if lora == "run":
+            lora = getattr(self.cfg.backend, "lora", None)
         if lora is None:
             self.serve(checkpoint or model_dir, weights=backend.named_weights)
             return
@@ -133,20 +137,40 @@ class Policy:
         restore = checkpoint is not None or how.kind == "adapter"
         self.serve(model_dir, sync=how, restore=restore, engine=engine)
 
-    def serve_policies(self, backends: dict[str, Any], model_dir: Path) -> None:
-        """``lgt-train run`` of several policies: the base model ``model_dir`` served with each policy's
-        adapter loaded as ``<policy>-v<version>`` (:class:`lgt.trainer.serving.sync.PolicyAdapters`;
-        ``backends``: each policy's, in order), the engine holding two adapters per policy (the current
-        and the previous version's, whose calls may still run at an update) at the largest rank."""
+    def serve_policies(self, backends: dict[str, Any], model_dir: Path,
+                       serve_dirs: dict[str, Path | None]) -> None:
+        """``lgt-train run`` of several policies (``backends``: each policy's, in order). Each policy on an
+        engine of its own (:func:`lgt.trainer.config.own_engines`) gets that engine, started first on
+        ``serve_dirs[name]`` (:class:`~lgt.trainer.serving.policy_engine.PolicyEngine`) and written into
+        the proxy's section as the policy's route. The policies on the run's engine: several are served
+        on the base model ``model_dir`` with each one's adapter loaded as ``<policy>-v<version>``
+        (:class:`lgt.trainer.serving.sync.PolicyAdapters`), the engine holding two adapters per policy
+        (the current and the previous version's, whose calls may still run at an update) at the largest
+        rank; one is served as a run of one policy is (:meth:`serve_backend`, from ``serve_dirs[name]``:
+        a resumed run's checkpoint, or None)."""
         from lgt.trainer.serving import sync
         from lgt.trainer.serving.launch import lora_rank_of
+        from lgt.trainer.serving.policy_engine import PolicyEngine
 
-        rank = max(lora_rank_of(b.cfg.lora) for b in backends.values())
+        own = cfgmod.own_engines(self.cfg)
+        for name in own:
+            self.policy_engines[name] = PolicyEngine.start(
+                name, own[name].engine, serve_dirs[name] or own[name].model.path,
+                log_path=self.run_dir / "logs" / f"engine-{name}.log", seed=self.cfg.seed,
+                weights=backends[name].named_weights, log=self.runlog.log)
+        self.proxy_policies = [{**p, **self.policy_engines[p["name"]].route()} if p["name"] in own else p
+                               for p in cfgmod.proxy_section(self.cfg.policies)]
+        shared = {name: b for name, b in backends.items() if name not in own}
+        if len(shared) == 1:
+            name, backend = next(iter(shared.items()))
+            self.serve_backend(backend, model_dir, serve_dirs.get(name), lora=backends_lora(backend))
+            return
+        rank = max(lora_rank_of(b.cfg.lora) for b in shared.values())
         engine = dataclasses.replace(self.cfg.engine, lora_rank=rank,
-                                     max_loras=max(self.cfg.engine.max_loras, 2 * len(backends)))
-        how = sync.PolicyAdapters({name: b.save_adapter for name, b in backends.items()},
+                                     max_loras=max(self.cfg.engine.max_loras, 2 * len(shared)))
+        how = sync.PolicyAdapters({name: b.save_adapter for name, b in shared.items()},
                                   self.run_dir / "engine-adapters")
-        self.runlog.log(f"LoRA: {len(backends)} policies ({', '.join(backends)}), each update loads each "
+        self.runlog.log(f"LoRA: {len(shared)} policies ({', '.join(shared)}), each update loads each "
                         "policy's adapter into the engine as <policy>-v<version>")
         self.serve(model_dir, sync=how, restore=True, engine=engine)
 
@@ -162,7 +186,7 @@ class Policy:
                                      store_url=self.remote.url or self.store,
                                      logs_dir=self.run_dir / "logs", seed=cfg.seed, restarts=cfg.restarts,
                                      progress=self.progress, log=self.runlog.log,
-                                     policies=cfgmod.proxy_section(cfg.policies),
+                                     policies=self.proxy_policies,
                                      policies_file=self.run_dir / POLICIES_FILE)
         self.supervisor.serve(serve_dir, weights, sync=sync, restore=restore)
         resources = None
@@ -221,6 +245,14 @@ class Policy:
     def stop(self) -> None:
         if self.supervisor is not None:
             self.supervisor.stop()
+        for engine in self.policy_engines.values():
+            with contextlib.suppress(Exception):
+                engine.stop()
+
+
+def backends_lora(backend: Any) -> Any:
+    """A torch backend's LoRA settings (None: it trains every weight)."""
+    return getattr(getattr(backend, "cfg", None), "lora", None)
 
 
 def adapter_folder(checkpoint: Path) -> Path | None:

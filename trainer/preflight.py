@@ -52,6 +52,11 @@ def validate(cfg: RunConfig, *, resume_dir: Path | None = None, run_dir: Path | 
         check_model_dir(m.path, need_chat_template=m.chat_template is None).check_context(
             cfg.engine.max_model_len)
     check_lora(cfg)
+    for own in cfgmod.own_engines(cfg).values():  # the policies on engines of their own
+        if own.model.make is not None:
+            _check_make(own.model.make, own.model.path, own.key)
+        else:
+            check_model_dir(own.model.path).check_context(own.engine.max_model_len)
     if t is not None and t.make is not None and t.path is not None:
         _check_make(t.make, t.path, "teacher")
     elif t is not None and t.path is not None:

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from lgt.store.samples import build_group_samples
 from lgt.trainer import config as cfgmod
@@ -108,8 +109,9 @@ class Recipe:
         model_dir = policy.ensure_model()
         ckpt = checkpoints.latest_checkpoint(self.run_dir / "checkpoints") if self.resume else None
         backend_cls = entry(cfg.backend.name).load_class()
+        serve_dirs: dict[str, Path | None] = {}
         if cfgmod.several_policies(cfg):
-            ckpt = self.load_policies(backend_cls, model_dir)
+            serve_dirs = self.load_policies(backend_cls, model_dir)
         elif ckpt is not None:
             self.backend, extra = backend_cls.resume(ckpt, cfg.backend)
             self.progress = policy.progress = Progress.from_checkpoint(extra)
@@ -123,9 +125,12 @@ class Recipe:
         if self.resume:  # the run's record of its config changes once the backend took the config
             write_json(self.run_dir / cfgmod.RUN_FILE, cfg.to_json())
         self.tokenizer = _decoder(model_dir)
+        # a policy on an engine of its own whose tokenizer is not the base model's realigns with its own
+        self.tokenizers = {name: _decoder(own.model.path) for name, own in cfgmod.own_engines(cfg).items()
+                           if _tokenizer_text(own.model.path) != _tokenizer_text(model_dir)}
         self.teacher = policy.ensure_teacher(model_dir, self.backend)  # made, checked before any engine
         if self.backends:
-            policy.serve_policies(self.backends, model_dir)
+            policy.serve_policies(self.backends, model_dir, serve_dirs)
         else:
             policy.serve_backend(self.backend, model_dir, ckpt)
         self.supervisor, self.controller = policy.supervisor, policy.controller
@@ -213,6 +218,8 @@ class Recipe:
             return out
 
         await sup.keep_alive()  # an engine that died since the last look is back before the pause
+        for engine in self.policy.policy_engines.values():
+            await asyncio.to_thread(engine.keep_alive)
         # the batch's groups are finished: their samples are built while the other rollouts still run
         await timed("record", self.controller.flush_records)
         await timed("flush", sup.proxy.flush, paused=False)
@@ -239,6 +246,8 @@ class Recipe:
             drained = pause.get("drained", True)
             await timed("sync", lambda: sup.push(progress.version + 1, drained=drained),
                         paused=True)  # a new engine
+            if self.policy.policy_engines:  # the policies on engines of their own that trained
+                await timed("sync_policies", self.push_policy_engines, metrics)
         progress.trained([g.group_id for g in batch], prepared.samples.num_rows)
         self.scheduler.trained(batch)
         if progress.step % self.checkpoint_every == 0 or progress.step >= self.stop_rules.steps:
@@ -258,8 +267,15 @@ class Recipe:
     def samples_for(self, batch: list[Group]) -> tuple[admission.Prepared, dict[str, admission.Prepared]]:
         """The batch's samples from the store, ready for the loss (:func:`~.run.admission.prepare`), and,
         with several policies, each policy's (:func:`~.run.admission.prepare_policies`; else empty)."""
-        samples = build_group_samples(self.store, [g.group_id for g in batch],
-                                      mode=self.algorithm.sample_mode, tokenizer=self.tokenizer).samples
+        groups, mode = [g.group_id for g in batch], self.algorithm.sample_mode
+        samples = build_group_samples(self.store, groups, mode=mode, tokenizer=self.tokenizer).samples
+        if mode == "realign" and self.tokenizers:  # those policies' samples decoded by their own tokenizer
+            theirs = pc.is_in(samples["policy"], value_set=pa.array(list(self.tokenizers), pa.string()))
+            parts = [samples.filter(pc.invert(theirs))]
+            for name, tokenizer in self.tokenizers.items():
+                own = build_group_samples(self.store, groups, mode=mode, tokenizer=tokenizer).samples
+                parts.append(own.filter(pc.equal(own["policy"], name)))
+            samples = pa.concat_tables(parts)
         if self.backends:
             return admission.prepare_policies(samples, list(self.backends), self.progress.version,
                                               self.algorithm, self.max_staleness)
@@ -290,14 +306,23 @@ class Recipe:
             out.update({f"policy/{name}/{k}": v for k, v in m.items() if isinstance(v, (int, float))})
         return {**_mean(runs), **out}
 
-    def load_policies(self, backend_cls: Any, model_dir: Path) -> Path | None:
-        """Several policies' backends (:attr:`backends`), each on the base model with its own settings
-        (:func:`~lgt.trainer.config.policy_backends`), or, resuming, each from its checkpoint of the
-        newest step every policy finished (``checkpoints/policies/<name>/step-N``); that checkpoint of
-        the first policy (None: a new run)."""
+    def push_policy_engines(self, metrics: dict[str, Any]) -> None:
+        """Each policy on an engine of its own that trained this step (``metrics``: the step's, with
+        ``policy/<name>/samples``) gets its new weights."""
+        for name, engine in self.policy.policy_engines.items():
+            if metrics.get(f"policy/{name}/samples"):
+                engine.push()
+
+    def load_policies(self, backend_cls: Any, model_dir: Path) -> dict[str, Path | None]:
+        """Several policies' backends (:attr:`backends`), each with its own settings
+        (:func:`~lgt.trainer.config.policy_backends`) on the base model, or, for a policy on an engine of
+        its own, on its model (made first when its ``make`` says so); resuming, each from its checkpoint
+        of the newest step every policy finished (``checkpoints/policies/<name>/step-N``). Returns what
+        each policy's engine serves first: its checkpoint (a resumed run) or None (its model)."""
         from lgt.trainer.backends import checkpoints
 
         configs = cfgmod.policy_backends(self.cfg)
+        own = cfgmod.own_engines(self.cfg)
         root = self.run_dir / "checkpoints" / "policies"
         step = None
         if self.resume:
@@ -308,16 +333,20 @@ class Recipe:
         for name, bcfg in configs.items():
             if step is not None:
                 self.backends[name], extra = backend_cls.resume(root / name / step, bcfg)
+            elif name in own:
+                if own[name].model.make is not None:
+                    self.policy.make(own[name].model.make, own[name].model.path, own[name].key)
+                self.backends[name] = backend_cls.load(own[name].model.path, bcfg)
             else:
                 self.backends[name] = backend_cls.load(model_dir, bcfg)
         self.backend = next(iter(self.backends.values()))
         if step is None:
-            return None
+            return dict.fromkeys(configs)
         self.progress = self.policy.progress = Progress.from_checkpoint(extra)
         self.runlog.restore(self.progress.step)
         self.runlog.log(f"resuming {len(configs)} policies from {step}: step {self.progress.step}, "
                         f"policy version {self.progress.version}")
-        return root / next(iter(configs)) / step
+        return {name: root / name / step for name in configs}
 
     def save_checkpoint(self) -> None:
         # named by the run's step (backend.updates_per_step > 1 makes several updates in one)
@@ -370,6 +399,11 @@ def _mean(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return runs[0]
     keys = {key for m in runs for key in m if isinstance(m[key], (int, float))}
     return {key: sum(m.get(key, 0.0) for m in runs) / len(runs) for key in keys}
+
+
+def _tokenizer_text(model_dir: Path) -> str | None:
+    path = model_dir / "tokenizer.json"
+    return path.read_text() if path.exists() else None
 
 
 def _decoder(model_dir: Path) -> Any:

@@ -49,17 +49,26 @@ def test_each_policy_gets_the_runs_backend_with_its_own_keys_over_it(tmp_path: P
 
 
 @pytest.mark.parametrize(("over", "says"), [
-    ({"backend": {"lr": 1e-3}}, "2 policies need backend.lora: each policy trains a LoRA adapter"),
+    ({"backend": {"lr": 1e-3}}, "2 policies on the run's engine need backend.lora: each trains a LoRA adapter"),
     ({"policies": [TWO[0], {**TWO[1], "upstream": "http://127.0.0.1:9/v1"}]},
-     "policies[1] (planner) has its own upstream: a policy on an engine of its own is not trained by "
-     "lgt-train run yet"),
+     "policies[1] (planner) has an upstream of its own, whose weights lgt-train run cannot update: give it "
+     "a model (policies[1].model: {path: ...})"),
+    ({"policies": [{**TWO[0], "model": {"path": "m2"}}, TWO[1]]},
+     "policies[0].model: the first policy is the run's own model"),
+    ({"policies": [TWO[0], {**TWO[1], "engine": {"max_model_len": 64}}]},
+     "policies[1].engine is for a policy on an engine of its own: give it a model too"),
+    ({"policies": [TWO[0], {**TWO[1], "model": {"path": "m2"}, "engine": {"url": "http://127.0.0.1:9"}}]},
+     "policies[1].engine.url: lgt-train run starts a policy's own engine"),
+    ({"policies": [TWO[0], {**TWO[1], "model": {"path": "m2"}, "backend": {"lora": {"rank": 4}}}]},
+     "policies[1].backend.lora: a policy on an engine of its own trains its full weights"),
+    ({"policies": [TWO[0], {**TWO[1], "model": {"path": "m2", "pth": 1}}]}, "unknown key policies[1].model.pth"),
     ({"policies": [{**TWO[0], "served": "coder"}, TWO[1]]}, "policies[0].served is set by lgt-train run"),
     ({"policies": [TWO[0], {**TWO[1], "backend": {"lrr": 1}}]}, "unknown key policies[1].backend.lrr"),
     ({"policies": [TWO[0], {**TWO[1], "backend": {"name": "verl"}}]},
      "policies[1].backend.name: every policy trains on the run's backend"),
     ({"policies": [TWO[0], {**TWO[1], "backend": {"lora": {"rank": 64}}}], "engine": {"max_lora_rank": 16}},
      "policy 'planner': backend.lora.rank 64 is above the engine's max_lora_rank"),
-    ({"engine": {"serve_adapters": False}}, "several policies need the engine to serve their adapters"),
+    ({"engine": {"serve_adapters": False}}, "several policies on the run's engine need it to serve their adapters"),
     ({"policies": [{**TWO[0], "backend": {"lr": 1}}]}, "policies[0].backend is for a run of several"),
 ])
 def test_what_a_run_cannot_train_is_one_sentence(tmp_path: Path, over: dict, says: str) -> None:
@@ -67,6 +76,25 @@ def test_what_a_run_cannot_train_is_one_sentence(tmp_path: Path, over: dict, say
     with pytest.raises(ConfigError) as e:
         config.policy_backends(cfg)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_policy_on_its_own_engine_trains_every_weight_and_the_proxy_gets_its_route(tmp_path: Path) -> None:
+    planner = {**TWO[1], "model": {"path": "planner-model"}, "engine": {"max_model_len": 512},
+               "backend": {"lr": 5e-3}}
+    cfg = load(tmp_path, policies=[TWO[0], planner], engine={"max_model_len": 256, "max_num_seqs": 4})
+    own = config.own_engines(cfg)
+    assert list(own) == ["planner"] and own["planner"].model.path == tmp_path / "planner-model"
+    # the run's engine section with the policy's own keys over it
+    assert (own["planner"].engine.max_model_len, own["planner"].engine.max_num_seqs) == (512, 4)
+    got = config.policy_backends(cfg)
+    # the run's LoRA is the shared engine's policies'; the planner trains its full weights
+    assert got["coder"] == cfg.backend and got["coder"].lora is not None
+    assert got["planner"].lora is None and got["planner"].lr == 5e-3
+    # the proxy's section names neither the model nor the engine (lgt-train run adds its route)
+    assert config.proxy_section(cfg.policies)[1] == TWO[1]
+    # one policy on the run's engine trains as a run of one policy: LoRA is not required then
+    cfg = load(tmp_path, backend={"lr": 1e-3}, policies=[TWO[0], planner])
+    assert config.policy_backends(cfg)["coder"].lora is None
 
 
 def test_one_policy_without_lora_trains_as_a_run_without_the_section(tmp_path: Path) -> None:
@@ -177,3 +205,64 @@ def test_the_two_roles_example_trains_two_policies() -> None:
     backends = config.policy_backends(cfg)
     assert list(backends) == ["coder", "planner"]
     assert (backends["coder"].lr, backends["planner"].lr, backends["planner"].lora.rank) == (1e-3, 5e-4, 8)
+
+
+def _recorded_vs(model_dir: Path, calls: list[tuple[list[int], list[int], list[float]]]) -> float:
+    """The largest gap between the recorded logprobs of ``calls`` (prompt ids, response ids, logprobs) and
+    what transformers computes for the same tokens with the model in ``model_dir``."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
+    gap = 0.0
+    with torch.no_grad():
+        for prompt, response, recorded in calls:
+            ids = [*prompt, *response]
+            logits = model(input_ids=torch.tensor([ids])).logits[0]
+            lp = torch.log_softmax(logits.float(), -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+            gap = max(gap, float(np.abs(lp.numpy()[len(prompt) - 1:] - np.asarray(recorded)).max()))
+    return gap
+
+
+@pytest.mark.slow
+def test_a_policy_on_its_own_engine_is_served_and_trained_there(tmp_path: Path, arith_model_dir: Path) -> None:
+    from lgt.store.query import connect
+    from lgt.testing.runs import lgt_train, metrics, write_config
+
+    tasks = [{"task_id": "a", "question": "What is 2+3?", "answer": 5, "roles": "planner,coder"},
+             {"task_id": "b", "question": "What is 4+1?", "answer": 5, "roles": "planner,coder"}]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    # the coder: every weight of the run's model on the run's engine; the planner: a model of its own (the
+    # same demo model here) on an engine of its own, every weight trained
+    planner = {**TWO[1], "model": {"path": str(arith_model_dir)}, "backend": {"lr": 5e-2}}
+    cfg = write_config(tmp_path, arith_model_dir, steps=2, mode="sync", group_size=4, batch_groups=1,
+                       tasks=str(tmp_path / "tasks.jsonl"), seed=0,
+                       agent={"command": [sys.executable, str(AGENT)], "python_preload": ["openai"],
+                              "env": {"OPENAI_BASE_URL": "https://api.openai.invalid/v1"}, "timeout_s": 90},
+                       backend={"lr": 1e-2}, policies=[TWO[0], planner])
+    run_dir = tmp_path / "run"
+    out = lgt_train(str(cfg), "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = " ".join((out.stdout + out.stderr).split())
+    assert "starting policy planner's own vLLM engine on" in text
+    assert (run_dir / "logs" / "engine-planner.log").is_file()
+
+    rows = metrics(run_dir)
+    assert [r["version"] for r in rows] == [1, 2]
+    assert all((r["policy/coder/samples"], r["policy/planner/samples"]) == (4, 4) for r in rows)
+    assert all(r["perf/sync_policies_s"] > 0 for r in rows)
+
+    con = connect(run_dir / "store")
+    calls = con.execute("SELECT policy, served_model, policy_version, prompt_token_ids, response_token_ids, "
+                        "response_logprobs FROM calls").fetchall()
+    assert len(calls) == 16
+    # the planner's calls went to its engine (its name), the coder's to the run's (the engine's name)
+    assert {(p, s) for p, s, *_ in calls} == {("planner", "planner"), ("coder", "policy")}
+
+    # the planner's version-1 calls were answered by the weights its step 1 trained, on its own engine
+    ckpt = run_dir / "checkpoints" / "policies" / "planner" / "step-00000001"
+    late = [(list(pr), list(r), list(lp)) for p, _, v, pr, r, lp in calls if p == "planner" and v == 1]
+    assert late
+    assert _recorded_vs(ckpt, late) < 2e-3
+    assert _recorded_vs(arith_model_dir, late) > 2e-2  # not the weights it started on
