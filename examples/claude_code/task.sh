@@ -4,11 +4,15 @@
 # (../write_a_word/check.py), whose last line {"reward": …} is the reward. Knows nothing of lgt: Claude Code
 # calls api.anthropic.com through HTTPS_PROXY, which under `lgt-train run` is lgt-proxy (the policy).
 # Its own settings only: the smallest prompt Claude Code makes (--bare, one tool, a short system prompt,
-# and the env vars in run.yaml), so the demo model's context holds it.
+# and the env vars in run.yaml), so the demo model's context holds it. CLAUDE_TOOLS (default Bash) names the
+# tools Claude Code offers; CLAUDE_BARE=0 leaves out --bare, under which Claude Code offers no Agent tool:
+# policies.yaml sets both, so that Claude Code can hand work to sub-agents (a policy of their own there).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/../write_a_word/fresh_folder.sh" claude-code   # $tmp/project (cwd), HOME=$tmp/home
-"$here/node_modules/.bin/claude" -p "$TASK_PROMPT" --bare --tools Bash --allowedTools Bash \
+bare=--bare; [ "${CLAUDE_BARE:-1}" = 0 ] && bare=
+"$here/node_modules/.bin/claude" -p "$TASK_PROMPT" ${bare} --tools "${CLAUDE_TOOLS:-Bash}" \
+    --allowedTools "${CLAUDE_TOOLS:-Bash}" \
     --permission-mode acceptEdits --output-format json --system-prompt "$(cat "$here/system.md")" \
     > "$tmp/claude.json" < /dev/null
 code=$?

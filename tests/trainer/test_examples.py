@@ -207,3 +207,34 @@ def test_swe_images_trains_claude_code_mounted_into_each_tasks_image(tmp_path: P
     trained = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
     assert {t["step"] for t in trained} == {1, 2} and len(trained) >= 4
     assert all(t["reward"] == rewards[t["rollout_id"]] for t in trained), (trained, rewards)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CLAUDE.exists(), reason="Claude Code is not installed in examples/claude_code "
+                                                "(bash scripts/setup_agent.sh examples/claude_code)")
+def test_claude_code_with_sub_agents_on_a_policy_of_their_own_trains_a_step(tmp_path: Path,
+                                                                            arith_model_dir: Path) -> None:
+    """examples/claude_code/policies.yaml, one step on the tiny model: Claude Code without --bare, offered
+    its Agent tool; the run's own engine serves the two policies' adapters (main-v0, side-v0). The tiny
+    model never delegates, so every call is the main conversation's and only main trains
+    (tests/test_claude_code_policies.py shows a sub-agent's calls going to side)."""
+    here = ROOT / "examples" / "claude_code"
+    cfg = yaml.safe_load((here / "policies.yaml").read_text())
+    cfg.update(model={"path": str(arith_model_dir)}, tasks=str((here / cfg["tasks"]).resolve()),
+               group_size=2, batch_groups=2, max_inflight=4, steps=1)
+    cfg["agent"] = {**cfg["agent"], "cwd": str(here)}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    out = lgt_train(str(tmp_path / "run.yaml"), "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "LoRA: 2 policies (main, side)" in " ".join((out.stdout + out.stderr).split())
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1] and rows[0]["rollout/failed"] == 0
+    assert rows[0]["policy/main/samples"] > 0 and rows[0]["policy/side/samples"] == 0
+    con = connect(run_dir / "store")
+    calls = con.execute("SELECT DISTINCT policy, served_model, api FROM calls WHERE status = 'ok'").fetchall()
+    tools = con.execute("SELECT DISTINCT list_sort(json_extract_string(request_json, '$.tools[*].name')) "
+                        "FROM calls").fetchall()
+    con.close()
+    assert calls == [("main", "main-v0", "messages")]
+    assert tools == [(["Agent", "Bash"],)]  # offered its Agent tool: the example's settings took

@@ -49,7 +49,8 @@ def test_each_policy_gets_the_runs_backend_with_its_own_keys_over_it(tmp_path: P
 
 
 @pytest.mark.parametrize(("over", "says"), [
-    ({"backend": {"lr": 1e-3}}, "2 policies on the run's engine need backend.lora: each trains a LoRA adapter"),
+    ({"backend": {"lr": 1e-3}},
+     "2 policies on the run's engine need backend.lora: each trains a LoRA adapter"),
     ({"policies": [TWO[0], {**TWO[1], "upstream": "http://127.0.0.1:9/v1"}]},
      "policies[1] (planner) has an upstream of its own, whose weights lgt-train run cannot update: give it "
      "a model (policies[1].model: {path: ...})"),
@@ -61,14 +62,16 @@ def test_each_policy_gets_the_runs_backend_with_its_own_keys_over_it(tmp_path: P
      "policies[1].engine.url: lgt-train run starts a policy's own engine"),
     ({"policies": [TWO[0], {**TWO[1], "model": {"path": "m2"}, "backend": {"lora": {"rank": 4}}}]},
      "policies[1].backend.lora: a policy on an engine of its own trains its full weights"),
-    ({"policies": [TWO[0], {**TWO[1], "model": {"path": "m2", "pth": 1}}]}, "unknown key policies[1].model.pth"),
+    ({"policies": [TWO[0], {**TWO[1], "model": {"path": "m2", "pth": 1}}]},
+     "unknown key policies[1].model.pth"),
     ({"policies": [{**TWO[0], "served": "coder"}, TWO[1]]}, "policies[0].served is set by lgt-train run"),
     ({"policies": [TWO[0], {**TWO[1], "backend": {"lrr": 1}}]}, "unknown key policies[1].backend.lrr"),
     ({"policies": [TWO[0], {**TWO[1], "backend": {"name": "verl"}}]},
      "policies[1].backend.name: every policy trains on the run's backend"),
     ({"policies": [TWO[0], {**TWO[1], "backend": {"lora": {"rank": 64}}}], "engine": {"max_lora_rank": 16}},
      "policy 'planner': backend.lora.rank 64 is above the engine's max_lora_rank"),
-    ({"engine": {"serve_adapters": False}}, "several policies on the run's engine need it to serve their adapters"),
+    ({"engine": {"serve_adapters": False}},
+     "several policies on the run's engine need it to serve their adapters"),
     ({"policies": [{**TWO[0], "backend": {"lr": 1}}]}, "policies[0].backend is for a run of several"),
 ])
 def test_what_a_run_cannot_train_is_one_sentence(tmp_path: Path, over: dict, says: str) -> None:
@@ -226,7 +229,8 @@ def _recorded_vs(model_dir: Path, calls: list[tuple[list[int], list[int], list[f
 
 
 @pytest.mark.slow
-def test_a_policy_on_its_own_engine_is_served_and_trained_there(tmp_path: Path, arith_model_dir: Path) -> None:
+def test_a_policy_on_its_own_engine_is_served_and_trained_there(tmp_path: Path,
+                                                                arith_model_dir: Path) -> None:
     from lgt.store.query import connect
     from lgt.testing.runs import lgt_train, metrics, write_config
 
