@@ -229,14 +229,17 @@ def eval_cmd(config_file: Path, checkpoint: Path | None, run_dir: Path | None, s
     through the same agent, proxy and engine as training: greedy and sampled reward."""
     from lgt.trainer import config as cfgmod
     from lgt.trainer import preflight
+    from lgt.trainer.policy import policy_checkpoints
     from lgt.trainer.run.evaluate import evaluate
 
     try:
         cfg = cfgmod.load(config_file, _overrides(sets))
-        checkpoint = checkpoint and _checkpoint(checkpoint)
+        policies = policy_checkpoints(cfg, checkpoint) if checkpoint is not None else None
+        checkpoint = checkpoint and (next(iter(policies.values())) if policies else _checkpoint(checkpoint))
         tasks = preflight.validate_eval(cfg, checkpoint)
         with _display() as display:
-            out, res = evaluate(cfg, tasks, checkpoint=checkpoint, run_dir=run_dir, display=display)
+            out, res = evaluate(cfg, tasks, checkpoint=checkpoint, policies=policies, run_dir=run_dir,
+                                display=display)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(_run_error(e)) from None
     click.echo(f"{cfg.name}: {res.line()}")
@@ -362,6 +365,22 @@ def _run_error(e: Exception) -> str:
     return text.splitlines()[0] if "\n" not in text[:300] else text
 
 
+def _policy_checkpoint(root: Path, step: int | None) -> Path:
+    """The finished checkpoint of ``step`` (default: the latest) under one policy's ``root``."""
+    from lgt.trainer.backends.checkpoints import CheckpointError, finished_checkpoints
+
+    finished = finished_checkpoints(root)
+    if not finished:
+        raise CheckpointError(f"{root} has no finished checkpoint")
+    if step is None:
+        return finished[-1]
+    found = [c for c in finished if c.name == f"step-{step:08d}"]
+    if not found:
+        raise CheckpointError(f"{root} has no finished checkpoint of step {step} (it has "
+                              f"{', '.join(c.name for c in finished)})")
+    return found[0]
+
+
 def _checkpoint(path: Path) -> Path:
     """The checkpoint ``--checkpoint`` names (a step-N folder, or a run folder's latest); ValueError."""
     from lgt.trainer.backends.checkpoints import find_checkpoint
@@ -416,15 +435,26 @@ def _reexec(python: str, cfg: Any) -> None:
 @click.option("--step", type=click.IntRange(min=0), help="The checkpoint of this step (default: the latest).")
 @click.option("--merge", "out", required=True, type=click.Path(path_type=Path),
               help="Where to write the full model (a new or empty folder); a LoRA adapter is merged in.")
-def export_cmd(run_dir: Path, step: int | None, out: Path) -> None:
+@click.option("--policy", help="A run of several policies: the policy whose checkpoint to write.")
+def export_cmd(run_dir: Path, step: int | None, out: Path, policy: str | None) -> None:
     """Write RUN_DIR's checkpoint as a full Hugging Face model folder (weights, config, tokenizer and chat
     template) that vLLM or transformers serve anywhere: a LoRA adapter merged into the run's model, a
-    full-model checkpoint copied as it is."""
+    full-model checkpoint copied as it is. A run of several policies: --policy NAME's."""
     from lgt.trainer.backends.checkpoints import checkpoint_at
     from lgt.trainer.backends.export import check_out, export
 
     try:
-        ckpt = checkpoint_at(run_dir, step)
+        policies = run_dir / "checkpoints" / "policies"
+        names = sorted(p.name for p in policies.iterdir() if p.is_dir()) if policies.is_dir() else []
+        if policy is None and names:
+            raise click.ClickException(f"{run_dir} trained several policies ({', '.join(names)}): name the "
+                                       "one to export with --policy")
+        if policy is not None and policy not in names:
+            raise click.ClickException(f"--policy {policy}: {run_dir} has no checkpoints of that policy "
+                                       + (f"(it has {', '.join(names)})" if names else
+                                          "(it trained one policy: leave --policy out)"))
+        # a policy's checkpoints are laid out as a run's: <policy>/step-N under checkpoints/policies
+        ckpt = checkpoint_at(run_dir, step) if policy is None else _policy_checkpoint(policies / policy, step)
         check_out(out)  # before loading anything
         done = export(ckpt, out)
     except (ValueError, FileNotFoundError) as e:

@@ -150,16 +150,8 @@ class Policy:
         a resumed run's checkpoint, or None)."""
         from lgt.trainer.serving import sync
         from lgt.trainer.serving.launch import lora_rank_of
-        from lgt.trainer.serving.policy_engine import PolicyEngine
 
-        own = cfgmod.own_engines(self.cfg)
-        for name in own:
-            self.policy_engines[name] = PolicyEngine.start(
-                name, own[name].engine, serve_dirs[name] or own[name].model.path,
-                log_path=self.run_dir / "logs" / f"engine-{name}.log", seed=self.cfg.seed,
-                weights=backends[name].named_weights, log=self.runlog.log)
-        self.proxy_policies = [{**p, **self.policy_engines[p["name"]].route()} if p["name"] in own else p
-                               for p in cfgmod.proxy_section(self.cfg.policies)]
+        own = self.start_policy_engines(serve_dirs, {name: b.named_weights for name, b in backends.items()})
         shared = {name: b for name, b in backends.items() if name not in own}
         if len(shared) == 1:
             name, backend = next(iter(shared.items()))
@@ -173,6 +165,56 @@ class Policy:
         self.runlog.log(f"LoRA: {len(shared)} policies ({', '.join(shared)}), each update loads each "
                         "policy's adapter into the engine as <policy>-v<version>")
         self.serve(model_dir, sync=how, restore=True, engine=engine)
+
+    def start_policy_engines(self, serve_dirs: dict[str, Path | None],
+                             weights: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+        """The engines of the policies on engines of their own, each on ``serve_dirs[name]`` (else its
+        model), and the proxy's section with their routes in (:attr:`proxy_policies`); those policies."""
+        from lgt.trainer.serving.policy_engine import PolicyEngine
+
+        own = cfgmod.own_engines(self.cfg)
+        for name in own:
+            self.policy_engines[name] = PolicyEngine.start(
+                name, own[name].engine, serve_dirs.get(name) or own[name].model.path,
+                log_path=self.run_dir / "logs" / f"engine-{name}.log", seed=self.cfg.seed,
+                weights=weights.get(name, list), log=self.runlog.log)
+        self.proxy_policies = [{**p, **self.policy_engines[p["name"]].route()} if p["name"] in own else p
+                               for p in cfgmod.proxy_section(self.cfg.policies)]
+        return own
+
+    def serve_policy_checkpoints(self, folders: dict[str, Path]) -> None:
+        """``lgt-train eval`` of a run of several policies: each policy's checkpoint of one step
+        (``folders``, :func:`policy_checkpoints`) served as the run served that version: a policy on an
+        engine of its own on its checkpoint's model, the policies on the run's engine as their adapters
+        on the base model (``<policy>-v<version>``), or, one there, as :meth:`serve_checkpoint` serves it."""
+        import json
+        import shutil
+
+        from lgt.trainer.backends import checkpoints
+        from lgt.trainer.serving import sync
+
+        self.prepare()
+        step, extra, _ = checkpoints.read_state(next(iter(folders.values())))
+        self.progress = Progress(step=int(extra.get("step", step)), version=int(extra.get("version", step)))
+        own = self.start_policy_engines(dict(folders), {})
+        shared = {name: folder for name, folder in folders.items() if name not in own}
+        if len(shared) == 1:
+            folder = next(iter(shared.values()))
+            adapter = adapter_folder(folder)
+            if adapter is not None:
+                self.serve_adapter(adapter, checkpoints.read_state(folder)[2])
+            else:
+                self.serve(with_chat_template(self.cfg, folder, self.run_dir, f"model-{folder.name}"))
+            return
+        adapters = {name: adapter_folder(folder) for name, folder in shared.items()}
+        rank = max(int(json.loads((a / "adapter_config.json").read_text())["r"]) for a in adapters.values())
+        engine = dataclasses.replace(self.cfg.engine, lora_rank=rank,
+                                     max_loras=max(self.cfg.engine.max_loras, 2 * len(shared)))
+        saves = {name: lambda dest, a=a: shutil.copytree(a, dest) for name, a in adapters.items()}
+        how = sync.PolicyAdapters(saves, self.run_dir / "engine-adapters")
+        self.runlog.log(f"serving {len(shared)} policies' adapters of {next(iter(folders.values())).name} "
+                        f"({', '.join(shared)}) as <policy>-v{self.progress.version}")
+        self.serve(self.ensure_model(), sync=how, restore=True, engine=engine)
 
     def serve(self, serve_dir: Path, weights: Callable[[], Any] | None = None, *,
               sync: Any = None, restore: bool = False, engine: Any = None) -> None:
@@ -248,6 +290,30 @@ class Policy:
         for engine in self.policy_engines.values():
             with contextlib.suppress(Exception):
                 engine.stop()
+
+
+def policy_checkpoints(cfg: RunConfig, path: Path) -> dict[str, Path] | None:
+    """A run of several policies' checkpoints that ``path`` names (the run's folder, its ``checkpoints``
+    or ``checkpoints/policies``): each policy's of the newest step every policy finished; None when
+    ``path`` holds no ``checkpoints/policies``. CheckpointError (one sentence) when a policy of ``cfg``
+    has none, or no step is finished by all."""
+    from lgt.trainer.backends.checkpoints import CheckpointError, finished_checkpoints
+
+    path = Path(path)
+    root = next((r for r in (path / "checkpoints" / "policies", path / "policies", path)
+                 if r.name == "policies" and r.is_dir()), None)
+    if root is None or not cfgmod.several_policies(cfg):
+        return None
+    names = [p["name"] for p in cfg.policies]
+    finished = {name: {c.name for c in finished_checkpoints(root / name)} for name in names}
+    missing = [name for name, steps in finished.items() if not steps]
+    if missing:
+        raise CheckpointError(f"{root} has no finished checkpoint of policy {missing[0]} (the config names "
+                              f"{', '.join(names)}): give the run's folder and config")
+    common = sorted(set.intersection(*finished.values()))
+    if not common:
+        raise CheckpointError(f"{root}: no step is finished by every policy ({', '.join(names)})")
+    return {name: root / name / common[-1] for name in names}
 
 
 def backends_lora(backend: Any) -> Any:

@@ -146,7 +146,7 @@ def _lora_b(folder: Path) -> dict[str, Any]:
 @pytest.mark.slow
 def test_two_policies_train_on_their_own_calls_and_resume(tmp_path: Path, arith_model_dir: Path) -> None:
     from lgt.store.query import connect
-    from lgt.testing.runs import lgt_train, metrics, write_config
+    from lgt.testing.runs import lgt_train, lgt_train_cmd, metrics, write_config
     from lgt.trainer.backends.checkpoints import finished_checkpoints
 
     # step 1 runs the task whose rollouts make no planner call (the run's seeded task order says which)
@@ -202,6 +202,25 @@ def test_two_policies_train_on_their_own_calls_and_resume(tmp_path: Path, arith_
     for name in ("coder", "planner"):
         assert [p.name for p in finished_checkpoints(ckpts / name)][-1] == "step-00000003"
 
+    # lgt-train export: one policy at a time, named
+    out = lgt_train_cmd("export", str(run_dir), "--merge", str(tmp_path / "m"))
+    assert out.returncode != 0 and "trained several policies (coder, planner): name the one to export " \
+        "with --policy" in out.stderr
+    out = lgt_train_cmd("export", str(run_dir), "--policy", "planner", "--step", "2", "--merge",
+                        str(tmp_path / "planner"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "planner" / "config.json").is_file()
+
+    # lgt-train eval of the run: each policy's adapter of the newest step, each call to its own
+    held = {"task_id": "held", "question": "What is 3+3?", "answer": 6, "roles": "planner,coder"}
+    (tmp_path / "held.jsonl").write_text(json.dumps(held) + "\n")
+    out = lgt_train_cmd("eval", str(cfg), "--checkpoint", str(run_dir), "--run-dir", str(tmp_path / "ev"),
+                        "--set", f"eval={{tasks: {tmp_path / 'held.jsonl'}, samples: 0}}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    con = connect(tmp_path / "ev" / "store")
+    got = con.execute("SELECT DISTINCT policy, served_model, policy_version FROM calls").fetchall()
+    assert sorted(got) == [("coder", "coder-v3", 3), ("planner", "planner-v3", 3)]
+
 
 def test_the_two_roles_example_trains_two_policies() -> None:
     cfg = config.load(ROOT / "examples" / "two_roles" / "run.yaml")
@@ -232,7 +251,7 @@ def _recorded_vs(model_dir: Path, calls: list[tuple[list[int], list[int], list[f
 def test_a_policy_on_its_own_engine_is_served_and_trained_there(tmp_path: Path,
                                                                 arith_model_dir: Path) -> None:
     from lgt.store.query import connect
-    from lgt.testing.runs import lgt_train, metrics, write_config
+    from lgt.testing.runs import lgt_train, lgt_train_cmd, metrics, write_config
 
     tasks = [{"task_id": "a", "question": "What is 2+3?", "answer": 5, "roles": "planner,coder"},
              {"task_id": "b", "question": "What is 4+1?", "answer": 5, "roles": "planner,coder"}]
@@ -270,3 +289,14 @@ def test_a_policy_on_its_own_engine_is_served_and_trained_there(tmp_path: Path,
     assert late
     assert _recorded_vs(ckpt, late) < 2e-3
     assert _recorded_vs(arith_model_dir, late) > 2e-2  # not the weights it started on
+
+    # lgt-train eval of the run: the planner's engine on its step-2 checkpoint, the coder's on its own
+    held = {"task_id": "held", "question": "What is 3+3?", "answer": 6, "roles": "planner,coder"}
+    (tmp_path / "held.jsonl").write_text(json.dumps(held) + "\n")
+    out = lgt_train_cmd("eval", str(cfg), "--checkpoint", str(run_dir), "--run-dir", str(tmp_path / "ev"),
+                        "--set", f"eval={{tasks: {tmp_path / 'held.jsonl'}, samples: 0}}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "starting policy planner's own vLLM engine on step-00000002" in " ".join(out.stderr.split())
+    con = connect(tmp_path / "ev" / "store")
+    got = con.execute("SELECT DISTINCT policy, served_model, policy_version FROM calls").fetchall()
+    assert sorted(got) == [("coder", "policy", 2), ("planner", "planner", 2)]
