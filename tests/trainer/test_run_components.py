@@ -21,6 +21,7 @@ from lgt.trainer.run.stopping import TARGET_WINDOW, StopRules
 from lgt.trainer.run.supervisor import Supervisor
 from lgt.trainer.serving.launch import EngineError
 from lgt.trainer.serving.proxy import ProxyError
+from lgt.trainer.serving.sync import FullWeights
 
 TASKS = [{"task_id": f"t{i}", "question": f"{i}+1"} for i in range(3)]
 
@@ -323,8 +324,9 @@ class FakeProxy:
         if self.dead:
             raise ProxyError("lgt-proxy exited with code -9; its log: proxy.log")
 
-    def restart_dead(self, version: int) -> bool:
-        self.calls.append(("restart_dead", version))
+    def restart_dead(self, version: int, served_model: str | None = None) -> bool:  # ProxyGroup's
+        self.calls.append(("restart_dead", version) if served_model is None else
+                          ("restart_dead", version, served_model))
         self.dead = False
         return True
 
@@ -332,8 +334,9 @@ class FakeProxy:
         self.calls.append(("pause", timeout))
         return {"drained": True}
 
-    def resume(self, version: int) -> dict:
-        self.calls.append(("resume", version))
+    def resume(self, version: int, served_model: str | None = None, served: dict | None = None) -> dict:
+        self.calls.append(("resume", version) if served_model is None and not served else
+                          ("resume", version, served_model, served))
         return {}
 
 
@@ -353,7 +356,7 @@ def test_a_dead_engine_is_started_again_with_the_current_weights(tmp_path, monke
                         lambda cfg: started.append(cfg) or FakeEngine(port=cfg.port))
     progress = Progress(version=3, version_at_start=1)
     sup, lines = make_supervisor(tmp_path, 2, progress)
-    sup.weights = lambda: iter([("w", 1)])
+    sup.sync = FullWeights(lambda: iter([("w", 1)]))  # a full-weights run: the backend's named_weights
     old = sup.engine
     old.died = True
     asyncio.run(sup.keep_alive())
