@@ -35,6 +35,7 @@ from lgt.trainer.report import trackers
 from lgt.trainer.rl.algorithm import AlgorithmConfig, LossConfig
 from lgt.trainer.rollout.agent import AgentSpec
 from lgt.trainer.rollout.resources import ResourceSpec
+from lgt.trainer.run.admission import STALENESS
 from lgt.trainer.run.evaluation import EvalConfig
 from lgt.trainer.serving.launch import EngineConfig, lora_max_rank, lora_rank_of
 from lgt.trainer.serving.proxy import ProxySection
@@ -91,6 +92,10 @@ class RunConfig:
     max_samples: int | None = None  # stop once this many samples were trained
     target_reward: float | None = None  # stop once the mean reward of the last 10 steps reaches it
     max_staleness: int = 1
+    # what is done with a generated token more than max_staleness versions behind the policy trained
+    # (lgt.trainer.run.admission.prepare): mask (left out of the loss), truncate (trained, its
+    # importance weight truncated), group (its whole group dropped: the behaviour before per-token versions)
+    staleness: str = "mask"
     max_inflight: int = 32
     seed: int = 0
     store: Path | None = None  # default: <run_dir>/store; s3://bucket/prefix: on S3 (kept as a string)
@@ -393,6 +398,8 @@ def validate(cfg: RunConfig) -> None:
     need(cfg.batch_groups >= 1, f"batch_groups must be at least 1, not {cfg.batch_groups}")
     need(cfg.steps >= 1, f"steps must be at least 1, not {cfg.steps}")
     need(cfg.max_staleness >= 0, f"max_staleness must be 0 or more, not {cfg.max_staleness}")
+    need(cfg.staleness in STALENESS,
+         f"staleness must be one of {', '.join(STALENESS)}, not {cfg.staleness!r}")
     need(cfg.max_inflight >= cfg.group_size,
          f"max_inflight ({cfg.max_inflight}) must hold at least one group ({cfg.group_size} rollouts)")
     need(cfg.checkpoint_every >= 1, f"checkpoint_every must be at least 1, not {cfg.checkpoint_every}")

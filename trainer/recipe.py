@@ -45,8 +45,10 @@ each policy's served model; checkpoints under ``checkpoints/policies/<policy>/st
 
 Departures from the published method, on purpose:
 - Admission control (async) bounds staleness: a group is launched only while every group launched so
-  far could be trained within ``max_staleness`` versions; a group whose calls are staler than that when
-  its turn comes is dropped (``rollout/stale_dropped``), so no trained call is staler.
+  far could be trained within ``max_staleness`` versions; staleness is then bounded per token (each
+  token's own policy version): a token staler than that when its group's turn comes is left out of the
+  loss (``staleness: mask``, ``rollout/tokens_stale_masked``), or trained with its truncated importance
+  weight (``truncate``), or, as before per-token versions, its whole group dropped (``group``).
 - Failed and timed-out rollouts are retried by the controller; exhausted ones leave their group (they
   are not trained as reward 0).
 - The loss corrects the engine/trainer mismatch with truncated importance weights against the recorded
@@ -149,7 +151,7 @@ class Recipe:
         # what the steps need from the config, and nothing more
         self.adopt_jobs = self.resume and cfg.agent.runner == "kubernetes"
         self.stop_rules = StopRules(cfg.steps, cfg.max_minutes, cfg.max_samples, cfg.target_reward)
-        self.algorithm, self.max_staleness = cfg.algorithm, cfg.max_staleness
+        self.algorithm, self.max_staleness, self.staleness = cfg.algorithm, cfg.max_staleness, cfg.staleness
         self.updates_per_step, self.checkpoint_every = cfg.backend.updates_per_step, cfg.checkpoint_every
         self.keep_checkpoints = cfg.keep_checkpoints
         self.columns = {"mode": cfg.mode, "backend": cfg.backend.name}  # in every metrics row
@@ -278,8 +280,9 @@ class Recipe:
             samples = pa.concat_tables(parts)
         if self.backends:
             return admission.prepare_policies(samples, list(self.backends), self.progress.version,
-                                              self.algorithm, self.max_staleness)
-        return admission.prepare(samples, self.progress.version, self.algorithm, self.max_staleness), {}
+                                              self.algorithm, self.max_staleness, self.staleness)
+        return admission.prepare(samples, self.progress.version, self.algorithm, self.max_staleness,
+                                 self.staleness), {}
 
     def train_on(self, samples: pa.Table, backend: Any = None) -> dict[str, float]:
         """``backend.updates_per_step`` optimizer steps on disjoint shares of the batch's groups (each

@@ -91,14 +91,17 @@ def weight_per_rollout(t: pa.Table) -> dict[str, float]:
     return dict(out)
 
 
-def test_prepare_drops_stale_groups_then_weighs_the_rest() -> None:
-    t = samples([("a1", "A", 1.0, 5, 3), ("a2", "A", 0.0, 4, 2),  # A's oldest token: version 4
-                 ("b1", "B", 1.0, 6, 4), ("b2", "B", 0.0, 6, 1), ("b2", "B", 0.0, 6, 5),  # b2: 2 samples
-                 ("c1", "C", 0.5, 3, 2), ("c2", "C", 1.0, 6, 2)])  # C's oldest: version 3
-    p = batch.prepare(t, version=6, algorithm=AlgorithmConfig(), max_staleness=2)
+BATCH = [("a1", "A", 1.0, 5, 3), ("a2", "A", 0.0, 4, 2),  # A's oldest token: version 4
+         ("b1", "B", 1.0, 6, 4), ("b2", "B", 0.0, 6, 1), ("b2", "B", 0.0, 6, 5),  # b2: 2 samples
+         ("c1", "C", 0.5, 3, 2), ("c2", "C", 1.0, 6, 2)]  # C's oldest: version 3 (c1's 2 tokens)
+
+
+def test_prepare_by_group_drops_stale_groups_then_weighs_the_rest() -> None:
+    p = batch.prepare(samples(BATCH), version=6, algorithm=AlgorithmConfig(), max_staleness=2,
+                      staleness="group")
     # at version 6 with max_staleness 2: C (6 - 3 = 3) is dropped whole, A (6 - 4 = 2) stays
     assert set(p.samples["group_id"].to_pylist()) == {"A", "B"} and p.stale_groups == 1
-    assert p.rollouts == 4 and sorted(p.staleness) == [0, 2]
+    assert p.rollouts == 4 and max(p.staleness) == 2 and sorted(set(p.staleness)) == [0, 1, 2]
     # each remaining rollout counts once: 1/4, however many samples it became (b2: two)
     assert weight_per_rollout(p.samples) == {r: pytest.approx(1 / 4) for r in ("a1", "a2", "b1", "b2")}
     adv = dict(zip(p.samples["rollout_id"].to_pylist(), p.samples["advantage"].to_pylist()))
@@ -107,6 +110,39 @@ def test_prepare_drops_stale_groups_then_weighs_the_rest() -> None:
     assert (m["rollouts"], m["samples"], m["rollout/stale_dropped"], m["rollout/staleness_max"]) == \
         (4, 5, 1, 2)
     assert m["rollout/reward_mean"] == 0.5
+    # 19 tokens generated; C's 4 thrown away with its group, though only c1's 2 were past the bound
+    assert (m["rollout/tokens_generated"], m["rollout/tokens_trained"], m["rollout/tokens_stale_masked"],
+            m["rollout/tokens_past_bound"]) == (19, 15, 4, 2)
+    assert m["rollout/tokens_trained_frac"] == pytest.approx(15 / 19, abs=1e-4)
+
+
+def test_prepare_by_token_masks_only_the_stale_tokens_and_keeps_their_group() -> None:
+    p = batch.prepare(samples(BATCH), version=6, algorithm=AlgorithmConfig(), max_staleness=2)
+    # c1's tokens (version 3) are 3 behind: masked, so its only sample has nothing to train and is left
+    # out; C stays, and c2's advantage is taken against c1's reward (0.5 < 1.0)
+    assert set(p.samples["group_id"].to_pylist()) == {"A", "B", "C"} and p.stale_groups == 0
+    assert "c1" not in p.samples["rollout_id"].to_pylist()
+    adv = dict(zip(p.samples["rollout_id"].to_pylist(), p.samples["advantage"].to_pylist()))
+    assert adv["c2"] == pytest.approx(1 / (2 ** 0.5 * 0.25 + 1e-6) * 0.25)  # (1 - 0.75) / std 0.354
+    assert weight_per_rollout(p.samples) == {r: pytest.approx(1 / 5) for r in ("a1", "a2", "b1", "b2", "c2")}
+    m = p.metrics()
+    assert (m["rollouts"], m["samples"], m["rollout/stale_dropped"], m["rollout/staleness_max"]) == \
+        (5, 6, 0, 2)
+    assert (m["rollout/tokens_generated"], m["rollout/tokens_trained"], m["rollout/tokens_stale_masked"],
+            m["rollout/tokens_past_bound"]) == (19, 17, 2, 2)
+
+
+def test_prepare_truncating_trains_every_token() -> None:
+    p = batch.prepare(samples(BATCH), version=6, algorithm=AlgorithmConfig(), max_staleness=2,
+                      staleness="truncate")
+    assert p.samples.num_rows == 7 and p.rollouts == 6
+    assert weight_per_rollout(p.samples) == {r: pytest.approx(1 / 6)
+                                             for r in ("a1", "a2", "b1", "b2", "c1", "c2")}
+    m = p.metrics()
+    assert (m["rollout/tokens_trained"], m["rollout/tokens_stale_masked"], m["rollout/tokens_past_bound"],
+            m["rollout/tokens_trained_frac"], m["rollout/staleness_max"]) == (19, 0, 2, 1.0, 3)
+    with pytest.raises(ValueError, match="staleness must be one of mask, truncate, group, not 'drop'"):
+        batch.prepare(samples(BATCH), 6, AlgorithmConfig(), 2, staleness="drop")
 
 
 def test_prepare_can_leave_out_groups_with_equal_rewards() -> None:

@@ -172,6 +172,8 @@ def test_overrides(tmp_path: Path) -> None:
     ("proxy: {url: 'localhost:1'}\n", "proxy.url must be the control API's http(s) URL"),
     ("proxy: {upstream_timeout_s: 0}\n", "proxy.upstream_timeout_s must be a positive number of seconds"),
     ("restarts: -1\n", "restarts must be a whole number ≥ 0, not -1"),
+    ("max_staleness: -1\n", "max_staleness must be 0 or more, not -1"),
+    ("staleness: drop\n", "staleness must be one of mask, truncate, group, not 'drop'"),
     ("algorithm: {std_normalize: 'yes'}\n", "algorithm.std_normalize must be true or false"),
     ("policies: []\n", "policies must be a list of at least one policy"),
     ("policies: [{name: a}, {name: a, match: {kind: side}}]\n", "two policies are named 'a'"),

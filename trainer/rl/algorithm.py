@@ -18,7 +18,8 @@ versions — and this module turns them into what the loss needs, in one place:
   ``Σ_samples loss_weight · Σ_t mask · l`` weighs every rollout the same (``agg: rollout``).
 
 :func:`assign` does both for a table of samples (the store's ``SAMPLES`` rows); the trainer calls it
-on each step's batch after leaving out stale groups, ``lgt-train samples`` on the whole store.
+on each step's batch (then :func:`loss_weights` once samples with no trained token are left out),
+``lgt-train samples`` on the whole store.
 ``LossConfig`` holds the loss settings used by :mod:`lgt.trainer.rl.loss` (torch) and the verl backend;
 their mode names are checked here so that a run config is validated without importing torch.
 """
@@ -245,9 +246,23 @@ def assign(samples: pa.Table, cfg: AlgorithmConfig, *, rollouts: int | None = No
     rewards = samples["reward"].to_numpy(zero_copy_only=False).astype(np.float64)[first]
     adv = advantages(rewards, group_of, cfg)
     stats = GroupStats.of(rewards, group_of)
-    tokens = samples["rollout_tokens"].to_numpy(zero_copy_only=False).astype(np.float64)
-    weights = 1.0 / ((rollouts or len(first)) * np.maximum(tokens, 1.0))
     return samples.append_column("advantage", pa.array(adv[rollout_of], pa.float64())) \
-        .append_column("loss_weight", pa.array(weights, pa.float64())) \
+        .append_column("loss_weight", _weights(samples, rollouts or len(first))) \
         .append_column("group_size", pa.array(stats.size[group_of][rollout_of].astype(np.int64))) \
         .append_column("zero_variance", pa.array(stats.flat[group_of][rollout_of]))
+
+
+def _weights(samples: pa.Table, rollouts: int) -> pa.Array:
+    tokens = samples["rollout_tokens"].to_numpy(zero_copy_only=False).astype(np.float64)
+    return pa.array(1.0 / (rollouts * np.maximum(tokens, 1.0)), pa.float64())
+
+
+def loss_weights(samples: pa.Table) -> pa.Table:
+    """``samples`` (with :data:`TRAINING_COLUMNS`) with ``loss_weight`` over the R rollouts it holds,
+    advantages untouched: for a share of a batch, or a batch some of whose samples were left out
+    (their rollouts' advantages were taken with them)."""
+    if samples.num_rows == 0:
+        return samples
+    r = len(np.unique(rollout_keys(samples).to_numpy(zero_copy_only=False)))
+    i = samples.schema.get_field_index("loss_weight")
+    return samples.set_column(i, "loss_weight", _weights(samples, r))
