@@ -19,6 +19,13 @@ Choices, and where they depart from the usual recipes:
   that corrects for the behaviour policy being stale (or a different numeric implementation: vLLM
   vs. the trainer). With one update per batch ``old`` defaults to ``logp.detach()``: ratio 1 and
   the loss is REINFORCE with advantages, times the IS weight. IS is token-level only.
+- **Staleness per token.** A rollout's tokens may come from several policy versions (calls across
+  updates, a call continued across one); each token's IS weight is its own ``exp(old - behaviour)``
+  against the logprob the engine recorded for it, so a token is corrected for exactly the version
+  that generated it. A token more than ``max_staleness`` versions behind never reaches this module
+  with ``staleness: mask`` (its ``loss_mask`` is 0, :func:`lgt.trainer.run.admission.prepare`); with
+  ``staleness: truncate`` it is trained, its weight truncated at ``is_cap`` like any token's (a
+  ratio past ``cap`` counts in ``actor/is_clipped_frac``). Advantages stay per rollout.
 - **Asymmetric clip** ("clip-higher"): ``ratio`` is clipped to ``[1 - clip_low, 1 + clip_high]``
   with ``clip_high`` > ``clip_low`` by default (0.2 / 0.28), so unlikely tokens with positive
   advantage can grow. Optional **dual clip** (``dual_clip=c``, off by default): for negative
