@@ -120,16 +120,18 @@ def oldest_versions(samples: pa.Table) -> dict[str, int]:
 def versions_spanned(samples: pa.Table) -> list[int]:
     """Per rollout: how many policy versions its generated tokens span (newest − oldest + 1; 0 for a
     rollout with no generated token of known version)."""
-    lo: dict[Any, int] = {}
-    hi: dict[Any, int] = {}
-    for key, mask, versions in zip(zip(samples["rollout_id"].to_pylist(), samples["attempt"].to_pylist()),
-                                   samples["loss_mask"].to_pylist(), samples["policy_versions"].to_pylist()):
-        gen = [v for m, v in zip(mask, versions) if m == 1 and v is not None and v >= 0]
-        lo.setdefault(key, -1)
-        if gen:
-            lo[key] = min(gen) if lo[key] < 0 else min(lo[key], min(gen))
-            hi[key] = max(hi.get(key, -1), max(gen))
-    return [hi[k] - lo[k] + 1 if k in hi else 0 for k in lo]
+    if not samples.num_rows:
+        return []
+    mask, rows = _flat(samples, "loss_mask")
+    versions, _ = _flat(samples, "policy_versions")
+    _, rollout_of = np.unique(rollout_keys(samples).to_numpy(zero_copy_only=False), return_inverse=True)
+    n = int(rollout_of.max()) + 1
+    known = (mask == 1) & (versions >= 0)
+    owner, v = rollout_of[rows[known]], versions[known].astype(np.int64)
+    lo, hi = np.full(n, np.iinfo(np.int64).max), np.full(n, -1)
+    np.minimum.at(lo, owner, v)
+    np.maximum.at(hi, owner, v)
+    return np.where(hi >= 0, hi - lo + 1, 0).tolist()
 
 
 @dataclass(frozen=True)
