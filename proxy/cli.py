@@ -100,6 +100,9 @@ secret_option = click.option(
 @secret_option
 @click.option("--pause-mode", type=click.Choice(["hold", "reject"]), default="hold", show_default=True,
               help="While paused: hold new calls open, or answer 429 + Retry-After.")
+@click.option("--on-update", type=click.Choice(["drain", "continue"]), default="drain", show_default=True,
+              help="At a pause: wait for the calls in flight (drain), or stop them where they are and "
+                   "continue each on the new weights after the resume (continue; docs/proxy.md).")
 @click.option("--retry-after", default=5, show_default=True, type=int, help="Seconds, reject mode.")
 @click.option("--egress", type=click.Choice(EGRESS_MODES), default="allow", show_default=True,
               help="Policy for traffic that is not an LLM call.")

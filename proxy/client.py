@@ -99,11 +99,16 @@ class ControlClient:
             raise ControlError(self.url, method, path, status, out)
         return out
 
-    def pause(self, timeout: float = 60) -> dict[str, Any]:
+    def pause(self, timeout: float = 60, on_update: str | None = None) -> dict[str, Any]:
         """Hold new calls and wait up to ``timeout`` s until none is in flight: the state with
         ``drained``, ``in_flight_at_pause``, ``drain_seconds``. ControlError (504) when calls were
-        still running at the timeout (the proxy stays paused)."""
-        return self.call("POST", "/pause", {"timeout": timeout}, timeout=timeout + 10)
+        still running at the timeout (the proxy stays paused). ``on_update``: ``continue`` stops the
+        calls that can be continued instead of waiting for them (``parked``), ``drain`` waits for
+        all; None: the proxy's ``--on-update``."""
+        body: dict[str, Any] = {"timeout": timeout}
+        if on_update is not None:
+            body["on_update"] = on_update
+        return self.call("POST", "/pause", body, timeout=timeout + 10)
 
     def resume(self, policy_version: int | None = None, served_model: str | None = None,
                served: dict[str, str | None] | None = None) -> dict[str, Any]:

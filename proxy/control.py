@@ -2,6 +2,10 @@
 
     POST /pause   {"timeout": 60}          hold new LLM calls, return once none is in flight
                                            (504 with the state if they did not finish in time)
+                  {"timeout": 60, "on_update": "continue"}
+                                           … the calls in flight that can be continued are stopped
+                                           where they are (not waited for) and continued on the new
+                                           weights after the resume; default: --on-update (drain)
     POST /resume  {"policy_version": 3}    release held calls; new calls run under version 3
                   {"policy_version": 3, "served_model": "policy-v3"}
                                            … and are sent to the upstream's model "policy-v3" (a
@@ -43,6 +47,7 @@ from aiohttp import web
 from . import openapi, policies, resources
 from .addons import Runtime, agent_gone
 from .auth import AuthError, Identity, parse_identity
+from .gate import CONTINUE, ON_UPDATE
 
 RT_KEY: web.AppKey[Runtime] = web.AppKey("rt", Runtime)
 TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
@@ -87,6 +92,9 @@ def state(rt: Runtime) -> dict[str, Any]:
     return {
         "paused": g.paused,
         "pause_mode": g.mode,
+        "on_update": g.on_update,
+        "parked": g.parked,  # of in_flight: stopped at this pause, continued after the resume
+        "continued_total": g.stopped_total,
         "in_flight": g.in_flight,
         "held": g.held,
         "held_total": g.hold.n,
@@ -145,7 +153,13 @@ async def pause(request: web.Request) -> web.Response:
         timeout = float(timeout)
     except (TypeError, ValueError):
         return _error(400, f"timeout must be a number of seconds, not {timeout!r}")
-    drained, at_pause, seconds = await rt.gate.pause(timeout, orphaned=rt.orphaned)
+    on_update = body.get("on_update")
+    if on_update is not None and on_update not in ON_UPDATE:
+        return _error(400, f"on_update must be 'drain' or 'continue', not {on_update!r}")
+    if on_update == CONTINUE and rt.relay is None:
+        return _error(400, "on_update 'continue' needs a proxy started with --on-update continue (its calls "
+                           "go through the relay that can stop and continue them)")
+    drained, at_pause, seconds = await rt.gate.pause(timeout, orphaned=rt.orphaned, on_update=on_update)
     rt.metrics.drain.observe(seconds)
     result = {**state(rt), "drained": drained, "in_flight_at_pause": at_pause, "drain_seconds": seconds}
     return web.json_response(result, status=200 if drained else 504)

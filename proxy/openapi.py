@@ -14,7 +14,9 @@ _STATE = {"type": "object", "properties": {
         "rollout_id": {"type": "string"}, "attempt": {"type": "integer"}, "call_id": {"type": "string"},
         "seconds": {"type": "number"}, "answer_begun": {"type": "boolean"},
         "agent_gone": {"type": "boolean"}}},
-    "orphaned": {"type": "integer"}},
+    "orphaned": {"type": "integer"},
+    "on_update": {"enum": ["drain", "continue"]}, "parked": {"type": "integer"},
+    "continued_total": {"type": "integer"}},
     "required": ["paused", "in_flight", "policy_version"]}
 _POLICIES = {"type": "object", "properties": {
     "default": {"type": "string"}, "served": {"type": "object"}, "calls": {"type": "object"},
@@ -54,9 +56,12 @@ def document() -> dict[str, Any]:
         "security": [{"bearer": []}],
         "paths": {
             "/pause": {"post": _op("Hold new LLM calls; return once none is in flight (504 if they did "
-                                   "not finish within the timeout)", _STATE, errors=(400, 504),
-                                   body={"type": "object", "properties": {"timeout": {"type": "number",
-                                                                                      "minimum": 0}}})},
+                                   "not finish within the timeout); on_update continue: the calls that "
+                                   "can be continued are stopped (parked) and go on after the resume",
+                                   _STATE, errors=(400, 504),
+                                   body={"type": "object", "properties": {
+                                       "timeout": {"type": "number", "minimum": 0},
+                                       "on_update": {"enum": ["drain", "continue"]}}})},
             "/resume": {"post": _op("Release held calls; new calls run under policy_version (sent to "
                                     "served_model, and the policies' served models)", _STATE,
                                     errors=(400, 404),

@@ -40,7 +40,8 @@ from .addons.egress import EGRESS_MODES
 from .addons.route import parse_resolve
 from .codex import CodexModels
 from .control import make_app
-from .gate import HOLD, REJECT, Gate
+from .continuation import Relay
+from .gate import CONTINUE, DRAIN, HOLD, ON_UPDATE, REJECT, Gate
 from .resend import Resender
 from .wsbridge import Bridge, ResponsesSocket
 
@@ -76,6 +77,7 @@ class ProxyConfig:
     secret_file: Path | None = None
     confdir: Path | None = None
     pause_mode: str = HOLD
+    on_update: str = DRAIN  # at a pause: drain the calls in flight, or stop and continue them
     retry_after_s: int = 5
     egress: str = "allow"
     allow_hosts: tuple[str, ...] = ()
@@ -92,6 +94,11 @@ class ProxyConfig:
                 raise ConfigError(f"--upstream {self.upstream!r} is not an http(s) URL")
         if self.pause_mode not in (HOLD, REJECT):
             raise ConfigError(f"--pause-mode must be hold or reject, not {self.pause_mode!r}")
+        if self.on_update not in ON_UPDATE:
+            raise ConfigError(f"--on-update must be drain or continue, not {self.on_update!r}")
+        if self.on_update == CONTINUE and (self.upstream is None or self.capture_tokens == "off"):
+            raise ConfigError("--on-update continue needs --upstream and token capture (it continues a "
+                              "call from its token ids): drop --capture-tokens off or use drain")
         if self.egress not in EGRESS_MODES:
             raise ConfigError(f"--egress must be one of {', '.join(EGRESS_MODES)}, not {self.egress!r}")
         if self.egress == "allowlist" and not self.allow_hosts:
@@ -309,6 +316,10 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         bridge = Bridge(rt)  # the Responses API over WebSocket, relayed to a loopback server (wsbridge.py)
         await bridge.start()
         stack.push_async_callback(bridge.stop)
+        if cfg.on_update == CONTINUE:  # calls stopped at an update and continued (continuation.py)
+            rt.relay = Relay(rt)
+            await rt.relay.start()
+            stack.push_async_callback(rt.relay.stop)
         master.addons.add(*addons(rt, bridge.port))
         master.options.update(**mitmproxy_options(cfg, rt))
         control = web.AppRunner(make_app(rt, ctl_token), access_log=None)
@@ -385,7 +396,7 @@ def _runtime(cfg: ProxyConfig, store: Path, secret: bytes, writers: list[TableWr
                           read_timeout_s=cfg.upstream_timeout),
         listen=(cfg.listen_host, cfg.listen_port),
         remote=cfg.remote,
-        gate=Gate(cfg.pause_mode, cfg.policy_version),
+        gate=Gate(cfg.pause_mode, cfg.policy_version, cfg.on_update),
         upstream=cfg.upstream.rstrip("/") if cfg.upstream else None,
         served_model=cfg.served_model,
         policies=cfg.read_policies(),

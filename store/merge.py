@@ -55,13 +55,16 @@ class _Call:
     response: pa.Buffer = field(default_factory=lambda: _EMPTY)  # int32 ids
     logprobs: pa.Buffer = field(default_factory=lambda: _EMPTY)  # float32 (NaN: not recorded)
     missing_logprobs: bool = False  # recorded without logprobs: the trainer recomputes them
+    # (version, tokens) runs of a call that lived through an update (calls.response_policy_versions);
+    # None: every generated token is policy_version's
+    spans: list[tuple[int, int]] | None = None
 
     def detach(self) -> _Call:
         """A copy holding its own bytes (it waits for its predecessor, past its batch)."""
         own = lambda b: pa.py_buffer(b.to_pybytes())  # noqa: E731
         return _Call(self.key, self.seq, self.prev_seq, self.next_seq, self.excluded,
                      self.policy_version, self.stop, own(self.prompt), own(self.response),
-                     own(self.logprobs), self.missing_logprobs)
+                     own(self.logprobs), self.missing_logprobs, self.spans)
 
 
 @dataclass(slots=True)
@@ -75,6 +78,7 @@ class _Sample:
     versions: array = field(default_factory=lambda: array("i"))  # -1, policy version of each call
     masked: int = 0
     owned: int = 0  # pieces before this index hold their own bytes
+    n_calls: int = 0
 
     def own(self) -> None:
         """Copy the pieces that still point into a batch (small: new tokens only), so the sample
@@ -91,9 +95,14 @@ class _Sample:
         self.ids.append(c.response)
         self.logprobs.append(_ZEROS.slice(0, 4 * n_ctx) if n_ctx <= 1 << 16 else bytes(4 * n_ctx))
         self.logprobs.append(c.logprobs)
-        self.runs.extend((n_ctx, n_gen))
-        self.versions.extend((-1, c.policy_version))
+        spans = c.spans or [(c.policy_version, n_gen)]
+        self.runs.extend((n_ctx, spans[0][1]))
+        self.versions.extend((-1, spans[0][0]))
+        for version, n in spans[1:]:  # a call that lived through an update: a run per version
+            self.runs.extend((0, n))
+            self.versions.extend((-1, version))
         self.masked += n_gen
+        self.n_calls += 1
 
 
 @dataclass(slots=True)
@@ -150,7 +159,7 @@ class _Output:
         self.runs += s.runs
         self.versions += s.versions
         self.offsets.append(self.offsets[-1] + sum(s.runs))
-        self.scalars.append((key[0], key[1], s.index, len(s.runs) // 2, s.masked, key[2]))
+        self.scalars.append((key[0], key[1], s.index, s.n_calls, s.masked, key[2]))
         if self.offsets[-1] >= self.CHUNK_TOKENS:
             self.flush()
 
@@ -299,6 +308,7 @@ def _calls(batch: pa.RecordBatch, order: dict) -> Iterator[_Call]:
     po, ro, lpo = p.offsets.to_pylist(), r.offsets.to_pylist(), lp.offsets.to_pylist()
     pb, rb, lb = 4 * p.values.offset, 4 * r.values.offset, 4 * lp.values.offset
     tokens_ok = pc.and_(p.is_valid(), r.is_valid()).to_pylist()
+    versions = col("response_policy_versions").to_pylist()
     logprobs_ok = lp.is_valid().to_pylist()
     rows = zip(col("rollout_id").to_pylist(), col("attempt").to_pylist(), col("seq").to_pylist(),
                col("status").to_pylist(), col("policy_version").to_pylist(),
@@ -317,9 +327,23 @@ def _calls(batch: pa.RecordBatch, order: dict) -> Iterator[_Call]:
                         prompt.slice(pb + 4 * po[i], 4 * (po[i + 1] - po[i])),
                         response.slice(rb + 4 * ro[i], 4 * n_gen),
                         logprobs.slice(lb + 4 * lpo[i], 4 * n_gen) if has_logprobs else _nans(n_gen),
-                        not has_logprobs)
+                        not has_logprobs, _spans(versions[i], n_gen))
         else:
             yield _Call((rid, attempt, policy or DEFAULT_POLICY), seq, prev, nxt, excluded, version, False)
+
+
+def _spans(versions: list[int] | None, n_gen: int) -> list[tuple[int, int]] | None:
+    """Per-token versions as (version, tokens) runs; None when there are none (or not one per token,
+    as the samples view reads them too)."""
+    if versions is None or len(versions) != n_gen or not versions:
+        return None
+    spans: list[tuple[int, int]] = []
+    for v in versions:
+        if spans and spans[-1][0] == v:
+            spans[-1] = (v, spans[-1][1] + 1)
+        else:
+            spans.append((v, 1))
+    return spans
 
 
 _NAN = b"\x00\x00\xc0\x7f"  # float32 quiet NaN, little-endian

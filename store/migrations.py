@@ -98,6 +98,12 @@ def _add_policy(root: Path) -> None:
     pass
 
 
+def _add_response_policy_versions(root: Path) -> None:
+    # Schema 8 adds calls.response_policy_versions, nullable: older files read it as null, which means
+    # every generated token was policy_version's (no call lived through an update). Nothing to move.
+    pass
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "add the rollouts and rewards tables", _add_rollouts_and_rewards),
     Migration(3, "add calls.capture, calls.capture_reason and the egress table", _add_capture_and_egress),
@@ -105,6 +111,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(5, "add calls.api", _add_api),
     Migration(6, "add calls.translation and each table's schema file", _add_translation_and_schema_files),
     Migration(7, "add calls.policy", _add_policy),
+    Migration(8, "add calls.response_policy_versions", _add_response_policy_versions),
 )
 assert [m.version for m in MIGRATIONS] == list(range(2, SCHEMA_VERSION + 1)), "one migration a version"
 

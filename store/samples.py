@@ -79,7 +79,8 @@ MERGE_BREAKS = pa.schema([
 
 BATCH_ROWS = 16384  # calls per Arrow batch read from the calls files
 CALL_COLUMNS = ["rollout_id", "attempt", "seq", "status", "policy_version", "finish_reason",
-                "prompt_token_ids", "response_token_ids", "response_logprobs", "policy"]
+                "prompt_token_ids", "response_token_ids", "response_logprobs", "policy",
+                "response_policy_versions"]
 
 
 @dataclass(frozen=True)

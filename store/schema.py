@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 7  # 1: calls; 2: + rollouts, rewards; 3: + calls.capture(_reason), egress;
+SCHEMA_VERSION = 8  # 1: calls; 2: + rollouts, rewards; 3: + calls.capture(_reason), egress;
 # 4: + calls.sampling, rollouts.split; 5: + calls.api; 6: + calls.translation, each table's schema file;
-# 7: + calls.policy
+# 7: + calls.policy; 8: + calls.response_policy_versions
 SCHEMA_VERSION_KEY = b"lgt.schema_version"
 TABLE_KEY = b"lgt.table"
 
@@ -75,6 +75,10 @@ CALLS = pa.schema(
         ("prompt_token_ids", pa.list_(pa.int32())),
         ("response_token_ids", pa.list_(pa.int32())),  # choice 0
         ("response_logprobs", pa.list_(pa.float32())),  # choice 0, one per response token
+        # the policy version that generated each response token, when not all were generated under
+        # policy_version (a call that lived through an update: lgt-proxy --on-update continue stops it
+        # at the pause and continues it on the new weights); null: every token is policy_version's
+        ("response_policy_versions", pa.list_(pa.int32())),
         # how complete the token capture is: full | no_logprobs | no_tokens (null: before schema 3)
         ("capture", pa.string()),
         ("capture_reason", pa.string()),  # why an ok call's capture is not full (see proxy/addons/capture.py)

@@ -202,9 +202,9 @@ def write_v1_store(root: Path) -> None:
 def test_a_version_1_store_is_brought_to_the_current_version(tmp_path: Path) -> None:
     write_v1_store(tmp_path)
     assert store_version(tmp_path) == 1
-    assert migrate(tmp_path) == 7 == schema.SCHEMA_VERSION
+    assert migrate(tmp_path) == 8 == schema.SCHEMA_VERSION
     record = orjson.loads((tmp_path / META_DIR / RECORD).read_bytes())
-    assert record["schema_version"] == 7
+    assert record["schema_version"] == 8
     assert [(a["version"], a["name"]) for a in record["applied"]] == [
         (2, "add the rollouts and rewards tables"),
         (3, "add calls.capture, calls.capture_reason and the egress table"),
@@ -225,7 +225,7 @@ def test_a_version_1_store_is_brought_to_the_current_version(tmp_path: Path) -> 
     # rows from before calls.policy read as the one policy of a run that named none
     assert plain.execute("SELECT list(DISTINCT policy) FROM calls").fetchone() == ([schema.DEFAULT_POLICY],)
     assert plain.execute("SELECT count(*) FROM egress").fetchone() == (0,)
-    assert migrate(tmp_path) == 7  # nothing left to do; the record is kept as it was
+    assert migrate(tmp_path) == 8  # nothing left to do; the record is kept as it was
     assert orjson.loads((tmp_path / META_DIR / RECORD).read_bytes()) == record
     add_reward(tmp_path, "old", 1)  # and the old rows are readable next to new tables
     con = connect(tmp_path)

@@ -13,9 +13,10 @@ from mitmproxy import ctx, http
 from lgt.store.schema import STATUS_CLIENT_DISCONNECT, STATUS_HTTP_ERROR, STATUS_UPSTREAM_ERROR
 
 from .. import dialects, wire
+from ..continuation import continuable
 from ..dialects import hosted
 from .runtime import Runtime
-from .state import Call, agent_gone, error_text, forwarding, now_us, or_refuse, under_way
+from .state import ROUTED, Call, agent_gone, error_text, forwarding, now_us, or_refuse, under_way
 
 log = logging.getLogger("lgt.proxy")
 
@@ -256,6 +257,10 @@ class Capture:
                     call.history = dialects.carried_history(call.agent_request)
             if call.rewrite or prepared != call.request:
                 flow.request.content = wire.dumps(prepared)
+            relay = self.rt.relay
+            if (relay is not None and flow.metadata.get(ROUTED) and call.upstream is not None
+                    and continuable(call.endpoint, prepared)):
+                relay.take(flow, call)  # stopped at an update and continued after it (continuation.py)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         call = under_way(flow)

@@ -70,6 +70,8 @@ def call_row(call: Call, status: str, http_status: int | None, error: str | None
         "prompt_token_ids": cap.prompt_token_ids,
         "response_token_ids": token_ids,
         "response_logprobs": logprobs,
+        "response_policy_versions": (call.token_versions if call.token_versions is not None and token_ids
+                                     is not None and len(call.token_versions) == len(token_ids) else None),
         "capture": level,
         "capture_reason": why_not_full(call, level, first) if status == STATUS_OK else None,
         "sampling": call.injected.sampling,
@@ -161,7 +163,8 @@ class Record:
         if call.stream is not None:
             self.finish_stream(flow, call)
         elif call.failure is not None:
-            self.record(call, call.failure[0], flow.response.status_code, call.failure[1], response_json=None)
+            self.record(call, call.failure[0], flow.response.status_code, call.interrupted or call.failure[1],
+                        response_json=None)
         elif not self.record(call, STATUS_OK, flow.response.status_code, None,
                              response_json=flow.response.get_text(strict=False)):
             # never hand the agent a response the store does not have
@@ -181,6 +184,8 @@ class Record:
                                                   "the upstream stream ended without [DONE]")
         elif stream.broken:
             status, error = STATUS_STREAM_ERROR, f"{stream.broken} stream event(s) were not valid JSON"
+        if call.interrupted is not None:  # stopped at an update and not continued (continuation.py)
+            status, error = STATUS_STREAM_ERROR, call.interrupted
         return self.record(call, status, flow.response.status_code if flow.response else None,
                            error, response_json=wire.dumps(assembled(call)).decode())
 

@@ -54,6 +54,7 @@ class Runtime:
     # prompts the trainer delivers per rollout attempt, substituted in its requests (resources.py)
     resources: resources.Registry = field(default_factory=lambda: resources.Registry())
     resender: Resender = field(default_factory=Resender)  # asks the upstream again (see Capture)
+    relay: Any = None  # continuation.Relay with --on-update continue: calls continued after an update
     max_body_bytes: int = 32 << 20
     seqs: dict[tuple[str, int], int] = field(default_factory=dict)
     # the latest whole-rollout reward per (rollout, attempt) recorded since start, for GET /rewards

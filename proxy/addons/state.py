@@ -67,6 +67,10 @@ class Call:
     first_byte_us: int | None = None
     first_chunk_us: int | None = None
     failure: tuple[str, str] | None = None  # (status, error) of an answer that is not ok
+    # Relay (continuation.py, --on-update continue)
+    upstream_url: str | None = None  # the engine's URL of a call sent through the relay
+    token_versions: list[int] | None = None  # each generated token's policy version, when not all equal
+    interrupted: str | None = None  # why a call stopped at an update could not be continued
     # Deadlines (--upstream-timeout)
     deadline: Any = None  # the call's clock (upstream_timeout.Deadline)
     timed_out: str | None = None  # why the upstream exchange was ended

@@ -16,6 +16,13 @@
 CREATE OR REPLACE VIEW sample_calls AS
 SELECT rollout_id, attempt, policy, seq, policy_version, finish_reason,
        prompt_token_ids, response_token_ids,
+       -- the version that generated each token: calls.response_policy_versions for a call that lived
+       -- through an update (continued on the new weights), else policy_version for every token
+       CASE WHEN response_policy_versions IS NOT NULL
+                 AND len(response_policy_versions) = len(response_token_ids)
+            THEN response_policy_versions
+            ELSE list_resize([]::INTEGER[], len(response_token_ids), policy_version::INTEGER)
+       END AS token_versions,
        CASE WHEN response_logprobs IS NULL OR len(response_logprobs) <> len(response_token_ids)
             THEN list_resize([]::FLOAT[], len(response_token_ids), 'NaN'::FLOAT)
             ELSE response_logprobs END AS response_logprobs,
@@ -64,7 +71,7 @@ WITH w AS (
     WINDOW w AS (PARTITION BY rollout_id, attempt, policy ORDER BY seq)
 ), linked AS (
     SELECT rollout_id, attempt, policy, seq, policy_version,
-           prompt_token_ids, response_token_ids, response_logprobs,
+           prompt_token_ids, response_token_ids, response_logprobs, token_versions,
            CASE WHEN trainable_before = 0 THEN 'first'
                 WHEN prev_excluded IS NOT NULL THEN 'excluded_call'
                 WHEN len(prompt_token_ids) < len(prev_prompt) + len(prev_response) THEN 'truncation'
@@ -117,8 +124,7 @@ SELECT rollout_id, attempt, policy, sample_index, count(*) AS n_calls,
        flatten(list(list_resize([]::FLOAT[], len(prompt_token_ids) - context_from, 0)
                     || response_logprobs ORDER BY seq)) AS behaviour_logprobs,
        flatten(list(list_resize([]::INTEGER[], len(prompt_token_ids) - context_from, -1)
-                    || list_resize([]::INTEGER[], len(response_token_ids), policy_version)
-                    ORDER BY seq)) AS policy_versions,
+                    || token_versions ORDER BY seq)) AS policy_versions,
        sum(len(response_token_ids)) AS masked_tokens
 FROM sample_links GROUP BY rollout_id, attempt, policy, sample_index;
 
