@@ -207,7 +207,7 @@ class Exchange:
             out["stream_options"] = {"include_usage": True}
         return url, out, False
 
-    async def _ask(self, url: str, payload: dict[str, Any], chat: bool, version: int) -> web.StreamResponse | None:
+    async def _ask(self, url: str, payload: dict[str, Any], chat: bool, version: int) -> web.StreamResponse:
         """One request to the engine, its events taken in: the answer for mitmproxy once the call is over,
         or Stopped when it was cut at a pause."""
         session = self.rt.resender.session()

@@ -5,7 +5,9 @@
                   {"timeout": 60, "on_update": "continue"}
                                            … the calls in flight that can be continued are stopped
                                            where they are (not waited for) and continued on the new
-                                           weights after the resume; default: --on-update (drain)
+                                           weights after the resume; default: --on-update (drain).
+                                           Only a proxy started with --on-update continue sends calls
+                                           the way that can stop them; any other call is drained
     POST /resume  {"policy_version": 3}    release held calls; new calls run under version 3
                   {"policy_version": 3, "served_model": "policy-v3"}
                                            … and are sent to the upstream's model "policy-v3" (a
@@ -47,7 +49,7 @@ from aiohttp import web
 from . import openapi, policies, resources
 from .addons import Runtime, agent_gone
 from .auth import AuthError, Identity, parse_identity
-from .gate import CONTINUE, ON_UPDATE
+from .gate import ON_UPDATE
 
 RT_KEY: web.AppKey[Runtime] = web.AppKey("rt", Runtime)
 TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
@@ -156,9 +158,6 @@ async def pause(request: web.Request) -> web.Response:
     on_update = body.get("on_update")
     if on_update is not None and on_update not in ON_UPDATE:
         return _error(400, f"on_update must be 'drain' or 'continue', not {on_update!r}")
-    if on_update == CONTINUE and rt.relay is None:
-        return _error(400, "on_update 'continue' needs a proxy started with --on-update continue (its calls "
-                           "go through the relay that can stop and continue them)")
     drained, at_pause, seconds = await rt.gate.pause(timeout, orphaned=rt.orphaned, on_update=on_update)
     rt.metrics.drain.observe(seconds)
     result = {**state(rt), "drained": drained, "in_flight_at_pause": at_pause, "drain_seconds": seconds}

@@ -39,8 +39,8 @@ from .addons import (
 from .addons.egress import EGRESS_MODES
 from .addons.route import parse_resolve
 from .codex import CodexModels
-from .control import make_app
 from .continuation import Relay
+from .control import make_app
 from .gate import CONTINUE, DRAIN, HOLD, ON_UPDATE, REJECT, Gate
 from .resend import Resender
 from .wsbridge import Bridge, ResponsesSocket

@@ -164,6 +164,34 @@ def test_a_call_recorded_without_logprobs_stays_in_its_sample_for_the_trainer_to
     assert v["behaviour_logprobs"] == pytest.approx(s["behaviour_logprobs"], nan_ok=True)
 
 
+def test_a_rollout_spanning_three_versions_keeps_each_tokens_own_version(tmp_path: Path,
+                                                                         tok: Tokenizer) -> None:
+    """Calls that lived through updates (lgt-proxy --on-update continue) carry a version per token: the
+    sample holds each token's own, in the merge and in the plain-SQL view alike; a list that is not one
+    per token is read as the call's policy_version throughout."""
+    agent = Agent(tok)
+    calls = agent.run("r1", [Turn("how do the water", "the water is 42.", version=1),
+                             Turn("and then", "then we call it a day.", version=1),
+                             Turn("why", "no way.", version=2),
+                             Turn("so", "so be it.", version=3)])
+    n1, n2 = len(calls[1]["response_token_ids"]), len(calls[2]["response_token_ids"])
+    calls[1]["response_policy_versions"] = [1] * 3 + [2] * (n1 - 3)  # updated after 3 tokens
+    calls[2]["response_policy_versions"] = [2] * 2 + [3] * (n2 - 2)
+    calls[3]["response_policy_versions"] = [7, 7]  # not one per token: ignored
+    con = store_of(tmp_path, calls)
+    (s,) = build_samples(con).samples.to_pylist()
+    want: list[int] = []
+    for c in calls:
+        want += [-1] * (len(c["prompt_token_ids"]) - len(want)) + (
+            c["response_policy_versions"] if c is calls[1] or c is calls[2]
+            else [c["policy_version"]] * len(c["response_token_ids"]))
+    assert s["policy_versions"] == want and s["n_calls"] == 4
+    assert [v for _, _, v in generated_runs(s)] == [1, 1, 2, 2, 3, 3]  # run boundaries per call and version
+    install(con)
+    (v,) = con.sql("FROM samples").to_arrow_table().to_pylist()
+    assert v["policy_versions"] == s["policy_versions"] and v["n_calls"] == 4
+
+
 def test_exact_names_token_differences_only_with_a_tokenizer(tmp_path: Path, tok: Tokenizer) -> None:
     agent = Agent(tok)
     calls = agent.run("r1", [Turn("how do the water", "the water is 42.", split=True),

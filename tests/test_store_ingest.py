@@ -211,12 +211,13 @@ def test_a_version_1_store_is_brought_to_the_current_version(tmp_path: Path) -> 
         (4, "add calls.sampling and rollouts.split"),
         (5, "add calls.api"),
         (6, "add calls.translation and each table's schema file"),
-        (7, "add calls.policy")]
+        (7, "add calls.policy"),
+        (8, "add calls.response_policy_versions")]
     assert all((tmp_path / t).is_dir() for t in ("rollouts", "rewards", "egress"))
     for table, columns in schema.TABLES.items():  # no rows, the current columns
         t = pq.read_table(tmp_path / schema.schema_file(table))
         assert t.num_rows == 0 and t.schema.equals(columns)
-        assert t.schema.metadata[schema.SCHEMA_VERSION_KEY] == b"7"
+        assert t.schema.metadata[schema.SCHEMA_VERSION_KEY] == b"8"
     # a plain DuckDB given only views.sql (no lgt): the v1 rows, the new columns as null, empty tables
     plain = duckdb.connect()
     plain.execute("SET file_search_path = ?", [str(tmp_path)])

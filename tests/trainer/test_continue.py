@@ -13,6 +13,7 @@ Runs in the trainer's environment; lgt-proxy runs in its own (``lgt.testing.prox
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
 import threading
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 ASK = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Tell me about the sea in three "
                                                                      "sentences."}],
-       "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+       "max_tokens": 96, "temperature": 0, "ignore_eos": True}
 HOST = "https://api.openai.invalid/v1"
 
 
@@ -49,10 +50,15 @@ def proxy(tmp_path_factory: pytest.TempPathFactory, vllm_url: str) -> Iterator[P
 @pytest.fixture(scope="module")
 def reference(vllm_url: str) -> dict[str, Any]:
     """vLLM's own greedy answer, without a pause."""
-    body = {**ASK, "model": "policy", "return_token_ids": True, "logprobs": True}
+    return greedy(vllm_url, ASK)
+
+
+def greedy(vllm_url: str, ask: dict[str, Any]) -> dict[str, Any]:
+    body = {**ask, "model": "policy", "return_token_ids": True, "logprobs": True}
     out = httpx.post(f"{vllm_url}/chat/completions", json=body, trust_env=False, timeout=120).json()
     choice = out["choices"][0]
-    assert len(choice["token_ids"]) == ASK["max_tokens"]
+    if ask.get("ignore_eos"):
+        assert len(choice["token_ids"]) == ask["max_tokens"]
     return {"content": choice["message"]["content"], "ids": choice["token_ids"],
             "logprobs": [e["logprob"] for e in choice["logprobs"]["content"]],
             "prompt_ids": out["prompt_token_ids"]}
@@ -70,7 +76,7 @@ class Update:
         self.proxy, self.version, self.served_model = proxy, version, served_model
         self.paused: dict[str, Any] | None = None
 
-    def pause_when_under_way(self, after: float = 0.6) -> dict[str, Any]:
+    def pause_when_under_way(self, after: float = 0.3) -> dict[str, Any]:
         ctl = self.proxy.client
         deadline = time.monotonic() + 30
         while ctl.state()["in_flight"] < 1:
@@ -111,11 +117,13 @@ def test_a_call_paused_mid_answer_is_continued_and_the_agent_gets_vllms_answer(
 
     t = threading.Thread(target=call)
     t.start()
-    paused = update.pause_when_under_way()
-    assert paused["drained"] is True and paused["parked"] == 1  # stopped, not waited for
-    time.sleep(0.3)  # the weights would be updated here
-    assert proxy.client.state()["parked"] == 1
-    update.resume()
+    try:
+        paused = update.pause_when_under_way()
+        assert paused["drained"] is True and paused["parked"] == 1  # stopped, not waited for
+        time.sleep(0.3)  # the weights would be updated here
+        assert proxy.client.state()["parked"] == 1
+    finally:
+        update.resume()
     t.join(120)
     if stream:
         assert got["status"] == 200
@@ -146,12 +154,12 @@ def test_a_call_paused_mid_answer_is_continued_and_the_agent_gets_vllms_answer(
     assert 0 < k < ASK["max_tokens"], k  # it was cut mid-answer
 
 
-def test_an_anthropic_messages_call_is_continued_too(proxy: ProxyProc, reference: dict[str, Any],
-                                                     rollout: str) -> None:
+def test_an_anthropic_messages_call_is_continued_too(proxy: ProxyProc, vllm_url: str, rollout: str) -> None:
+    reference = greedy(vllm_url, {k: v for k, v in ASK.items() if k != "ignore_eos"})  # not Anthropic's
     version = proxy.client.state()["policy_version"]
     update = Update(proxy, version + 1)
     ask = {"model": "claude-x", "max_tokens": ASK["max_tokens"], "temperature": 0, "stream": True,
-           "messages": ASK["messages"], "ignore_eos": True}
+           "messages": ASK["messages"]}
     got: dict[str, Any] = {}
 
     def call() -> None:
@@ -161,8 +169,10 @@ def test_an_anthropic_messages_call_is_continued_too(proxy: ProxyProc, reference
 
     t = threading.Thread(target=call)
     t.start()
-    assert update.pause_when_under_way()["parked"] == 1
-    update.resume()
+    try:
+        assert update.pause_when_under_way()["parked"] == 1
+    finally:
+        update.resume()
     t.join(120)
     assert got["status"] == 200
     events = [e for e in sse_objects(got["text"]) if isinstance(e, dict)]
@@ -172,7 +182,7 @@ def test_an_anthropic_messages_call_is_continued_too(proxy: ProxyProc, reference
     [row] = proxy.calls("rollout_id = ?", [rollout])
     assert row["status"] == "ok" and row["api"] == "messages"
     assert row["response_token_ids"] == reference["ids"]
-    assert 0 < versions_split(row, version, version + 1) < ASK["max_tokens"]
+    assert 0 < versions_split(row, version, version + 1) < len(reference["ids"])
 
 
 def test_an_agent_that_leaves_mid_continuation_is_recorded_as_gone(proxy: ProxyProc, rollout: str) -> None:
@@ -180,20 +190,24 @@ def test_an_agent_that_leaves_mid_continuation_is_recorded_as_gone(proxy: ProxyP
     update = Update(proxy, version + 1)
     closed = threading.Event()
 
-    def call() -> None:
-        with agent(proxy, rollout) as c, c.stream("POST", f"{HOST}/chat/completions",
-                                                  json={**ASK, "stream": True}) as r:
-            for _ in r.iter_raw():
-                if update.paused is not None:
-                    break  # leaves while its call is parked
+    def call() -> None:  # an SDK's read timeout: it leaves once its parked call stays silent for 1 s
+        ctx = ssl.create_default_context(cafile=proxy.ca_bundle)
+        with httpx.Client(proxy=proxy.proxy_url(rollout), verify=ctx, trust_env=False,
+                          timeout=httpx.Timeout(60, read=1.0)) as c:
+            with contextlib.suppress(httpx.ReadTimeout), c.stream(
+                    "POST", f"{HOST}/chat/completions", json={**ASK, "stream": True}) as r:
+                for _ in r.iter_raw():
+                    pass
         closed.set()
 
     t = threading.Thread(target=call)
     t.start()
-    assert update.pause_when_under_way()["parked"] == 1
-    assert closed.wait(30)
-    time.sleep(0.5)
-    update.resume()
+    try:
+        assert update.pause_when_under_way()["parked"] == 1
+        assert closed.wait(30)
+        time.sleep(0.5)
+    finally:
+        update.resume()
     t.join(60)
     deadline = time.monotonic() + 30
     while proxy.client.state()["in_flight"]:
