@@ -33,7 +33,7 @@ from lgt.proxy.addons import (
     Substitute,
     Translate,
 )
-from lgt.proxy.gate import REJECT, Gate
+from lgt.proxy.gate import CONTINUE, DRAIN, REJECT, Gate
 from lgt.proxy.server import addons
 from lgt.store.writer import TableWriter
 
@@ -236,6 +236,51 @@ def test_hold_lets_calls_through_the_gate_and_release_ends_them(rt: Runtime) -> 
     call.release()
     call.release()  # once only
     assert rt.gate.in_flight == 0 and not rt.live
+
+
+def test_a_pause_that_continues_calls_stops_them_and_waits_for_the_rest() -> None:
+    """on_update continue: a stoppable call is stopped and parks (the pause does not wait for it) and
+    goes on under the resume's version; a call that cannot be stopped is drained as ever; a call that
+    becomes stoppable during such a pause is stopped at once; a drain pause stops nothing."""
+
+    async def main() -> None:
+        gate = Gate(on_update=DRAIN)
+        log: list[str] = []
+        parked: list[int] = []
+
+        async def stoppable(name: str) -> None:
+            await gate.enter()
+            stopped = asyncio.Event()
+            gate.stoppable_call(name, lambda: (log.append(name), stopped.set()))
+            await stopped.wait()
+            gate.not_stoppable(name)
+            parked.append(await gate.park())
+            gate.exit()
+
+        await gate.enter()  # a call that cannot be stopped: it finishes in 0.2 s
+        asyncio.get_running_loop().call_later(0.2, gate.exit)
+        task = asyncio.create_task(stoppable("a"))
+        await asyncio.sleep(0.01)
+        drained, at_pause, seconds = await gate.pause(timeout=5, on_update=CONTINUE)
+        assert (drained, at_pause, log, gate.parked) == (True, 2, ["a"], 1)
+        assert seconds >= 0.15  # it waited for the unstoppable call, not for the parked one
+        gate.stoppable_call("late", lambda: log.append("late"))  # passed the gate before the pause
+        assert log == ["a", "late"]
+        gate.not_stoppable("late")
+        gate.resume(3)
+        await task
+        assert parked == [3] and gate.parked == 0 and gate.in_flight == 0 and gate.stopped_total == 1
+        task = asyncio.create_task(stoppable("b"))
+        await asyncio.sleep(0.01)
+        drained, _, _ = await gate.pause(timeout=0.3)  # the gate's own mode: drain
+        assert drained is False and log == ["a", "late"]  # nothing stopped; it timed out waiting
+        gate.stoppable["b"]()
+        gate.resume(4)
+        await task
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="on_update must be 'drain' or 'continue'"):
+        Gate(on_update="abort")
 
 
 def test_hold_refuses_while_paused_in_reject_mode_or_the_store_is_full(rt: Runtime) -> None:

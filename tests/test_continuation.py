@@ -1,0 +1,40 @@
+"""The pure parts of continuing a call across an update (``proxy/continuation.py``); the whole path runs
+against a real vLLM in ``tests/trainer/test_continue.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from lgt.proxy.continuation import _says_something, continuable
+
+BASE = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "return_token_ids": True,
+        "logprobs": True}
+
+
+@pytest.mark.parametrize("extra,ok", [
+    ({}, True),
+    ({"stream": True, "stream_options": {"include_usage": True}}, True),
+    ({"tools": []}, True),  # an empty list is no tools
+    ({"tool_choice": "none", "max_tokens": 9, "temperature": 0.7, "stop": ["\n"]}, True),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, False),  # the tool parser reads it all
+    ({"response_format": {"type": "json_object"}}, False),
+    ({"n": 2}, False),
+    ({"top_logprobs": 3}, False),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, False),
+    ({"return_token_ids": False}, False),  # no token ids: nothing to continue from
+])
+def test_which_calls_can_be_continued(extra: dict, ok: bool) -> None:
+    assert continuable("chat/completions", {**BASE, **extra}) is ok
+    assert continuable("completions", {**BASE, **extra, "prompt": "x"}) is False
+
+
+def test_a_token_chunk_says_something_when_it_shows_text_or_ends() -> None:
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, "token_ids": [5]}]}
+
+    assert _says_something(chunk({"content": "a"}))
+    assert _says_something(chunk({"reasoning": "so"}))
+    assert _says_something(chunk({}, "length"))
+    assert not _says_something(chunk({}))  # a token that ends inside a character, or a special token
+    assert not _says_something(chunk({"content": ""}))
+    assert not _says_something(chunk({"role": "assistant"}))
