@@ -11,7 +11,9 @@ Async runs once per way of bounding staleness (``--modes``: ``async-group``, ``a
 ``async-truncate``; plain ``async`` takes the config's default): ``group`` is lgt's admission before
 per-token versions (a group with one token more than ``max_staleness`` versions behind is dropped
 whole), ``mask`` leaves only such tokens out of the loss, ``truncate`` trains them with their truncated
-importance weight. Each prints the share of the generated tokens of its trained batches that were
+importance weight. A ``+continue`` suffix (``async-truncate+continue``) runs it with the run config's
+``proxy.on_update: continue``: the calls in flight at an update stopped and continued by the proxy on
+the new weights instead of drained. Each prints the share of the generated tokens of its trained batches that were
 trained (``rollout/tokens_trained`` over ``rollout/tokens_generated``), the seconds per trained sample,
 and its speed-up over sync per trained sample.
 
@@ -34,7 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def config(args: argparse.Namespace, mode: str) -> dict:
-    """The run config of ``mode``: ``sync``, ``async``, or ``async-<staleness>``."""
+    """The run config of ``mode``: ``sync``, ``async``, or ``async-<staleness>``; a ``+continue`` suffix
+    sets ``proxy.on_update: continue`` (the calls in flight at an update continued, not drained)."""
+    mode, _, on_update = mode.partition("+")
     run_mode, _, staleness = mode.partition("-")
     agent_dir = ROOT / "examples" / args.agent
     env = {"OPENAI_BASE_URL": "https://api.openai.invalid/v1", "OPENAI_API_KEY": "sk-bench",
@@ -53,6 +57,7 @@ def config(args: argparse.Namespace, mode: str) -> dict:
                                                             "hermes"]} if args.agent == "calc" else {})},
         "backend": {"lr": args.lr, "micro_batch_tokens": 8192},
         "algorithm": {"sample_mode": "realign" if args.agent == "calc" else "exact", "agg": "token-mean"},
+        **({"proxy": {"on_update": on_update}} if on_update else {}),
     }
 
 

@@ -152,6 +152,7 @@ def test_overrides(tmp_path: Path) -> None:
     ("algorithm: {estimator: ppo}\n", "algorithm: unknown advantage estimator 'ppo'"),
     ("backend: {name: jax}\n", "backend.name must be one of torch, verl, not 'jax'"),
     ("proxy: {max_output_tokens: 0}\n", "proxy.max_output_tokens must be a positive number of tokens"),
+    ("proxy: {on_update: keep}\n", "proxy.on_update must be drain or continue, not 'keep'"),
     ("proxy: {url: http://127.0.0.1:1, max_output_tokens: 64}\nstore: s\n",
      "proxy.max_output_tokens sets a proxy the run starts; give the running proxy --max-output-tokens"),
     ("backend: {world_size: 2}\n", "unknown key backend.world_size"),

@@ -112,7 +112,7 @@ class Supervisor:
                 command=list(p.command) if p.command else None,
                 upstream_timeout=p.upstream_timeout_s, listen_host=p.listen_host, egress=p.egress_args(),
                 served_model=self.served_model or cfg.served_model_name,
-                max_output_tokens=p.max_output_tokens, policies=self.write_policies())
+                max_output_tokens=p.max_output_tokens, policies=self.write_policies(), on_update=p.on_update)
             self.proxy = ProxyGroup([started])
         self.warm_up()
 

@@ -55,8 +55,14 @@ class ProxySection:
     # asks for tens of thousands, which an untrained policy spends to the agent's timeout; each capped
     # call says so in its record (calls.translation). null: the agent's own limit
     max_output_tokens: int | None = None
+    # at an update, the calls in flight: drain (the update waits for them to finish on the old weights)
+    # or continue (each is stopped where it is and continued by the proxy on the new weights, its tokens
+    # recorded with each one's version; calls offering tools drain: docs/proxy.md)
+    on_update: str = "drain"
 
     def __post_init__(self) -> None:
+        if self.on_update not in ("drain", "continue"):
+            raise ValueError(f"proxy.on_update must be drain or continue, not {self.on_update!r}")
         if self.egress not in EGRESS_MODES:
             raise ValueError(f"proxy.egress must be one of {', '.join(EGRESS_MODES)}, not {self.egress!r}")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
@@ -127,13 +133,14 @@ class ProxyClient:
               upstream_timeout: float | None = None, listen_host: str = "127.0.0.1",
               egress: list[str] | None = None, served_model: str = "policy",
               max_output_tokens: int | None = None, policies: Path | None = None,
-              timeout: float = 60) -> ProxyClient:
+              on_update: str = "drain", timeout: float = 60) -> ProxyClient:
         """Start lgt-proxy on ``store`` (a folder, or ``s3://…``: the proxy uploads there and both
         work in its local mirror). ``upstream`` None: observe-only (calls go where the agent sent them,
         and are recorded as a hosted model's: ``lgt-train record``). ``served_model``: the name the
         upstream serves the policy under (``engine.served_model_name``), which every routed call asks
         for; ``max_output_tokens``: the proxy's cap on a reply's length (``proxy.max_output_tokens``);
-        ``policies``: the run's policies section as JSON (``--policies``; read again by a restart)."""
+        ``policies``: the run's policies section as JSON (``--policies``; read again by a restart);
+        ``on_update``: what a pause does with the calls in flight (``--on-update``)."""
         from lgt.store.remote import resolve
 
         store_arg, store = str(store), resolve(store)[0]
@@ -144,6 +151,8 @@ class ProxyClient:
             route += ["--max-output-tokens", str(max_output_tokens)]
         if policies is not None:
             route += ["--policies", str(policies)]
+        if upstream is not None and on_update != "drain":
+            route += ["--on-update", on_update]
         cmd = [*(command or find_proxy_command()), "--store", store_arg, *route,
                "--listen-port", str(port), "--control-port", str(control_port),
                "--policy-version", str(policy_version), "--flush-seconds", "0.5"]
