@@ -13,9 +13,9 @@ per-token versions (a group with one token more than ``max_staleness`` versions 
 whole), ``mask`` leaves only such tokens out of the loss, ``truncate`` trains them with their truncated
 importance weight. A ``+continue`` suffix (``async-truncate+continue``) runs it with the run config's
 ``proxy.on_update: continue``: the calls in flight at an update stopped and continued by the proxy on
-the new weights instead of drained. Each prints the share of the generated tokens of its trained batches that were
-trained (``rollout/tokens_trained`` over ``rollout/tokens_generated``), the seconds per trained sample,
-and its speed-up over sync per trained sample.
+the new weights instead of drained. Each prints the share of the generated tokens of its trained
+batches that were trained (``rollout/tokens_trained`` over ``rollout/tokens_generated``), the seconds
+per trained sample, and its speed-up over sync per trained sample.
 
     .venv/bin/python bench/async_vs_sync.py --steps 12
     .venv/bin/python bench/async_vs_sync.py --steps 6 --modes sync,async-group,async-truncate   # quicker
