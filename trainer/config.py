@@ -93,9 +93,10 @@ class RunConfig:
     target_reward: float | None = None  # stop once the mean reward of the last 10 steps reaches it
     max_staleness: int = 1
     # what is done with a generated token more than max_staleness versions behind the policy trained
-    # (lgt.trainer.run.admission.prepare): mask (left out of the loss), truncate (trained, its
-    # importance weight truncated), group (its whole group dropped: the behaviour before per-token versions)
-    staleness: str = "mask"
+    # (lgt.trainer.run.admission.prepare): truncate (trained, its importance weight truncated: nothing
+    # generated is thrown away), mask (left out of the loss), group (its whole group dropped: the
+    # behaviour before per-token versions)
+    staleness: str = "truncate"
     max_inflight: int = 32
     seed: int = 0
     store: Path | None = None  # default: <run_dir>/store; s3://bucket/prefix: on S3 (kept as a string)

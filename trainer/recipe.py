@@ -46,9 +46,10 @@ each policy's served model; checkpoints under ``checkpoints/policies/<policy>/st
 Departures from the published method, on purpose:
 - Admission control (async) bounds staleness: a group is launched only while every group launched so
   far could be trained within ``max_staleness`` versions; staleness is then bounded per token (each
-  token's own policy version): a token staler than that when its group's turn comes is left out of the
-  loss (``staleness: mask``, ``rollout/tokens_stale_masked``), or trained with its truncated importance
-  weight (``truncate``), or, as before per-token versions, its whole group dropped (``group``).
+  token's own policy version): a token staler than that when its group's turn comes is trained with its
+  truncated importance weight (``staleness: truncate``, the default: nothing generated is thrown away),
+  or left out of the loss (``mask``, ``rollout/tokens_stale_masked``), or, as before per-token versions,
+  its whole group dropped (``group``).
 - Failed and timed-out rollouts are retried by the controller; exhausted ones leave their group (they
   are not trained as reward 0).
 - The loss corrects the engine/trainer mismatch with truncated importance weights against the recorded

@@ -117,7 +117,8 @@ def test_prepare_by_group_drops_stale_groups_then_weighs_the_rest() -> None:
 
 
 def test_prepare_by_token_masks_only_the_stale_tokens_and_keeps_their_group() -> None:
-    p = batch.prepare(samples(BATCH), version=6, algorithm=AlgorithmConfig(), max_staleness=2)
+    p = batch.prepare(samples(BATCH), version=6, algorithm=AlgorithmConfig(), max_staleness=2,
+                      staleness="mask")
     # c1's tokens (version 3) are 3 behind: masked, so its only sample has nothing to train and is left
     # out; C stays, and c2's advantage is taken against c1's reward (0.5 < 1.0)
     assert set(p.samples["group_id"].to_pylist()) == {"A", "B", "C"} and p.stale_groups == 0

@@ -44,7 +44,9 @@ def test_async_run_trains_syncs_and_records_everything(tmp_path: Path, arith_mod
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["version"] for r in rows] == [1, 2, 3]
     ids = trained_ids(rows)
     assert len(ids) == len(set(ids)) >= 3 * 2 * 4 * 0.75  # each sample once; most rollouts succeed
-    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    # staleness: truncate (the default): every generated token trained, one past the bound counted
+    assert all(r["rollout/tokens_trained"] == r["rollout/tokens_generated"] > 0 for r in rows)
+    assert all(r["rollout/staleness_max"] <= 1 or r["rollout/tokens_past_bound"] > 0 for r in rows)
     assert all(r["perf/sync_s"] > 0 for r in rows)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step-{s:08d}" for s in (1, 2, 3)]
     for step in (1, 2, 3):

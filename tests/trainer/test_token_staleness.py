@@ -58,7 +58,8 @@ def gradient(p: admission.Prepared, cfg: LossConfig) -> torch.Tensor:
 def test_a_rollout_spanning_three_versions_is_trained_with_each_tokens_own_version() -> None:
     # trained at version 6, max_staleness 2: r1's version-3 tokens are 3 behind (masked), its version-4
     # and version-5 tokens 2 and 1 behind (trained); all of r2 is 3 behind
-    p = admission.prepare(table(R1, R2), version=6, algorithm=AlgorithmConfig(), max_staleness=2)
+    p = admission.prepare(table(R1, R2), version=6, algorithm=AlgorithmConfig(), max_staleness=2,
+                          staleness="mask")
     assert p.stale_groups == 0 and p.samples["rollout_id"].to_pylist() == ["r1"]  # r2 has nothing to train
     (row,) = p.samples.to_pylist()
     assert row["loss_mask"] == [0, 0, 0, 0, 1, 1, 1]
@@ -108,7 +109,8 @@ def test_by_group_the_old_rollout_takes_its_group_with_it() -> None:
 def test_shares_keep_the_advantages_taken_with_the_masked_rollouts() -> None:
     h1 = sample("h1", "H", 1.0, [-1, 6, 6], [0.0, OLD, OLD])
     h2 = sample("h2", "H", 0.5, [-1, 6], [0.0, OLD])
-    p = admission.prepare(table(R1, R2, h1, h2), version=6, algorithm=AlgorithmConfig(), max_staleness=2)
+    p = admission.prepare(table(R1, R2, h1, h2), version=6, algorithm=AlgorithmConfig(), max_staleness=2,
+                          staleness="mask")
     whole = dict(zip(p.samples["rollout_id"].to_pylist(), p.samples["advantage"].to_pylist()))
     parts = admission.shares(p.samples, 2, AlgorithmConfig())
     assert len(parts) == 2
@@ -128,7 +130,7 @@ def test_several_policies_mask_each_policys_stale_tokens() -> None:
     coder_b = {**sample("b", "g", 0.0, [-1, 2, 2], [0.0, OLD, OLD], policy="coder"), "sample_id": "b~0#1"}
     planner_a = {**sample("a", "g", 1.0, [-1, 2], [0.0, OLD], policy="planner"), "sample_id": "a~0#1"}
     whole, each = admission.prepare_policies(table(coder_a, coder_b, planner_a), ["coder", "planner"], 2,
-                                             AlgorithmConfig(), 1)
+                                             AlgorithmConfig(), 1, staleness="mask")
     coder = each["coder"]
     # the coder trains only b's tokens, with b's advantage taken against a's reward
     assert coder.samples["rollout_id"].to_pylist() == ["b"] and coder.samples["advantage"][0].as_py() < 0
@@ -138,3 +140,13 @@ def test_several_policies_mask_each_policys_stale_tokens() -> None:
     m = whole.metrics()
     assert (m["rollout/tokens_generated"], m["rollout/tokens_trained"], m["rollout/tokens_stale_masked"]) == \
         (5, 3, 2)
+
+
+def test_by_default_every_generated_token_is_trained_past_the_bound_counted() -> None:
+    # staleness: truncate (the default): r2, wholly 3 versions behind, is trained too; nothing is masked
+    p = admission.prepare(table(R1, R2), version=6, algorithm=AlgorithmConfig(), max_staleness=2)
+    m = p.metrics()
+    assert sorted(set(p.samples["rollout_id"].to_pylist())) == ["r1", "r2"] and p.stale_groups == 0
+    assert m["rollout/tokens_trained"] == m["rollout/tokens_generated"] > 0
+    assert m["rollout/tokens_trained_frac"] == 1.0 and m["rollout/tokens_stale_masked"] == 0
+    assert m["rollout/tokens_past_bound"] > 0 and m["rollout/staleness_max"] == 3

@@ -19,9 +19,9 @@ functions, and only these, what to do next:
   generated token carries the version that generated it (``policy_versions``: a rollout whose calls
   ran across updates, or one call continued across an update, spans several), and a token more than
   ``max_staleness`` versions behind the policy being trained is, by the run's ``staleness``:
-  ``mask`` — left out of the loss, its rollout's other tokens and its group trained; ``truncate`` —
-  trained like the rest, its importance weight against the behaviour logprobs truncated at
-  ``is_cap`` in the loss (:mod:`lgt.trainer.rl.loss`); ``group`` — its whole group dropped (lgt's
+  ``truncate`` (the default) — trained like the rest, its importance weight against the behaviour
+  logprobs truncated at ``is_cap`` in the loss (:mod:`lgt.trainer.rl.loss`); ``mask`` — left out of
+  the loss, its rollout's other tokens and its group trained; ``group`` — its whole group dropped (lgt's
   behaviour before per-token versions, kept to compare). A group is never dropped for one old
   rollout otherwise. Then optionally groups with equal rewards are left out; advantages are taken over
   each group's rollouts, stale ones included, and loss weights over the rollouts with a trained token
@@ -208,7 +208,7 @@ def _generated(t: pa.Table) -> int:
 
 
 def prepare(samples: pa.Table, version: int, algorithm: AlgorithmConfig, max_staleness: int,
-            staleness: str = "mask") -> Prepared:
+            staleness: str = "truncate") -> Prepared:
     """The batch's samples (the store's rows of its groups) ready for the loss at policy ``version``.
 
     Each generated token's staleness is its own: ``version`` minus the version that generated it
@@ -249,7 +249,7 @@ def prepare(samples: pa.Table, version: int, algorithm: AlgorithmConfig, max_sta
 
 
 def prepare_policies(samples: pa.Table, policies: list[str], version: int, algorithm: AlgorithmConfig,
-                     max_staleness: int, staleness: str = "mask") -> tuple[Prepared, dict[str, Prepared]]:
+                     max_staleness: int, staleness: str = "truncate") -> tuple[Prepared, dict[str, Prepared]]:
     """Several policies' batch: each of ``policies`` prepared on its own samples (its advantages and loss
     weights within its table, so each rollout counts once in each policy's update; an empty table for a
     policy with no call in the batch), and the batch as one for the step's row: the policies' tables
