@@ -173,3 +173,22 @@ def test_a_burst_of_warm_started_rollouts_all_start(tmp_path, proxy):
     results = asyncio.run(run_all(ctl, jobs))
     assert [r.error for r in results if r.status != "ok"] == []
     assert max(r.seconds for r in results) < 30
+
+
+def test_a_python_on_path_that_is_a_shim_runs_the_interpreter_it_stands_for(tmp_path, proxy, monkeypatch):
+    """`python` on PATH as pyenv or asdf put it there: a shell script under the user's home that finds
+    the interpreter and execs it (here: this one). Inside the sandbox the script's folder is out of
+    sight, so the warm interpreter is the one the shim picks, asked outside."""
+    from lgt.trainer.rollout.agent import real_python
+
+    shims = tmp_path / "home" / ".pyenv" / "shims"
+    shims.mkdir(parents=True)
+    (shims / "python").write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" "$@"\n')
+    (shims / "python").chmod(0o755)
+    assert real_python(str(shims / "python")) == sys.executable
+    assert real_python(sys.executable) == sys.executable  # an interpreter is itself
+    monkeypatch.setenv("PATH", f"{shims}:{os.environ['PATH']}")
+    agent = AgentSpec(command=("python", str(AGENTS / "chat_agent.py")), python_preload=("auto",),
+                      timeout_s=60, retries=0)
+    [result] = run(proxy, tmp_path, agent, [({"question": "What is 1+1?", "rewards": {"stdout": 1}}, "shim")])
+    assert result.status == "ok", result.error

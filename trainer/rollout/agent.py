@@ -258,6 +258,25 @@ def resolve_executable(name: str, cwd: Path | None, path_env: str | None, what: 
 
 
 
+def real_python(python: str, cwd: Path | None = None) -> str:
+    """The interpreter ``python`` runs: itself, or, when it is a script standing in for one (pyenv's
+    and asdf's shims, which find the interpreter under the user's home and so cannot run inside a
+    sandbox), the interpreter it picks here (``sys.executable``, asked in ``cwd``: a
+    ``.python-version`` there counts). Unchanged when it cannot be asked."""
+    import subprocess
+
+    try:
+        with open(python, "rb") as f:
+            if f.read(4) == b"\x7fELF":
+                return python
+        out = subprocess.run([python, "-c", "import sys; print(sys.executable)"], capture_output=True,
+                             text=True, timeout=30, cwd=cwd)
+    except (OSError, subprocess.SubprocessError):
+        return python
+    found = out.stdout.strip()
+    return found if out.returncode == 0 and found and os.access(found, os.X_OK) else python
+
+
 def env_name(key: str, prefix: str = "TASK_") -> str:
     """``TASK_<KEY upper, non-alphanumerics → _>``: ``"max-steps"`` → ``TASK_MAX_STEPS``."""
     return prefix + re.sub(r"[^A-Za-z0-9]", "_", str(key)).upper()

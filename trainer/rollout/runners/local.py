@@ -24,6 +24,7 @@ from lgt.trainer.rollout.agent import (
     RolloutError,
     check_env_refs,
     expand,
+    real_python,
     resolve_executable,
 )
 from lgt.trainer.rollout.forkserver import ForkedProcess, ForkServer, ForkServerError, python_script_command
@@ -45,7 +46,7 @@ class LocalRunner:
             # environment, e.g. .venv/bin/python) is relative to the agent's working directory
             python = resolve_executable(python_script_command(agent.command)[0], agent.cwd,
                                         os.environ.get("PATH"), "agent command")
-            self._preload = (python, agent.python_preload)
+            self._preload = (real_python(python, agent.cwd), agent.python_preload)
         self._procs: set[asyncio.subprocess.Process | ForkedProcess] = set()
         self._closed = False
         self._forkserver: ForkServer | None = None
