@@ -198,7 +198,9 @@ def test_swe_images_trains_claude_code_mounted_into_each_tasks_image(tmp_path: P
     for n in done:
         text = (run_dir / "rollouts" / f"{n}.out").read_text(errors="replace")
         assert text.startswith("claude code 2.") and head in text.splitlines()[0], text[-2000:]
-        assert "SEES HOST" not in text and "WRITABLE" not in text and '"type":"result"' in text, text[-2000:]
+        # its JSON result, of which claude_code.sh prints the first 2,000 bytes (a long answer pushes its
+        # "type" field past them; "stop_reason" comes first)
+        assert "SEES HOST" not in text and "WRITABLE" not in text and '"stop_reason":' in text, text[-2000:]
         graded = json.loads((run_dir / "rollouts" / f"{n}.eval.out").read_text().splitlines()[-1])
         assert graded["reward"] == rewards[n.split("~")[0]], (graded, rewards)
         assert graded["resolved"] or "test_total_counts_every_row" in graded["reason"], graded
