@@ -34,6 +34,8 @@ from fnmatch import fnmatchcase
 from typing import Any
 from urllib.parse import urlsplit
 
+from .dialects.common import plain_text
+
 DEFAULT = "default"  # the one policy of a run that names none (lgt.store.schema.DEFAULT_POLICY)
 KINDS = ("main", "side")
 CONDITIONS = ("model", "system", "kind")
@@ -93,7 +95,7 @@ def facts(chat: dict[str, Any], agent: dict[str, Any] | None, requested_model: A
     """The facts of a call: ``chat`` the chat/completions request the proxy built (or the agent's own),
     ``agent`` the agent's request in its API when it was translated (None otherwise)."""
     messages = chat.get("messages") if isinstance(chat.get("messages"), list) else []
-    system = "\n".join(_text(m.get("content")) for m in messages
+    system = "\n".join(plain_text(m.get("content")) for m in messages
                        if isinstance(m, dict) and m.get("role") in ("system", "developer"))
     seen = {
         "offers_tools": bool(chat.get("tools") or chat.get("functions")),
@@ -103,14 +105,6 @@ def facts(chat: dict[str, Any], agent: dict[str, Any] | None, requested_model: A
     side = any(all(seen[k] == v for k, v in sign.items()) for sign in SIDE_CALLS)
     return Facts(requested_model if isinstance(requested_model, str) else None, system,
                  "side" if side else "main")
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
 
 
 @dataclass

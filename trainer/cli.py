@@ -365,22 +365,6 @@ def _run_error(e: Exception) -> str:
     return text.splitlines()[0] if "\n" not in text[:300] else text
 
 
-def _policy_checkpoint(root: Path, step: int | None) -> Path:
-    """The finished checkpoint of ``step`` (default: the latest) under one policy's ``root``."""
-    from lgt.trainer.backends.checkpoints import CheckpointError, finished_checkpoints
-
-    finished = finished_checkpoints(root)
-    if not finished:
-        raise CheckpointError(f"{root} has no finished checkpoint")
-    if step is None:
-        return finished[-1]
-    found = [c for c in finished if c.name == f"step-{step:08d}"]
-    if not found:
-        raise CheckpointError(f"{root} has no finished checkpoint of step {step} (it has "
-                              f"{', '.join(c.name for c in finished)})")
-    return found[0]
-
-
 def _checkpoint(path: Path) -> Path:
     """The checkpoint ``--checkpoint`` names (a step-N folder, or a run folder's latest); ValueError."""
     from lgt.trainer.backends.checkpoints import find_checkpoint
@@ -453,8 +437,7 @@ def export_cmd(run_dir: Path, step: int | None, out: Path, policy: str | None) -
             raise click.ClickException(f"--policy {policy}: {run_dir} has no checkpoints of that policy "
                                        + (f"(it has {', '.join(names)})" if names else
                                           "(it trained one policy: leave --policy out)"))
-        # a policy's checkpoints are laid out as a run's: <policy>/step-N under checkpoints/policies
-        ckpt = checkpoint_at(run_dir, step) if policy is None else _policy_checkpoint(policies / policy, step)
+        ckpt = checkpoint_at(run_dir, step, policy)
         check_out(out)  # before loading anything
         done = export(ckpt, out)
     except (ValueError, FileNotFoundError) as e:

@@ -190,21 +190,15 @@ class Policy:
         import json
         import shutil
 
-        from lgt.trainer.backends import checkpoints
         from lgt.trainer.serving import sync
 
         self.prepare()
-        step, extra, _ = checkpoints.read_state(next(iter(folders.values())))
-        self.progress = Progress(step=int(extra.get("step", step)), version=int(extra.get("version", step)))
+        first = next(iter(folders.values()))  # the first policy's: always on the run's engine
+        self.progress, base = saved_progress(first)
         own = self.start_policy_engines(dict(folders), {})
         shared = {name: folder for name, folder in folders.items() if name not in own}
         if len(shared) == 1:
-            folder = next(iter(shared.values()))
-            adapter = adapter_folder(folder)
-            if adapter is not None:
-                self.serve_adapter(adapter, checkpoints.read_state(folder)[2])
-            else:
-                self.serve(with_chat_template(self.cfg, folder, self.run_dir, f"model-{folder.name}"))
+            self.serve_saved(first, base)
             return
         adapters = {name: adapter_folder(folder) for name, folder in shared.items()}
         rank = max(int(json.loads((a / "adapter_config.json").read_text())["r"]) for a in adapters.values())
@@ -212,7 +206,7 @@ class Policy:
                                      max_loras=max(self.cfg.engine.max_loras, 2 * len(shared)))
         saves = {name: lambda dest, a=a: shutil.copytree(a, dest) for name, a in adapters.items()}
         how = sync.PolicyAdapters(saves, self.run_dir / "engine-adapters")
-        self.runlog.log(f"serving {len(shared)} policies' adapters of {next(iter(folders.values())).name} "
+        self.runlog.log(f"serving {len(shared)} policies' adapters of {first.name} "
                         f"({', '.join(shared)}) as <policy>-v{self.progress.version}")
         self.serve(self.ensure_model(), sync=how, restore=True, engine=engine)
 
@@ -244,14 +238,16 @@ class Policy:
         """``lgt-train eval`` and ``apo``: the engine serves ``checkpoint`` (its step and policy version
         the progress) or the config's model; no backend. A LoRA checkpoint's adapter is served on its base
         (:meth:`serve_adapter`)."""
-        from lgt.trainer.backends import checkpoints
-
         self.prepare()
         base = None
         if checkpoint is not None:
-            updates, extra, base = checkpoints.read_state(checkpoint)
-            step = int(extra.get("step", updates))  # the run's step; the backend may update more often
-            self.progress = Progress(step=step, version=int(extra.get("version", step)))
+            self.progress, base = saved_progress(checkpoint)
+        self.serve_saved(checkpoint, base)
+
+    def serve_saved(self, checkpoint: Path | None, base: Path | None) -> None:
+        """The engine on ``checkpoint`` — a LoRA run's adapter on ``base`` (the model its run trained, as
+        its state names it; the config's when that is the checkpoint itself or None), or a full model —
+        or, without one, on the config's model."""
         adapter = adapter_folder(checkpoint) if checkpoint is not None else None
         if adapter is not None:  # a LoRA run's checkpoint: its base model, the adapter loaded on top
             self.serve_adapter(adapter, base if base is not None and base != checkpoint else None)
@@ -297,7 +293,7 @@ def policy_checkpoints(cfg: RunConfig, path: Path) -> dict[str, Path] | None:
     or ``checkpoints/policies``): each policy's of the newest step every policy finished; None when
     ``path`` holds no ``checkpoints/policies``. CheckpointError (one sentence) when a policy of ``cfg``
     has none, or no step is finished by all."""
-    from lgt.trainer.backends.checkpoints import CheckpointError, finished_checkpoints
+    from lgt.trainer.backends.checkpoints import CheckpointError, common_step, finished_checkpoints
 
     path = Path(path)
     root = next((r for r in (path / "checkpoints" / "policies", path / "policies", path)
@@ -305,15 +301,24 @@ def policy_checkpoints(cfg: RunConfig, path: Path) -> dict[str, Path] | None:
     if root is None or not cfgmod.several_policies(cfg):
         return None
     names = [p["name"] for p in cfg.policies]
-    finished = {name: {c.name for c in finished_checkpoints(root / name)} for name in names}
-    missing = [name for name, steps in finished.items() if not steps]
+    missing = [name for name in names if not finished_checkpoints(root / name)]
     if missing:
         raise CheckpointError(f"{root} has no finished checkpoint of policy {missing[0]} (the config names "
                               f"{', '.join(names)}): give the run's folder and config")
-    common = sorted(set.intersection(*finished.values()))
-    if not common:
+    step = common_step(root, names)
+    if step is None:
         raise CheckpointError(f"{root}: no step is finished by every policy ({', '.join(names)})")
-    return {name: root / name / common[-1] for name in names}
+    return {name: root / name / step for name in names}
+
+
+def saved_progress(checkpoint: Path) -> tuple[Progress, Path | None]:
+    """A finished checkpoint's step and policy version (the run's step: the backend may update more
+    often), and the model its run trained, as its state names it."""
+    from lgt.trainer.backends import checkpoints
+
+    updates, extra, base = checkpoints.read_state(checkpoint)
+    step = int(extra.get("step", updates))
+    return Progress(step=step, version=int(extra.get("version", step))), base
 
 
 def backends_lora(backend: Any) -> Any:

@@ -330,9 +330,7 @@ class Recipe:
         root = self.run_dir / "checkpoints" / "policies"
         step = None
         if self.resume:
-            finished = [{p.name for p in checkpoints.finished_checkpoints(root / name)} for name in configs]
-            common = sorted(set.intersection(*finished)) if finished else []
-            step = common[-1] if common else None
+            step = checkpoints.common_step(root, list(configs))
         extra: dict[str, Any] = {}
         for name, bcfg in configs.items():
             if step is not None:

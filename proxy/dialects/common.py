@@ -75,7 +75,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def _plain(content: Any) -> str:
+def plain_text(content: Any) -> str:
     """A chat message's content as text (the text parts of a list; other parts dropped)."""
     if isinstance(content, str):
         return content
@@ -98,7 +98,7 @@ def place_system(msgs: list[dict[str, Any]], notes: list[str]) -> list[dict[str,
         if m.get("role") != "system":
             out.append(m)
             continue
-        text = _plain(m.get("content"))
+        text = plain_text(m.get("content"))
         if not out:
             head.append(text)
             continue

@@ -142,21 +142,33 @@ def is_adapter(ckpt: str | Path) -> bool:
     return (Path(ckpt) / ADAPTER_CONFIG).is_file()
 
 
-def checkpoint_at(run_dir: str | Path, step: int | None = None) -> Path:
-    """The run's finished checkpoint of ``step`` (default: its latest); CheckpointError in one sentence
-    when ``run_dir`` is no run, has no finished checkpoint, or none of that step."""
+def common_step(root: str | Path, names: list[str]) -> str | None:
+    """A run of several policies (``root``: its ``checkpoints/policies``): the newest ``step-N`` every
+    one of ``names`` finished, or None."""
+    finished = [{p.name for p in finished_checkpoints(Path(root) / name)} for name in names]
+    common = sorted(set.intersection(*finished)) if finished else []
+    return common[-1] if common else None
+
+
+def checkpoint_at(run_dir: str | Path, step: int | None = None, policy: str | None = None) -> Path:
+    """The run's finished checkpoint of ``step`` (default: its latest) — with ``policy``, that policy's
+    (a run of several: ``checkpoints/policies/<policy>``); CheckpointError in one sentence when
+    ``run_dir`` is no run, has no finished checkpoint, or none of that step."""
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
     if not run_dir.is_dir() or not (root.is_dir() or (run_dir / "config.json").is_file()):
         raise CheckpointError(f"{run_dir} is not a run folder (no such folder, or it has neither "
                               "checkpoints/ nor config.json): give the folder lgt-train run wrote")
+    if policy is not None:
+        root = root / "policies" / policy
     finished = finished_checkpoints(root)
     if not finished:
-        raise CheckpointError(f"{run_dir} has no finished checkpoint (checkpoints/step-N with a {DONE} file)")
+        raise CheckpointError(f"{run_dir} has no finished checkpoint of policy {policy}" if policy else
+                              f"{run_dir} has no finished checkpoint (checkpoints/step-N with a {DONE} file)")
     if step is None:
         return finished[-1]
     by_step = {int(m.group(1)): p for p in finished if (m := CHECKPOINT_RE.match(p.name))}
     if step not in by_step:
-        raise CheckpointError(f"{run_dir} has no finished checkpoint of step {step}: its steps are "
-                              f"{', '.join(map(str, sorted(by_step)))}")
+        raise CheckpointError(f"{root if policy else run_dir} has no finished checkpoint of step {step}: "
+                              f"its steps are {', '.join(map(str, sorted(by_step)))}")
     return by_step[step]
