@@ -17,6 +17,7 @@ import click
 from . import auth
 from .client import ControlClient, ControlError, resolve_token
 from .server import CAPTURE_MODES, EGRESS_MODES, ConfigError, ProxyConfig, serve
+from .tool_parsers import PARSERS
 
 
 class DefaultGroup(click.Group):
@@ -103,6 +104,9 @@ secret_option = click.option(
 @click.option("--on-update", type=click.Choice(["drain", "continue"]), default="drain", show_default=True,
               help="At a pause: wait for the calls in flight (drain), or stop them where they are and "
                    "continue each on the new weights after the resume (continue; docs/proxy.md).")
+@click.option("--tool-parser", type=click.Choice(sorted(PARSERS)), default=None,
+              help="The engine's --tool-call-parser: with --on-update continue, calls that offer tools "
+                   "are continued too, their tool calls read by the proxy (docs/proxy.md); else drained.")
 @click.option("--retry-after", default=5, show_default=True, type=int, help="Seconds, reject mode.")
 @click.option("--egress", type=click.Choice(EGRESS_MODES), default="allow", show_default=True,
               help="Policy for traffic that is not an LLM call.")

@@ -17,8 +17,15 @@ was generated, and the call's sampling parameters, and passes that answer on as 
 chat/completions answer (same id, created, model). Each generated token's policy version is kept
 (``Call.token_versions``; the calls table's ``response_policy_versions``).
 
-Not continuable (drained as before): calls with tools or a response format (the engine's parsers read
-the whole reply), with ``n`` > 1, top logprobs, ``continuous_usage_stats``, or without token capture.
+A call that offers tools is continued when the proxy knows the engine's tool parser (``--tool-parser``,
+tool_parsers.py): it goes to the engine with ``tool_choice: none`` and the proxy reads the tool calls
+out of the whole reply's text itself, streamed or not, as the engine's parser would — or with the
+agent's own ``tool_choice: none``, which needs no parser.
+
+Not continuable (drained as before): calls with tools the proxy cannot parse (no ``--tool-parser``, a
+``required`` or named ``tool_choice``: a grammar over the whole reply), legacy ``functions``, a
+response format or guided decoding, ``n`` > 1, top logprobs, ``continuous_usage_stats``, or without
+token capture.
 The engine's frequency and presence penalties count only the tokens generated since the continuation.
 A stop string that straddles the update is not seen.
 """
@@ -36,6 +43,7 @@ from mitmproxy import http
 
 from . import wire
 from .resend import HOP_HEADERS
+from .tool_parsers import PARSERS
 
 log = logging.getLogger("lgt.proxy")
 
@@ -44,19 +52,30 @@ CARRIED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token
            "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
            "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words",
            "allowed_token_ids", "return_tokens_as_token_ids", "priority", "user")
-# A chat request with any of these is not continued: its answer is shaped by a parser or a grammar over
-# the whole reply, which a continuation would restart.
-NOT_CONTINUABLE = ("tools", "functions", "response_format", "structured_outputs", "guided_json",
+# A chat request with any of these is not continued: its answer is shaped by a grammar over the whole
+# reply, which a continuation would restart.
+NOT_CONTINUABLE = ("functions", "response_format", "structured_outputs", "guided_json",
                    "guided_regex", "guided_choice", "guided_grammar", "echo", "prompt_logprobs")
 
 
-def continuable(endpoint: str, req: dict[str, Any]) -> bool:
-    """Whether a prepared upstream request can be stopped at a pause and continued after it."""
+def parses_tools(req: dict[str, Any]) -> bool:
+    """Whether the engine would read tool calls out of this request's answer (tools offered, the choice
+    left to the model)."""
+    return bool(req.get("tools")) and req.get("tool_choice") in (None, "auto")
+
+
+def continuable(endpoint: str, req: dict[str, Any], tool_parser: str | None = None) -> bool:
+    """Whether a prepared upstream request can be stopped at a pause and continued after it;
+    ``tool_parser``: the engine's, when the proxy knows it (``--tool-parser``)."""
     if endpoint != wire.CHAT or not req.get("return_token_ids"):
         return False
     if any(req.get(k) not in (None, [], {}) for k in NOT_CONTINUABLE):
         return False
-    if req.get("tool_choice") not in (None, "none") or (req.get("n") or 1) != 1:
+    if req.get("tools") and req.get("tool_choice") not in (None, "auto", "none"):
+        return False  # required or a named function: the engine decodes with a grammar
+    if parses_tools(req) and tool_parser not in PARSERS:
+        return False
+    if (req.get("n") or 1) != 1:
         return False
     if req.get("top_logprobs") or (req.get("stream_options") or {}).get("continuous_usage_stats"):
         return False
@@ -67,8 +86,9 @@ class Relay:
     """The loopback server continuable calls go through (see the module docstring): one route,
     ``POST /c/<call id>``, for the calls under way in ``rt.live``."""
 
-    def __init__(self, rt: Any) -> None:
+    def __init__(self, rt: Any, tool_parser: str | None = None) -> None:
         self.rt = rt
+        self.tool_parser = tool_parser  # the engine's tool call parser (tool_parsers.PARSERS), if known
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -104,7 +124,7 @@ class Relay:
             return web.json_response({"error": {"message": "lgt-proxy: the request is not JSON",
                                                 "type": "invalid_request_error", "code": 400}}, status=400)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        return await Exchange(self.rt, call, flow, body, headers, request).run()
+        return await Exchange(self.rt, call, flow, body, headers, request, self.tool_parser).run()
 
 
 class Stopped(Exception):
@@ -115,9 +135,12 @@ class Exchange:
     """One continuable call between mitmproxy and the engine: its answer so far, and the versions."""
 
     def __init__(self, rt: Any, call: Any, flow: http.HTTPFlow, body: dict[str, Any],
-                 headers: dict[str, str], request: web.Request) -> None:
+                 headers: dict[str, str], request: web.Request, tool_parser: str | None = None) -> None:
         self.rt, self.call, self.flow, self.body, self.headers = rt, call, flow, body, headers
         self.request = request
+        # the tool calls read by the proxy (tool_parsers.py): the engine is asked with tool_choice none
+        self.parser = (PARSERS[tool_parser](parallel=body.get("parallel_tool_calls") is not False)
+                       if tool_parser in PARSERS and parses_tools(body) else None)
         self.streamed = bool(body.get("stream"))
         self.include_usage = self.streamed and bool((body.get("stream_options") or {}).get("include_usage"))
         self.prompt_ids: list[int] | None = None
@@ -125,7 +148,7 @@ class Exchange:
         self.versions: list[int] = []
         self.logprobs: list[dict[str, Any]] = []  # chat logprobs entries of the generated tokens
         self.has_logprobs = False
-        self.content = ""
+        self.content = ""  # the reply's text (all of it, tool calls included, when the proxy parses them)
         self.extra: dict[str, str] = {}  # other string fields of the message (reasoning)
         self.head: dict[str, Any] = {}
         self.fingerprint: Any = None
@@ -169,7 +192,10 @@ class Exchange:
         version = call.policy_version
         if gate.paused and gate.continuing:  # it passed the gate just before the pause: nothing to cut
             version = await self.park()
-        url, payload, chat = call.upstream_url, {**self.body, "stream": True}, True
+        first = {**self.body, "stream": True}
+        if self.parser is not None:  # the reply's text as it is; the proxy reads its tool calls
+            first.update(tool_choice="none", skip_special_tokens=False)
+        url, payload, chat = call.upstream_url, first, True
         while True:
             self.stopped = False
             gate.stoppable_call(call.call_id, self.stop)
@@ -186,7 +212,10 @@ class Exchange:
                 return self.down or web.Response(status=499)
             log.info("call %s of rollout %s: continued under policy version %d after %d tokens",
                      call.call_id, call.identity.name, version, len(self.ids))
-            url, payload, chat = self._continuation()
+            if self.prompt_ids is None:  # cut before its first token (in the prompt's prefill): asked again
+                url, payload, chat = call.upstream_url, first, True
+            else:
+                url, payload, chat = self._continuation()
 
     def _continuation(self) -> tuple[str, dict[str, Any], bool]:
         """The engine's /completions request that goes on from the tokens generated so far."""
@@ -201,6 +230,8 @@ class Exchange:
         if isinstance(body.get("min_tokens"), int):
             out["min_tokens"] = max(0, body["min_tokens"] - len(self.ids))
         out["stream"], out["return_token_ids"] = True, True
+        if self.parser is not None:  # as the engine's tool parser asks for its requests
+            out["skip_special_tokens"] = False
         if body.get("logprobs"):
             out["logprobs"] = 0
         if self.include_usage:
@@ -247,7 +278,7 @@ class Exchange:
                     if piece is DONE:
                         for held, o in pending:
                             self._take(o, version)
-                            out.append(held)
+                            out.append(self._parsed(held, o))
                         if out and self.streamed and self.down is not None:
                             await self.down.write(b"".join(out))
                         return await self._end()
@@ -257,6 +288,7 @@ class Exchange:
                     for held, o in [*pending, (piece, obj)]:
                         if o is not None:
                             self._take(o, version)
+                            held = self._parsed(held, o)
                         if held:
                             out.append(held)
                     pending.clear()
@@ -318,6 +350,25 @@ class Exchange:
                 self.finish, self.stop_reason = ch["finish_reason"], ch.get("stop_reason")
         self._versions_on_call()
 
+    def _parsed(self, event: bytes, obj: dict[str, Any]) -> bytes:
+        """A token chunk as the engine's tool parser would have sent it: its text read by the proxy's
+        parser into content and tool call deltas (the chunk as it came when the proxy reads no tools)."""
+        if self.parser is None:
+            return event
+        changed = False
+        for ch in obj.get("choices") or ():
+            if not isinstance(ch, dict):
+                continue
+            finish = ch.get("finish_reason")
+            if not ch.get("token_ids") and finish is None:
+                continue  # the role chunk
+            delta = self.parser.stream(self.content, finished=finish is not None)
+            ch["delta"] = delta if delta is not None else {}
+            if finish == "stop" and self.parser.called:
+                ch["finish_reason"] = "tool_calls"
+            changed = True
+        return b"data: " + wire.dumps(obj) + b"\n\n" if changed else event
+
     def _as_chat(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """A /completions chunk of a continuation as the chat chunk the engine would have sent."""
         out: dict[str, Any] = {**self.head, "object": "chat.completion.chunk"}
@@ -373,19 +424,25 @@ class Exchange:
 
     def body_json(self) -> dict[str, Any]:
         """The answer as vLLM 0.32 writes a whole chat/completions body (every field, unset ones null)."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.content, "refusal": None,
+        content, calls, finish = self.content, [], self.finish
+        if self.parser is not None:
+            content, calls = self.parser.whole(self.content)
+            if calls:
+                finish = "tool_calls"
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None,
                                    "annotations": None, "audio": None, "function_call": None,
+                                   **({"tool_calls": calls} if calls else {}),
                                    "reasoning": self.extra.get("reasoning") or None}
         n, p = len(self.ids), len(self.prompt_ids or ())
         return {
             **self.head, "object": "chat.completion",
             "choices": [{"index": 0, "message": message,
                          "logprobs": {"content": self.logprobs} if self.has_logprobs else None,
-                         "finish_reason": self.finish, "stop_reason": self.stop_reason,
+                         "finish_reason": finish, "stop_reason": self.stop_reason,
                          "token_ids": self.ids, "routed_experts": None}],
             "service_tier": None, "system_fingerprint": self.fingerprint,
             "usage": {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n,
-                      "prompt_tokens_details": None},
+                      "prompt_tokens_details": None, "completion_tokens_details": None},
             "prompt_logprobs": None, "prompt_token_ids": self.prompt_ids, "prompt_text": None,
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 

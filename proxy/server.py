@@ -43,6 +43,7 @@ from .continuation import Relay
 from .control import make_app
 from .gate import CONTINUE, DRAIN, HOLD, ON_UPDATE, REJECT, Gate
 from .resend import Resender
+from .tool_parsers import PARSERS
 from .wsbridge import Bridge, ResponsesSocket
 
 log = logging.getLogger("lgt.proxy")
@@ -78,6 +79,7 @@ class ProxyConfig:
     confdir: Path | None = None
     pause_mode: str = HOLD
     on_update: str = DRAIN  # at a pause: drain the calls in flight, or stop and continue them
+    tool_parser: str | None = None  # the engine's tool call parser: calls offering tools continued too
     retry_after_s: int = 5
     egress: str = "allow"
     allow_hosts: tuple[str, ...] = ()
@@ -99,6 +101,9 @@ class ProxyConfig:
         if self.on_update == CONTINUE and (self.upstream is None or self.capture_tokens == "off"):
             raise ConfigError("--on-update continue needs --upstream and token capture (it continues a "
                               "call from its token ids): drop --capture-tokens off or use drain")
+        if self.tool_parser is not None and self.tool_parser not in PARSERS:
+            raise ConfigError(f"--tool-parser must be one of {', '.join(sorted(PARSERS))}, "
+                              f"not {self.tool_parser!r}")
         if self.egress not in EGRESS_MODES:
             raise ConfigError(f"--egress must be one of {', '.join(EGRESS_MODES)}, not {self.egress!r}")
         if self.egress == "allowlist" and not self.allow_hosts:
@@ -317,7 +322,7 @@ async def serve(cfg: ProxyConfig, *, log_level: str = "INFO") -> None:
         await bridge.start()
         stack.push_async_callback(bridge.stop)
         if cfg.on_update == CONTINUE:  # calls stopped at an update and continued (continuation.py)
-            rt.relay = Relay(rt)
+            rt.relay = Relay(rt, cfg.tool_parser)
             await rt.relay.start()
             stack.push_async_callback(rt.relay.stop)
         master.addons.add(*addons(rt, bridge.port))

@@ -11,21 +11,31 @@ BASE = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "ret
         "logprobs": True}
 
 
-@pytest.mark.parametrize("extra,ok", [
-    ({}, True),
-    ({"stream": True, "stream_options": {"include_usage": True}}, True),
-    ({"tools": []}, True),  # an empty list is no tools
-    ({"tool_choice": "none", "max_tokens": 9, "temperature": 0.7, "stop": ["\n"]}, True),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, False),  # the tool parser reads it all
-    ({"response_format": {"type": "json_object"}}, False),
-    ({"n": 2}, False),
-    ({"top_logprobs": 3}, False),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, False),
-    ({"return_token_ids": False}, False),  # no token ids: nothing to continue from
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+
+
+@pytest.mark.parametrize("extra,parser,ok", [
+    ({}, None, True),
+    ({"stream": True, "stream_options": {"include_usage": True}}, None, True),
+    ({"tools": []}, None, True),  # an empty list is no tools
+    ({"tool_choice": "none", "max_tokens": 9, "temperature": 0.7, "stop": ["\n"]}, None, True),
+    ({"tools": TOOLS}, None, False),  # the engine's parser would read only the continuation
+    ({"tools": TOOLS}, "hermes", True),  # the proxy reads the tool calls itself
+    ({"tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": False}, "hermes", True),
+    ({"tools": TOOLS}, "mistral", False),  # a parser the proxy does not know
+    ({"tools": TOOLS, "tool_choice": "none"}, None, True),  # nothing to parse
+    ({"tools": TOOLS, "tool_choice": "required"}, "hermes", False),  # a grammar over the whole reply
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "hermes", False),
+    ({"functions": [{"name": "f"}]}, "hermes", False),
+    ({"response_format": {"type": "json_object"}}, "hermes", False),
+    ({"n": 2}, None, False),
+    ({"top_logprobs": 3}, None, False),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, None, False),
+    ({"return_token_ids": False}, "hermes", False),  # no token ids: nothing to continue from
 ])
-def test_which_calls_can_be_continued(extra: dict, ok: bool) -> None:
-    assert continuable("chat/completions", {**BASE, **extra}) is ok
-    assert continuable("completions", {**BASE, **extra, "prompt": "x"}) is False
+def test_which_calls_can_be_continued(extra: dict, parser: str | None, ok: bool) -> None:
+    assert continuable("chat/completions", {**BASE, **extra}, parser) is ok
+    assert continuable("completions", {**BASE, **extra, "prompt": "x"}, parser) is False
 
 
 def test_a_token_chunk_says_something_when_it_shows_text_or_ends() -> None:

@@ -259,7 +259,7 @@ class Capture:
                 flow.request.content = wire.dumps(prepared)
             relay = self.rt.relay
             if (relay is not None and flow.metadata.get(ROUTED) and call.upstream is not None
-                    and continuable(call.endpoint, prepared)):
+                    and continuable(call.endpoint, prepared, relay.tool_parser)):
                 relay.take(flow, call)  # stopped at an update and continued after it (continuation.py)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:

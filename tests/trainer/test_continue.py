@@ -42,7 +42,8 @@ def vllm_url(smollm2_dir: Path, engines: Callable[[Path], Any]) -> str:
 
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory: pytest.TempPathFactory, vllm_url: str) -> Iterator[ProxyProc]:
-    p = ProxyProc(tmp_path_factory.mktemp("cont") / "store", vllm_url, "--on-update", "continue").start()
+    p = ProxyProc(tmp_path_factory.mktemp("cont") / "store", vllm_url, "--on-update", "continue",
+                  "--tool-parser", "hermes").start()
     yield p
     p.stop()
 
@@ -152,6 +153,143 @@ def test_a_call_paused_mid_answer_is_continued_and_the_agent_gets_vllms_answer(
     assert row["policy_version"] == version
     k = versions_split(row, version, version + 1)
     assert 0 < k < ASK["max_tokens"], k  # it was cut mid-answer
+
+
+# A call that offers a tool, and a conversation in which the model has called it before (SmolLM2-135M
+# calls it then: <tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>, 36 tokens).
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}
+
+
+def _shot(i: int, a: int, b: int) -> list[dict[str, Any]]:
+    call = {"id": f"call_{i}", "type": "function",
+            "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
+    return [{"role": "user", "content": f"What is {a} + {b}? Use the add tool."},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": str(a + b)}]
+
+
+TOOL_ASK = {"model": "gpt-4o", "tools": [ADD], "max_tokens": 96, "temperature": 0,
+            "messages": [*_shot(1, 2, 3), *_shot(2, 7, 5), *_shot(3, 8, 1), *_shot(4, 6, 6),
+                         {"role": "user", "content": "What is 12 + 30? Use the add tool."}]}
+
+
+def assembled(text: str) -> dict[str, Any]:
+    """A streamed chat answer put together as an SDK does: content, tool calls, finish reason."""
+    content, calls, finish = "", {}, None
+    for c in sse_objects(text):
+        if not isinstance(c, dict) or not c.get("choices"):
+            continue
+        ch = c["choices"][0]
+        content += ch["delta"].get("content") or ""
+        for tc in ch["delta"].get("tool_calls") or ():
+            slot = calls.setdefault(tc["index"], {"name": "", "arguments": "", "ids": []})
+            slot["ids"] += [tc["id"]] if tc.get("id") else []
+            slot["name"] += tc.get("function", {}).get("name") or ""
+            slot["arguments"] += tc.get("function", {}).get("arguments") or ""
+        finish = ch.get("finish_reason") or finish
+    return {"content": content, "finish": finish,
+            "calls": [(v["name"], v["arguments"], len(v["ids"])) for _, v in sorted(calls.items())]}
+
+
+def mid_answer(vllm_url: str, body: dict[str, Any]) -> float:
+    """Seconds from a call's start to about 40% of its answer's generation (after the prompt's
+    prefill), measured on vLLM directly with the logprobs the proxy asks for (on CPU they take most of
+    a token's time), the second time (the prompt then cached, as it is next)."""
+    for _ in range(2):
+        t0, first = time.monotonic(), None
+        with httpx.stream("POST", f"{vllm_url}/chat/completions",
+                          json={**body, "stream": True, "logprobs": True}, trust_env=False, timeout=120) as r:
+            for line in r.iter_lines():
+                if first is None and '"token_ids":[' in line:
+                    first = time.monotonic() - t0
+        total = time.monotonic() - t0
+    assert first is not None
+    return first + 0.4 * (total - first)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_call_offering_tools_is_continued_and_its_tool_call_read_as_vllm_reads_it(
+        proxy: ProxyProc, vllm_url: str, rollout: str, stream: bool) -> None:
+    body = {**TOOL_ASK, "model": "policy", "stream": stream, "return_token_ids": True}
+    after = mid_answer(vllm_url, body)
+    if stream:  # vLLM's own answer, its tool call parsed by its hermes parser
+        with httpx.stream("POST", f"{vllm_url}/chat/completions", json=body, trust_env=False,
+                          timeout=120) as r:
+            want = assembled("".join(r.iter_text()))
+        ids = None
+    else:
+        direct = httpx.post(f"{vllm_url}/chat/completions", json=body, trust_env=False, timeout=120).json()
+        want = direct["choices"][0]
+        ids = want["token_ids"]
+    version = proxy.client.state()["policy_version"]
+    update = Update(proxy, version + 1)
+    got: dict[str, Any] = {}
+
+    def call() -> None:
+        with agent(proxy, rollout) as c:
+            got["resp"] = c.post(f"{HOST}/chat/completions", json={**TOOL_ASK, "stream": stream})
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        assert update.pause_when_under_way(after=after)["parked"] == 1
+        time.sleep(0.3)
+    finally:
+        update.resume()
+    t.join(120)
+    resp = got["resp"]
+    assert resp.status_code == 200, resp.text
+    [row] = proxy.calls("rollout_id = ?", [rollout])
+    assert row["status"] == "ok", row["error"]
+    k = versions_split(row, version, version + 1)
+    assert 0 < k < len(row["response_token_ids"]), (k, after)  # cut mid-answer
+    if stream:
+        have = assembled(resp.text)
+        assert have == want and have["finish"] == "tool_calls"
+        assert have["calls"][0][:2] == ("add", '{"a": 12, "b": 30}')
+    else:
+        choice = resp.json()["choices"][0]
+        assert choice["finish_reason"] == want["finish_reason"] == "tool_calls"
+        assert choice["message"]["content"] == want["message"]["content"]
+        strip = [{**tc, "id": None} for tc in want["message"]["tool_calls"]]
+        assert [{**tc, "id": None} for tc in choice["message"]["tool_calls"]] == strip
+        assert choice["message"]["tool_calls"][0]["id"].startswith("chatcmpl-tool-")
+        assert row["response_token_ids"] == ids
+
+
+def test_a_call_cut_in_its_prompts_prefill_is_asked_again_on_the_new_weights(
+        proxy: ProxyProc, vllm_url: str, rollout: str) -> None:
+    # a prompt of ~6,000 tokens, new to the engine's prefix cache: seconds of prefill on CPU
+    filler = " ".join(f"Note {i}: the tide was {'high' if i % 3 else 'low'} at dawn." for i in range(400))
+    ask = {**ASK, "messages": [{"role": "user", "content": f"{filler}\nTell me about the sea."}],
+           "max_tokens": 8, "stream": True}
+    version = proxy.client.state()["policy_version"]
+    update = Update(proxy, version + 1)
+    got: dict[str, Any] = {}
+
+    def call() -> None:
+        with agent(proxy, rollout) as c:
+            got["resp"] = c.post(f"{HOST}/chat/completions", json=ask)
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        assert update.pause_when_under_way(after=0.5)["parked"] == 1
+    finally:
+        update.resume()
+    t.join(180)
+    reference = greedy(vllm_url, {k: v for k, v in ask.items() if k != "stream"})
+    assert got["resp"].status_code == 200
+    events = [e for e in sse_objects(got["resp"].text) if isinstance(e, dict) and e.get("choices")]
+    assert [e["choices"][0]["delta"].get("role") for e in events].count("assistant") == 1
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == reference["content"]
+    [row] = proxy.calls("rollout_id = ?", [rollout])
+    assert row["status"] == "ok" and row["response_token_ids"] == reference["ids"]
+    assert row["prompt_token_ids"] == reference["prompt_ids"]
+    assert versions_split(row, version, version + 1) == 0  # every token generated after the update
 
 
 def test_an_anthropic_messages_call_is_continued_too(proxy: ProxyProc, vllm_url: str, rollout: str) -> None:

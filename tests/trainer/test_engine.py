@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from lgt.trainer.model_dir import ModelError
 from lgt.trainer.serving.children import free_port
 from lgt.trainer.serving.engine import Engine
-from lgt.trainer.serving.launch import EngineConfig, EngineError, build_command, build_env
+from lgt.trainer.serving.launch import EngineConfig, EngineError, build_command, build_env, tool_call_parser
 from lgt.trainer.serving.vllm_ext import iter_safetensors
 from lgt.trainer.serving.weights import (
     check_weights,
@@ -70,6 +70,13 @@ def test_command_per_build(tmp_path: Path) -> None:
     gpu = build_command(cfg, 8123, cpu=False, python="py")
     assert "--enable-sleep-mode" in gpu and "--dtype" not in gpu and "--enforce-eager" not in gpu
     assert gpu[gpu.index("--gpu-memory-utilization") + 1] == "0.5"
+
+
+def test_the_engines_tool_call_parser_is_read_from_its_extra_args() -> None:
+    assert tool_call_parser(("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) == "hermes"
+    assert tool_call_parser(["--tool-call-parser=qwen3_xml"]) == "qwen3_xml"
+    assert tool_call_parser(("--enable-auto-tool-choice",)) is None
+    assert tool_call_parser(("--tool-call-parser",)) is None  # no name after it: vLLM refuses it itself
 
 
 def test_env_defaults_and_overrides(tmp_path: Path) -> None:

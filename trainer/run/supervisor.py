@@ -29,8 +29,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lgt.proxy.tool_parsers import PARSERS as TOOL_PARSERS
 from lgt.trainer.run.progress import Progress
-from lgt.trainer.serving.launch import EngineConfig, EngineError
+from lgt.trainer.serving.launch import EngineConfig, EngineError, tool_call_parser
 from lgt.trainer.serving.proxy import ProxyClient, ProxyError, ProxyGroup, ProxySection
 from lgt.trainer.serving.sync import Adapters, FullWeights, PolicyAdapters, WeightSync
 
@@ -106,13 +107,18 @@ class Supervisor:
             self.proxy.check_served(cfg.served_model_name)
             self.proxy.resume(version, self.served_model, self.served)
         else:
+            parser = tool_call_parser(cfg.extra_args)
+            if p.on_update == "continue" and parser is not None and parser not in TOOL_PARSERS:
+                self.log(f"proxy.on_update continue: the proxy cannot read the tool calls of the engine's "
+                         f"{parser} parser, so calls offering tools drain at an update")
             started = ProxyClient.start(
                 self.store_url, self.engine.url, log_path=self.logs_dir / "proxy.log",
                 policy_version=version, port=p.port, control_port=p.control_port,
                 command=list(p.command) if p.command else None,
                 upstream_timeout=p.upstream_timeout_s, listen_host=p.listen_host, egress=p.egress_args(),
                 served_model=self.served_model or cfg.served_model_name,
-                max_output_tokens=p.max_output_tokens, policies=self.write_policies(), on_update=p.on_update)
+                max_output_tokens=p.max_output_tokens, policies=self.write_policies(), on_update=p.on_update,
+                tool_parser=parser)
             self.proxy = ProxyGroup([started])
         self.warm_up()
 

@@ -221,6 +221,18 @@ def build_command(cfg: EngineConfig, port: int, *, cpu: bool, python: str = sys.
     return cmd + list(cfg.extra_args)
 
 
+def tool_call_parser(extra_args: tuple[str, ...] | list[str]) -> str | None:
+    """The tool call parser the engine is started with (``--tool-call-parser NAME`` among its extra
+    arguments), or None."""
+    args = list(extra_args)
+    for i, a in enumerate(args):
+        if a == "--tool-call-parser" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--tool-call-parser="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def build_env(cfg: EngineConfig, *, cpu: bool, base: Mapping[str, str] | None = None,
               scratch: str | None = None) -> dict[str, str]:
     """The engine's environment: ``base`` (default os.environ), lgt's settings, then ``cfg.env``.

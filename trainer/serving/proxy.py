@@ -21,6 +21,7 @@ from typing import Any
 
 from lgt.proxy import auth
 from lgt.proxy.client import ControlClient, resolve_token
+from lgt.proxy.tool_parsers import PARSERS as TOOL_PARSERS
 from lgt.trainer.serving import children
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +58,8 @@ class ProxySection:
     max_output_tokens: int | None = None
     # at an update, the calls in flight: drain (the update waits for them to finish on the old weights)
     # or continue (each is stopped where it is and continued by the proxy on the new weights, its tokens
-    # recorded with each one's version; calls offering tools drain: docs/proxy.md)
+    # recorded with each one's version; calls offering tools are continued when the proxy can read the
+    # engine's --tool-call-parser's format (hermes), else drained: docs/proxy.md)
     on_update: str = "drain"
 
     def __post_init__(self) -> None:
@@ -133,14 +135,16 @@ class ProxyClient:
               upstream_timeout: float | None = None, listen_host: str = "127.0.0.1",
               egress: list[str] | None = None, served_model: str = "policy",
               max_output_tokens: int | None = None, policies: Path | None = None,
-              on_update: str = "drain", timeout: float = 60) -> ProxyClient:
+              on_update: str = "drain", tool_parser: str | None = None, timeout: float = 60) -> ProxyClient:
         """Start lgt-proxy on ``store`` (a folder, or ``s3://…``: the proxy uploads there and both
         work in its local mirror). ``upstream`` None: observe-only (calls go where the agent sent them,
         and are recorded as a hosted model's: ``lgt-train record``). ``served_model``: the name the
         upstream serves the policy under (``engine.served_model_name``), which every routed call asks
         for; ``max_output_tokens``: the proxy's cap on a reply's length (``proxy.max_output_tokens``);
         ``policies``: the run's policies section as JSON (``--policies``; read again by a restart);
-        ``on_update``: what a pause does with the calls in flight (``--on-update``)."""
+        ``on_update``: what a pause does with the calls in flight (``--on-update``); ``tool_parser``: the
+        engine's tool call parser, passed on when the proxy can read its tool calls (``--tool-parser``:
+        calls offering tools are then continued too)."""
         from lgt.store.remote import resolve
 
         store_arg, store = str(store), resolve(store)[0]
@@ -153,6 +157,8 @@ class ProxyClient:
             route += ["--policies", str(policies)]
         if upstream is not None and on_update != "drain":
             route += ["--on-update", on_update]
+            if tool_parser in TOOL_PARSERS:
+                route += ["--tool-parser", tool_parser]
         cmd = [*(command or find_proxy_command()), "--store", store_arg, *route,
                "--listen-port", str(port), "--control-port", str(control_port),
                "--policy-version", str(policy_version), "--flush-seconds", "0.5"]
