@@ -5,7 +5,9 @@ Workload: examples/calc's agent on its tasks or examples/arith's (``--agent``), 
 environment sleeps ``scale · Pareto(shape)`` seconds per rollout (``--latency pareto:SCALE:SHAPE``),
 as real tools do. Both modes get the same config, seed, task order and number of trained samples
 (``--steps`` × ``--batch-groups`` × ``--group-size``); the figure is the wall-clock to train them
-(engine start excluded) and the reward reached (mean of the last 3 steps).
+(engine start excluded) and the reward reached (mean of the last 3 steps). ``--latency-seed N`` draws
+each rollout's time from N and its id, so that every mode meets the same times (without it each
+draws its own, and the slowest rollouts of sync's steps, which set its pace, differ from run to run).
 
 Async runs once per way of bounding staleness (``--modes``: ``async-group``, ``async-mask``,
 ``async-truncate``; plain ``async`` takes the config's default): ``group`` is lgt's admission before
@@ -18,6 +20,7 @@ batches that were trained (``rollout/tokens_trained`` over ``rollout/tokens_gene
 per trained sample, and its speed-up over sync per trained sample.
 
     .venv/bin/python bench/async_vs_sync.py --steps 12
+    .venv/bin/python bench/async_vs_sync.py --steps 10 --latency-seed 1   # the same times in every mode
     .venv/bin/python bench/async_vs_sync.py --steps 6 --modes sync,async-group,async-truncate   # quicker
 """
 
@@ -43,6 +46,8 @@ def config(args: argparse.Namespace, mode: str) -> dict:
     agent_dir = ROOT / "examples" / args.agent
     env = {"OPENAI_BASE_URL": "https://api.openai.invalid/v1", "OPENAI_API_KEY": "sk-bench",
            "AGENT_LATENCY": args.latency, "CALC_TOOL_LATENCY": args.latency}
+    if args.latency_seed is not None:  # every mode meets the same environment times, rollout by rollout
+        env["AGENT_LATENCY_SEED"] = str(args.latency_seed)
     return {
         "name": f"bench-{mode}", "mode": run_mode, "seed": args.seed,
         "model": {"path": str(args.model), "make": {"preset": "demo", "warm_start": args.agent,
@@ -119,6 +124,9 @@ def main() -> None:
     ap.add_argument("--max-staleness", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--latency-seed", type=int, default=None,
+                    help="draw each rollout's environment time from this seed and its id (the arith and "
+                         "calc agents' AGENT_LATENCY_SEED): sync and async then meet the same times")
     ap.add_argument("--out", type=Path,
                     default=ROOT / "runs" / f"bench-async-{time.strftime('%Y%m%d-%H%M%S')}")
     ap.add_argument("--modes", default="sync,async-group,async-mask,async-truncate",

@@ -7,7 +7,9 @@ on its own (finish_reason "stop"); a lenient grader lets a small model drift int
 
 AGENT_LATENCY="pareto:SCALE:SHAPE" makes the agent's environment take a heavy-tailed time before the
 answer is graded (seconds = SCALE · Pareto(SHAPE), capped at 60 · SCALE), as real environments do;
-the benchmarks use it.
+the benchmarks use it. With AGENT_LATENCY_SEED set, the time is drawn from that seed and the rollout's
+id (LGT_ROLLOUT_ID, which lgt's runner sets), so that two runs of the same tasks — sync and async in
+bench/async_vs_sync.py — meet the same environment times.
 
 The model is whatever OPENAI_BASE_URL serves (default a hosted API under a reserved name that never
 resolves — under lgt-proxy the call is routed to the policy being trained).
@@ -26,7 +28,9 @@ def environment_latency() -> float:
     if not spec.startswith("pareto:"):
         return 0.0
     _, scale, shape = spec.split(":")
-    return min(float(scale) * random.paretovariate(float(shape)), 60 * float(scale))
+    seed = os.environ.get("AGENT_LATENCY_SEED")
+    rng = random.Random(f"{seed}:{os.environ.get('LGT_ROLLOUT_ID')}") if seed is not None else random
+    return min(float(scale) * rng.paretovariate(float(shape)), 60 * float(scale))
 
 
 def main() -> None:

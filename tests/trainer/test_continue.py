@@ -356,6 +356,40 @@ def test_an_agent_that_leaves_mid_continuation_is_recorded_as_gone(proxy: ProxyP
     assert rows[0]["error"]
 
 
+def test_an_agent_that_leaves_while_its_call_is_continued_is_recorded_as_gone(
+        proxy: ProxyProc, rollout: str) -> None:
+    version = proxy.client.state()["policy_version"]
+    update = Update(proxy, version + 1)
+    resumed, left = threading.Event(), threading.Event()
+
+    def call() -> None:  # reads on after the resume, then hangs up mid-answer
+        with agent(proxy, rollout) as c, c.stream(
+                "POST", f"{HOST}/chat/completions", json={**ASK, "stream": True}) as r:
+            after = 0
+            for chunk in r.iter_raw():
+                if resumed.is_set() and b"content" in chunk:
+                    after += 1
+                    if after == 3:
+                        break
+        left.set()
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        assert update.pause_when_under_way()["parked"] == 1
+    finally:
+        update.resume()
+        resumed.set()
+    assert left.wait(60)
+    t.join(60)
+    deadline = time.monotonic() + 30
+    while proxy.client.state()["in_flight"]:
+        assert time.monotonic() < deadline, "the continued call stayed in flight after its agent left"
+        time.sleep(0.05)
+    rows = proxy.calls("rollout_id = ?", [rollout])
+    assert [r["status"] for r in rows] == ["client_disconnect"]
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_continuation_the_engine_refuses_is_a_failed_call_with_its_reason(
         proxy: ProxyProc, rollout: str, stream: bool) -> None:
