@@ -5,7 +5,9 @@ The model gets a `calculator` tool; the agent (the environment) executes each to
 graded by the agent and printed as the last line: {"answer": "...", "turns": 2, "reward": 1.0}.
 
 Real environments take their time: CALC_TOOL_LATENCY="pareto:SCALE:SHAPE" makes each tool call sleep a
-heavy-tailed time (seconds = SCALE · Pareto(SHAPE), capped at 60 · SCALE), as real tools do.
+heavy-tailed time (seconds = SCALE · Pareto(SHAPE), capped at 60 · SCALE), as real tools do. With
+AGENT_LATENCY_SEED set, the times are drawn from that seed and the rollout's id (LGT_ROLLOUT_ID, which
+lgt's runner sets), so that two runs of the same tasks meet the same tool times.
 """
 
 import json
@@ -36,12 +38,16 @@ def calculator(expression: str) -> str:
         return "error"
 
 
+SEED = os.environ.get("AGENT_LATENCY_SEED")
+RNG = random.Random(f"{SEED}:{os.environ.get('LGT_ROLLOUT_ID')}") if SEED is not None else random
+
+
 def tool_latency() -> float:
     spec = os.environ.get("CALC_TOOL_LATENCY", "")
     if not spec.startswith("pareto:"):
         return 0.0
     _, scale, shape = spec.split(":")
-    return min(float(scale) * random.paretovariate(float(shape)), 60 * float(scale))
+    return min(float(scale) * RNG.paretovariate(float(shape)), 60 * float(scale))
 
 
 def main() -> None:
