@@ -196,8 +196,9 @@ def assembled(text: str) -> dict[str, Any]:
 
 def mid_answer(vllm_url: str, body: dict[str, Any]) -> float:
     """Seconds from a call's start to about 40% of its answer's generation (after the prompt's
-    prefill), measured on vLLM directly with the logprobs the proxy asks for (on CPU they take most of
-    a token's time), the second time (the prompt then cached, as it is next)."""
+    prefill), measured on vLLM directly with the logprobs the proxy asks for, the second time (the first
+    request with logprobs warms vLLM's CPU build up for seconds; the prompt is then cached, as it is
+    next)."""
     for _ in range(2):
         t0, first = time.monotonic(), None
         with httpx.stream("POST", f"{vllm_url}/chat/completions",
