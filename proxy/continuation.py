@@ -352,8 +352,9 @@ class Exchange:
 
     def _parsed(self, event: bytes, obj: dict[str, Any]) -> bytes:
         """A token chunk as the engine's tool parser would have sent it: its text read by the proxy's
-        parser into content and tool call deltas (the chunk as it came when the proxy reads no tools)."""
-        if self.parser is None:
+        parser into content and tool call deltas (the chunk as it came when the proxy reads no tools, or
+        when the agent did not stream: its whole answer is read once, by :meth:`body_json`)."""
+        if self.parser is None or not self.streamed:
             return event
         changed = False
         for ch in obj.get("choices") or ():

@@ -59,8 +59,7 @@ class Hermes:
         self.sent_content = 0  # characters of the text sent as content
         self.names: list[str | None] = []  # each tool call's name once sent
         self.args: list[str] = []  # each tool call's argument text sent so far
-        self.seen_args: list[bool] = []  # whether any argument text of each call was sent
-        self.called = False  # a tool call's name was sent (the finish reason becomes tool_calls)
+        self.called = False  # a tool call's name was streamed (the finish reason becomes tool_calls)
 
     # -- a streamed reply ---------------------------------------------------------------------------
     def stream(self, text: str, finished: bool = False) -> dict[str, Any] | None:
@@ -73,7 +72,6 @@ class Hermes:
             if i >= len(self.names):
                 self.names.append(None)
                 self.args.append("")
-                self.seen_args.append(False)
             if self.names[i] is None:
                 m = NAME.search(body)
                 if m is None:
@@ -84,13 +82,11 @@ class Hermes:
             args = self._arguments(body, complete)
             if args is not None and len(args) > len(self.args[i]):
                 calls.append({"index": i, "function": {"arguments": args[len(self.args[i]):]}})
-                self.args[i], self.seen_args[i] = args, True
+                self.args[i] = args
         if finished and calls and "function" in calls[-1]:
-            # vLLM completes the last call's arguments at the end: "{}" when none were ever seen
-            i = len(self.names) - 1
-            rest = "" if self.seen_args[i] else "{}"[len(self.args[i]):]
+            # vLLM completes the last call's arguments at the end: "{}" when none were ever sent
             fn = calls[-1]["function"]
-            fn["arguments"] = fn.get("arguments", "") + rest
+            fn["arguments"] = fn.get("arguments", "") + ("" if self.args[-1] else "{}")
         if not self.parallel:
             calls = [c for c in calls if c["index"] == 0]
         if calls:
@@ -156,7 +152,6 @@ class Hermes:
         content = text[: text.find(START)]
         if not self.parallel:
             calls = calls[:1]
-        self.called = bool(calls)
         return (content if content.strip() else None), calls
 
 

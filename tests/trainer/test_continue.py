@@ -70,6 +70,20 @@ def agent(proxy: ProxyProc, rollout: str) -> httpx.Client:
     return httpx.Client(proxy=proxy.proxy_url(rollout), verify=ctx, trust_env=False, timeout=120)
 
 
+def posting(proxy: ProxyProc, rollout: str, body: dict[str, Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """The agent posting ``body`` to chat/completions through the proxy, in a thread under way:
+    (the thread, ``got``, whose ``resp`` is the response once the thread is done)."""
+    got: dict[str, Any] = {}
+
+    def call() -> None:
+        with agent(proxy, rollout) as c:
+            got["resp"] = c.post(f"{HOST}/chat/completions", json=body)
+
+    t = threading.Thread(target=call)
+    t.start()
+    return t, got
+
+
 class Update:
     """Pause the proxy once a call is under way (after ``after`` s), then resume it with ``version``."""
 
@@ -227,14 +241,7 @@ def test_a_call_offering_tools_is_continued_and_its_tool_call_read_as_vllm_reads
         ids = want["token_ids"]
     version = proxy.client.state()["policy_version"]
     update = Update(proxy, version + 1)
-    got: dict[str, Any] = {}
-
-    def call() -> None:
-        with agent(proxy, rollout) as c:
-            got["resp"] = c.post(f"{HOST}/chat/completions", json={**TOOL_ASK, "stream": stream})
-
-    t = threading.Thread(target=call)
-    t.start()
+    t, got = posting(proxy, rollout, {**TOOL_ASK, "stream": stream})
     try:
         assert update.pause_when_under_way(after=after)["parked"] == 1
         time.sleep(0.3)
@@ -269,14 +276,7 @@ def test_a_call_cut_in_its_prompts_prefill_is_asked_again_on_the_new_weights(
            "max_tokens": 8, "stream": True}
     version = proxy.client.state()["policy_version"]
     update = Update(proxy, version + 1)
-    got: dict[str, Any] = {}
-
-    def call() -> None:
-        with agent(proxy, rollout) as c:
-            got["resp"] = c.post(f"{HOST}/chat/completions", json=ask)
-
-    t = threading.Thread(target=call)
-    t.start()
+    t, got = posting(proxy, rollout, ask)
     try:
         assert update.pause_when_under_way(after=0.5)["parked"] == 1
     finally:
@@ -396,14 +396,7 @@ def test_a_continuation_the_engine_refuses_is_a_failed_call_with_its_reason(
         proxy: ProxyProc, rollout: str, stream: bool) -> None:
     version = proxy.client.state()["policy_version"]
     update = Update(proxy, version + 1, served_model="no-such-model")  # vLLM answers 404
-    got: dict[str, Any] = {}
-
-    def call() -> None:
-        with agent(proxy, rollout) as c:
-            got["resp"] = c.post(f"{HOST}/chat/completions", json={**ASK, "stream": stream})
-
-    t = threading.Thread(target=call)
-    t.start()
+    t, got = posting(proxy, rollout, {**ASK, "stream": stream})
     try:
         assert update.pause_when_under_way()["parked"] == 1
         update.resume()
