@@ -319,6 +319,7 @@ def test_an_engine_stopped_while_a_pause_drains_is_named_dead_not_waited_on(tiny
 def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     log = tmp_path_factory.mktemp("engine") / "vllm.log"
     with Engine.start(EngineConfig(model=tiny_model_dir, max_model_len=512, log_path=log)) as eng:
+        eng.log_at_start = log.read_text(errors="replace")  # what it had done when handed out
         yield eng
 
 
@@ -360,6 +361,23 @@ def test_chat_with_sdk_returns_token_ids(engine: Engine, client: OpenAI) -> None
     plain = client.chat.completions.create(model="policy", messages=messages, max_tokens=8, temperature=0)
     assert (plain.model_extra or {}).get("prompt_token_ids") is None  # only when asked
     assert plain.choices[0].message.content == choice.message.content
+
+
+@pytest.mark.slow
+def test_the_engine_is_warmed_up_with_a_logprobs_request_before_it_is_handed_out(
+        engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """Engine.start asked one token with its logprob (vLLM compiles its logprobs op on the first such
+    request, and every call arriving meanwhile waited for it) before it returned; an engine that
+    refuses the warm-up is logged, not fatal."""
+    served = [ln for ln in engine.log_at_start.splitlines() if '"POST /v1/completions HTTP/1.1" 200' in ln]
+    assert len(served) == 1, engine.log_at_start[-2000:]
+    assert engine.warm_up() is not None  # warm already: it answers again
+    other = Engine(EngineConfig(model=engine.cfg.model, served_model_name="not-served"), None, engine.port,
+                   None, cpu=True, weight_shapes={}, tied=False)
+    with caplog.at_level("WARNING", logger="lgt.trainer.serving.engine"):
+        assert other.warm_up() is None
+    assert "did not answer its warm-up request (404)" in caplog.text, caplog.text
+    other.stop()
 
 
 @pytest.mark.slow

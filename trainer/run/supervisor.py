@@ -75,7 +75,8 @@ class Supervisor:
     def serve(self, model_dir: Path, weights: Callable[[], Any] | None = None, *,
               sync: WeightSync | None = None, restore: bool = False) -> None:
         """The engine on ``model_dir`` (or the weights ``weights()`` yields, for an attached engine),
-        lgt-proxy in front of it at the current policy version, and one warm-up request. ``sync``
+        lgt-proxy in front of it at the current policy version, the engine warmed up (its first call's
+        compile, :meth:`~lgt.trainer.serving.engine.Engine.warm_up`). ``sync``
         (default: the full ``weights``) puts each version into the engine; an adapter sync, or
         ``restore``, puts the current version there before the proxy starts (``model_dir`` is then the
         base model)."""
@@ -120,7 +121,8 @@ class Supervisor:
                 max_output_tokens=p.max_output_tokens, policies=self.write_policies(), on_update=p.on_update,
                 tool_parser=parser)
             self.proxy = ProxyGroup([started])
-        self.warm_up()
+        if self.engine.attached:  # one started here was warmed up as it started (Engine.start)
+            self.engine.warm_up()
 
     def push(self, version: int, *, drained: bool = True) -> str | None:
         """Policy ``version`` into the engine (after a training step, the proxy paused): the run's weight
@@ -156,14 +158,6 @@ class Supervisor:
     def endpoints(self) -> list[ProxyClient]:
         """The proxy replicas, for the rollout controller."""
         return list(self.proxy.replicas)
-
-    def warm_up(self) -> None:
-        """One request straight to the engine, so the first rollouts do not pay its first-call cost."""
-        import httpx
-
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.post(f"{self.engine.url}/completions", trust_env=False, timeout=120,
-                       json={"model": self.engine.cfg.served_model_name, "prompt": "hello", "max_tokens": 4})
 
     # ------------------------------------------------------------------------------- restarts
     async def keep_alive(self, *, paused: bool = False) -> None:

@@ -2,7 +2,8 @@
 
 ``Engine.start(EngineConfig(model=DIR))`` runs vLLM (its command line and environment:
 :mod:`lgt.trainer.serving.launch`) in its own process group, logs to a file, and returns once
-``/health`` and ``/v1/models`` answer 200.
+``/health`` and ``/v1/models`` answer 200 and one warm-up request has compiled what a call asking for
+logprobs needs (:meth:`Engine.warm_up`).
 
 Weight sync without a restart (``Engine.update_weights``): the tensors (Hugging Face names) are handed
 to the workers (:mod:`lgt.trainer.serving.weights`: a file, shared memory or CUDA IPC handles), then
@@ -144,6 +145,7 @@ class Engine:
         engine.dtype_note = dtype_note
         try:
             engine.wait_ready(cfg.ready_timeout)
+            engine.warm_up()
         except BaseException:
             engine.stop()
             raise
@@ -195,6 +197,29 @@ class Engine:
                               f"its log: {self.log_path}; last lines:\n{children.log_tail(self.log_path)}")
         raise EngineError(f"the vLLM engine (pid {self.pid}) was not ready after {timeout:.0f} s; "
                           f"its log: {self.log_path}; last lines:\n{children.log_tail(self.log_path)}")
+
+    def warm_up(self, timeout: float = 120.0) -> float | None:
+        """One token asked with its logprob before any rollout's call: vLLM compiles its logprobs op
+        (``torch.compile``, even with ``--enforce-eager``) on the first request that wants logprobs, and
+        every call arriving meanwhile waits it out (~6.5 s on the CPU build here; the proxy asks every
+        call's logprobs). Returns the seconds it took, or None when the engine refused (logged: the
+        engine serves either way and the first call pays it)."""
+        import httpx
+
+        body = {"model": self.cfg.served_model_name, "prompt": [0], "max_tokens": 1, "temperature": 0.0,
+                "logprobs": 1}
+        t = time.monotonic()
+        try:
+            status = self._client.post("/v1/completions", json=body, timeout=timeout).status_code
+        except httpx.HTTPError as e:
+            status = f"{type(e).__name__}: {e}"
+        if status != 200:
+            log.warning("vLLM did not answer its warm-up request (%s); the first call will wait for its "
+                        "logprobs op to compile", status)
+            return None
+        seconds = time.monotonic() - t
+        log.info("vLLM warmed up in %.1f s (its logprobs op compiled before the first call)", seconds)
+        return seconds
 
     def _healthy(self, timeout: float = 5.0) -> bool:
         import httpx
