@@ -119,6 +119,33 @@ def test_auto_preload_learns_the_library_modules_of_the_first_rollouts(tmp_path:
     assert learn_dir and not os.path.exists(learn_dir)  # the folder the children listed modules in
 
 
+def test_a_burst_waits_for_the_first_rollouts_imports_not_for_its_end(tmp_path: Path) -> None:
+    """The forks after a learning child's wait for its list of modules, written once it has imported
+    nothing new for a moment — not for its end: a rollout can take minutes (this one sleeps 120 s,
+    twice the most the burst would wait for it to end)."""
+    (tmp_path / "agent.py").write_text(
+        "import sys, time\nprint('yaml' in sys.modules, flush=True)\nimport yaml\n"
+        "if sys.argv[1:] == ['long']:\n    time.sleep(120)\n")
+
+    async def main():
+        fs = await ForkServer.start(sys.executable, ["auto"])
+        try:
+            first = await fs.spawn([str(tmp_path / "agent.py"), "long"], {}, tmp_path, tmp_path / "0.out",
+                                   tmp_path / "0.err")
+            second = await fs.spawn([str(tmp_path / "agent.py")], {}, tmp_path, tmp_path / "1.out",
+                                    tmp_path / "1.err")
+            assert await second.wait() == 0
+            assert first.returncode is None  # still running
+            os.killpg(first.pid, signal.SIGKILL)
+            await first.wait()
+        finally:
+            await fs.aclose()
+
+    run(main())
+    assert (tmp_path / "0.out").read_text().strip() == "False"  # the first imported yaml itself
+    assert (tmp_path / "1.out").read_text().strip() == "True"  # the zygote had imported it for the second
+
+
 def test_the_learning_folder_is_removed_when_the_server_was_killed(tmp_path: Path) -> None:
     """A zygote SIGKILLed (or stopped by aclose's SIGTERM) cannot clean up: its folder is the caller's."""
     (tmp_path / "agent.py").write_text("import yaml\n")

@@ -13,8 +13,10 @@ atexit handlers run when it ends, then it leaves without the interpreter's teard
 ``--learn DIR`` (before the modules) learns the rest: the first children, as they exit, list the library
 modules they imported (files under the interpreter's prefixes, never the agent's own code) in DIR, a
 folder the caller made and removes, and the zygote imports those before the next fork — so later
-rollouts start with everything the agent uses loaded. Forks wait (at most 60 s) for the first child to
-finish, so a burst of rollouts does not start cold.
+rollouts start with everything the agent uses loaded. A learning child lists them twice: once it has
+imported nothing new for SETTLE_S (its imports done: most often it is waiting on its first model call),
+and as it exits. Forks wait for the first child's first list (at most 60 s), so a burst of rollouts
+does not start cold, nor waits for a rollout that takes minutes to end.
 """
 
 import atexit
@@ -34,10 +36,12 @@ import typing
 _lock = threading.Lock()
 _ids: dict[int, int] = {}
 LEARN_CHILDREN = 3
+SETTLE_S = 0.3  # a learning child that imported nothing new for this long lists its modules
+LEARN_WAIT_S = 60.0  # the most forks wait for the first learning child's list
 learn_dir = ""
 sandbox_init = None  # --sandbox: the module that makes each attempt's namespaces
 control: "socket.socket | None" = None  # --sandbox: requests come here, each attempt in its own namespaces
-_first_learned = threading.Event()  # set when the first learning child has exited
+_first_learned = threading.Event()  # set when a child has exited (the first learning child's list is in)
 _roots = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
 
 
@@ -77,6 +81,8 @@ def child(req: dict, fds: list[int]) -> None:
                 return
         script = os.path.abspath(sys.argv[0])
         sys.path[0] = os.path.dirname(script)
+        if req.get("learn"):
+            threading.Thread(target=_list_when_settled, daemon=True).start()
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -108,12 +114,36 @@ def _list_library_modules() -> None:
         if path and os.path.realpath(path).startswith(_roots) and "site-packages" in path:
             names.append(name)
     try:
-        tmp = os.path.join(learn_dir, f".{os.getpid()}.tmp")
+        tmp = os.path.join(learn_dir, f".{os.getpid()}-{threading.get_ident()}.tmp")  # listed twice
         with open(tmp, "w") as f:
             json.dump(names, f)
         os.replace(tmp, os.path.join(learn_dir, f"{os.getpid()}.json"))
     except OSError:
         pass
+
+
+def _list_when_settled() -> None:
+    """(In a learning child, beside the agent) the library modules listed as soon as the agent has
+    imported nothing new for ``SETTLE_S``, so that the forks waiting on it go on then (listed again at
+    its exit, with what it imported later)."""
+    count, since = len(sys.modules), time.monotonic()
+    while True:
+        time.sleep(0.05)
+        if len(sys.modules) != count:
+            count, since = len(sys.modules), time.monotonic()
+        elif time.monotonic() - since >= SETTLE_S:
+            _list_library_modules()
+            return
+
+
+def _wait_learned() -> None:
+    """(In the zygote) until the first learning child has listed its modules or a child exited, at most
+    ``LEARN_WAIT_S``."""
+    end = time.monotonic() + LEARN_WAIT_S
+    while not _first_learned.is_set() and time.monotonic() < end:
+        if glob.glob(os.path.join(learn_dir, "*.json")):
+            return
+        _first_learned.wait(0.02)
 
 
 def _import_learned() -> bool:
@@ -231,8 +261,8 @@ def main() -> None:
     threading.Thread(target=reaper, daemon=True).start()
     for req, fds in requests():
         if learn_dir:
-            if learning < LEARN_CHILDREN:  # a first child is learning: wait for it (bounded) so the
-                _first_learned.wait(60)    # rest do not all start cold at once
+            if learning < LEARN_CHILDREN:  # a first child is learning: wait for its list (bounded) so
+                _wait_learned()            # the rest do not all start cold at once
             if _import_learned():
                 _warm_caches()
             if learning:
