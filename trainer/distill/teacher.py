@@ -8,7 +8,6 @@ reads its answer).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import math
@@ -282,16 +281,8 @@ class Teacher:
         if section.top_k > VLLM_MAX_LOGPROBS and "--max-logprobs" not in cfg.extra_args:
             cfg = dataclasses.replace(cfg, extra_args=(*cfg.extra_args, "--max-logprobs", str(section.top_k)))
         log(f"starting the teacher's vLLM engine on {model_dir.name} ...")
-        eng = Engine.start(cfg)
-        teacher = cls(section, eng.url, SERVED_NAME, engine=eng, restarts=restarts, log=log)
-        teacher.warm_up()
-        return teacher
-
-    def warm_up(self) -> None:
-        """One short request, so the first step does not pay the engine's first-call cost (measured:
-        6.9 s of a first step's 6.9 s on the tiny preset, 0.04 s after)."""
-        with contextlib.suppress(TeacherError):
-            self._request([[0, 1]])
+        eng = Engine.start(cfg)  # warmed up as it starts: the first scoring request pays no compile
+        return cls(section, eng.url, SERVED_NAME, engine=eng, restarts=restarts, log=log)
 
     @classmethod
     def attach(cls, section: TeacherSection, log: Callable[[str], None]) -> Teacher:

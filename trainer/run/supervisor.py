@@ -75,8 +75,8 @@ class Supervisor:
     def serve(self, model_dir: Path, weights: Callable[[], Any] | None = None, *,
               sync: WeightSync | None = None, restore: bool = False) -> None:
         """The engine on ``model_dir`` (or the weights ``weights()`` yields, for an attached engine),
-        lgt-proxy in front of it at the current policy version, the engine warmed up (its first call's
-        compile, :meth:`~lgt.trainer.serving.engine.Engine.warm_up`). ``sync``
+        lgt-proxy in front of it at the current policy version (the engine warmed up as it starts or is
+        attached: :meth:`~lgt.trainer.serving.engine.Engine.warm_up`). ``sync``
         (default: the full ``weights``) puts each version into the engine; an adapter sync, or
         ``restore``, puts the current version there before the proxy starts (``model_dir`` is then the
         base model)."""
@@ -121,8 +121,6 @@ class Supervisor:
                 max_output_tokens=p.max_output_tokens, policies=self.write_policies(), on_update=p.on_update,
                 tool_parser=parser)
             self.proxy = ProxyGroup([started])
-        if self.engine.attached:  # one started here was warmed up as it started (Engine.start)
-            self.engine.warm_up()
 
     def push(self, version: int, *, drained: bool = True) -> str | None:
         """Policy ``version`` into the engine (after a training step, the proxy paused): the run's weight

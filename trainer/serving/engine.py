@@ -3,7 +3,7 @@
 ``Engine.start(EngineConfig(model=DIR))`` runs vLLM (its command line and environment:
 :mod:`lgt.trainer.serving.launch`) in its own process group, logs to a file, and returns once
 ``/health`` and ``/v1/models`` answer 200 and one warm-up request has compiled what a call asking for
-logprobs needs (:meth:`Engine.warm_up`).
+logprobs needs (:meth:`Engine.warm_up`; ``Engine.attach`` warms a running engine the same way).
 
 Weight sync without a restart (``Engine.update_weights``): the tensors (Hugging Face names) are handed
 to the workers (:mod:`lgt.trainer.serving.weights`: a file, shared memory or CUDA IPC handles), then
@@ -178,6 +178,7 @@ class Engine:
             served = ", ".join(map(str, names)) or "nothing"
             raise EngineError(f"the engine at {cfg.url} serves {served}, not {cfg.served_model_name!r} "
                               "(engine.served_model_name)")
+        engine.warm_up()  # one lgt started is warm already (a tenth of a second); another is warmed here
         return engine
 
     @property
