@@ -143,7 +143,7 @@ class Recipe:
             admission.Limits(cfg.mode, cfg.group_size, cfg.batch_groups, cfg.max_inflight, cfg.max_staleness),
             seed=cfg.seed, retries=cfg.agent.retries, progress=self.progress,
             rollouts_dir=self.run_dir / "rollouts", log=self.runlog.log, record=self.runlog.rollout,
-            refresh=self.runlog.refresh)
+            refresh=self.runlog.refresh, groups_left=self.groups_left)
         self.scheduler.recover(resume=self.resume)
         self.runlog.follow(self.scheduler.counts)
         self.evaluator = evaluation.Evaluator(cfg.eval, policy.eval_tasks, self.controller.run, self.run_dir,
@@ -152,12 +152,21 @@ class Recipe:
         # what the steps need from the config, and nothing more
         self.adopt_jobs = self.resume and cfg.agent.runner == "kubernetes"
         self.stop_rules = StopRules(cfg.steps, cfg.max_minutes, cfg.max_samples, cfg.target_reward)
+        self.group_size, self.batch_groups = cfg.group_size, cfg.batch_groups
         self.algorithm, self.max_staleness, self.staleness = cfg.algorithm, cfg.max_staleness, cfg.staleness
         self.updates_per_step, self.checkpoint_every = cfg.backend.updates_per_step, cfg.checkpoint_every
         self.keep_checkpoints = cfg.keep_checkpoints
         self.columns = {"mode": cfg.mode, "backend": cfg.backend.name}  # in every metrics row
         # last: nothing after it fails, so a tracker run that began is always ended (run's finally)
         self.runlog.start_trackers(cfg.to_json(), resume_step=self.progress.step if self.resume else None)
+
+    def groups_left(self) -> int:
+        """At most how many more groups this run trains (its step and sample limits; a trained group
+        has given ``group_size`` samples until one was trained)."""
+        p = self.progress
+        per_group = p.trained_samples / len(p.trained_groups) if p.trained_groups else self.group_size
+        return self.stop_rules.groups_left(step=p.step, samples=p.trained_samples,
+                                           batch_groups=self.batch_groups, samples_per_group=per_group)
 
     # ------------------------------------------------------------------------------------ train
     async def main(self) -> None:

@@ -156,6 +156,24 @@ def test_async_admission_launches_within_the_staleness_bound(store: Path) -> Non
     asyncio.run(go())
 
 
+def test_async_admission_starts_no_group_past_what_the_run_has_left_to_train(store: Path) -> None:
+    async def go() -> None:
+        progress, left = Progress(), {"n": 1}
+        s = make_scheduler(store, Controller(), batch_groups=2, max_staleness=3, progress=progress)
+        s.groups_left = lambda: left["n"]
+        s.recover(resume=False)
+        s.begin()
+        s.launch()
+        # the staleness bound allows (0 + 1 + 3) · 2 = 8 groups; one left to train + a spare batch of 2
+        assert s.next_group == 3
+        left["n"] = None  # a time limit: only the staleness bound
+        s.launch()
+        assert s.next_group == 8
+        await s.stop_rollouts()
+
+    asyncio.run(go())
+
+
 def test_sync_admission_launches_one_batch_and_waits_for_all_of_it(store: Path) -> None:
     async def go() -> None:
         ctl = Controller()
@@ -478,6 +496,16 @@ def test_stop_rules_say_which_limit_ends_training() -> None:
     assert rules.target([0.7] + [0.9] * (TARGET_WINDOW - 1)) == pytest.approx(0.88)
     assert rules.target([0.0] + [0.85] * (TARGET_WINDOW - 1)) is None  # mean 0.765
     assert StopRules(steps=5).target([1.0] * TARGET_WINDOW) is None
+
+
+def test_stop_rules_say_how_many_groups_the_run_has_left_to_train() -> None:
+    assert StopRules(steps=5).groups_left(step=3, samples=0, batch_groups=4, samples_per_group=8) == 8
+    rules = StopRules(steps=10, max_samples=100)
+    # 100 - 40 samples left at 8 a group: 8 groups, fewer than the 6 steps' 24
+    assert rules.groups_left(step=4, samples=40, batch_groups=4, samples_per_group=8) == 8
+    assert rules.groups_left(step=4, samples=40, batch_groups=4, samples_per_group=2.5) == 24
+    assert rules.groups_left(step=4, samples=120, batch_groups=4, samples_per_group=8) == 0
+    assert rules.groups_left(step=4, samples=40, batch_groups=4, samples_per_group=0) == 24  # none given yet
 
 
 def test_progress_round_trips_through_a_checkpoint() -> None:

@@ -11,7 +11,12 @@ functions, and only these, what to do next:
   when stale groups were dropped: it is what keeps the data near the policy (with ``staleness:
   truncate`` the only bound; AReaL bounds its partial rollouts the same way), and launching more
   would not train more tokens but older ones. What changed is what happens to a group that finishes
-  late: nothing of it is thrown away for staleness unless a token is itself too old.
+  late: nothing of it is thrown away for staleness unless a token is itself too old. Near the end of
+  a run with a step or sample limit, no group is started that the run could not train: the groups
+  running or finished and not trained stay under the groups the run has left to train plus one batch
+  (the spare batch lets the last steps take the groups that finish first, as the others do, instead
+  of waiting for the slowest) — without it the last steps started rollouts only to cancel them (a
+  10-step run of the async benchmark launched 96 groups for 80 trained; now 88, and 8% faster).
 * :func:`task_index` — group n's task: the tasks in a seeded shuffled order, reshuffled every epoch, so
   each task is visited once per epoch and a restarted run continues the same sequence.
 * :func:`take_batch` — the ``batch_groups`` oldest finished groups.
@@ -61,12 +66,16 @@ class Limits:
 
 
 def may_launch(limits: Limits, *, running_rollouts: int, unfinished_groups: int, ready_groups: int,
-               launched_this_run: int, updates_this_run: int) -> bool:
-    """Whether one more group may start now."""
+               launched_this_run: int, updates_this_run: int, groups_left: int | None = None) -> bool:
+    """Whether one more group may start now. ``groups_left``: at most how many more groups the run
+    will train before a step or sample limit ends it (:meth:`~lgt.trainer.run.stopping.StopRules.
+    groups_left`; None: no such bound)."""
     if running_rollouts + limits.group_size > limits.max_inflight:
         return False
     if limits.mode == "sync":  # one batch per step: launch until the step's batch is complete
         return unfinished_groups + ready_groups < limits.batch_groups
+    if groups_left is not None and unfinished_groups + ready_groups >= groups_left + limits.batch_groups:
+        return False  # the run ends before it could train this group
     return launched_this_run < (updates_this_run + 1 + limits.max_staleness) * limits.batch_groups
 
 

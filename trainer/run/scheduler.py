@@ -105,12 +105,14 @@ class GroupScheduler:
     ``retries``: the agent's (a Job's rollout whose last attempt was the last is not run again);
     ``rollouts_dir``: where the rollouts' logs are (named when a group fails whole); ``log``: a line for
     the person watching; ``record``: each rollout's result (rollouts.jsonl); ``refresh``: the status
-    line, after each rollout."""
+    line, after each rollout; ``groups_left``: at most how many more groups the run will train (None:
+    not bounded), so that no group is launched it could not train."""
 
     def __init__(self, controller: Any, store: Path, tasks: list[dict[str, Any]], limits: admission.Limits,
                  *, seed: int, retries: int, progress: Progress, rollouts_dir: Path,
                  log: Callable[[str], None], record: Callable[[Any], None] = lambda res: None,
-                 refresh: Callable[[], None] = lambda: None) -> None:
+                 refresh: Callable[[], None] = lambda: None,
+                 groups_left: Callable[[], int | None] = lambda: None) -> None:
         self.controller = controller
         self.store = store
         self.tasks = tasks
@@ -122,6 +124,7 @@ class GroupScheduler:
         self.log = log
         self.record = record
         self.refresh = refresh
+        self.groups_left = groups_left
         self.groups: dict[str, Group] = {}  # launched, not trained
         self.ready: list[Group] = []  # finished, not trained
         self.next_group = self.first_group_this_run = 0
@@ -226,7 +229,7 @@ class GroupScheduler:
                 # a group whose every rollout failed is never trained: it leaves the staleness
                 # window, or a burst of failures (an engine or proxy restart) would stop all launches
                 launched_this_run=self.next_group - self.first_group_this_run - self.failed_groups,
-                updates_this_run=self.progress.updates_this_run):
+                updates_this_run=self.progress.updates_this_run, groups_left=self.groups_left()):
             self.start_group()
 
     def start_group(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lgt.trainer.report.summary import WINDOW
@@ -27,6 +28,14 @@ class StopRules:
         if self.max_samples is not None and samples >= self.max_samples:
             return f"sample limit ({self.max_samples} samples)"
         return None
+
+    def groups_left(self, *, step: int, samples: int, batch_groups: int, samples_per_group: float) -> int:
+        """At most how many more groups the run trains before its step or sample limit (whichever
+        comes first; ``samples_per_group``: what a trained group has given so far, or the expected)."""
+        left = (self.steps - step) * batch_groups
+        if self.max_samples is not None:
+            left = min(left, math.ceil((self.max_samples - samples) / max(samples_per_group, 1e-9)))
+        return max(left, 0)
 
     def target(self, recent_rewards: list[float]) -> float | None:
         """The mean reward of the last :data:`TARGET_WINDOW` steps when it reached ``target_reward``."""
