@@ -86,6 +86,13 @@ def test_env_defaults_and_overrides(tmp_path: Path) -> None:
     env = build_env(EngineConfig(model=tmp_path, env={"VLLM_CPU_KVCACHE_SPACE": "4"}), cpu=True, base={})
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert "VLLM_CPU_KVCACHE_SPACE" not in build_env(EngineConfig(model=tmp_path), cpu=False, base={})
+    # torch.compile off on CPU (its ops eager), unless the run config or the caller's environment says
+    assert env["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in build_env(EngineConfig(model=tmp_path), cpu=False, base={})
+    assert build_env(EngineConfig(model=tmp_path, env={"TORCHDYNAMO_DISABLE": "0"}), cpu=True,
+                     base={})["TORCHDYNAMO_DISABLE"] == "0"
+    assert build_env(EngineConfig(model=tmp_path), cpu=True, base={"TORCHDYNAMO_DISABLE": "0"}
+                     )["TORCHDYNAMO_DISABLE"] == "0"
     # vLLM's busy-wait window between its processes: short on CPU, vLLM's own on a GPU unless asked
     assert env["LGT_VLLM_IDLE_SPIN_S"] == "0.05"
     assert "LGT_VLLM_IDLE_SPIN_S" not in build_env(EngineConfig(model=tmp_path), cpu=False, base={})

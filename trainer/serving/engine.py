@@ -200,11 +200,13 @@ class Engine:
                           f"its log: {self.log_path}; last lines:\n{children.log_tail(self.log_path)}")
 
     def warm_up(self, timeout: float = 120.0) -> float | None:
-        """One token asked with its logprob before any rollout's call: vLLM compiles its logprobs op
-        (``torch.compile``, even with ``--enforce-eager``) on the first request that wants logprobs, and
-        every call arriving meanwhile waits it out (~6.5 s on the CPU build here; the proxy asks every
-        call's logprobs). Returns the seconds it took, or None when the engine refused (logged: the
-        engine serves either way and the first call pays it)."""
+        """One token asked with its logprob before any rollout's call: what vLLM does once, on the
+        first request that wants logprobs, is done before the rollouts' calls arrive (the proxy asks
+        every call's logprobs). With ``torch.compile`` on (a GPU build, or a CPU engine whose
+        ``engine.env`` sets ``TORCHDYNAMO_DISABLE=0``) that is compiling its logprobs op, ~6.5 s on the
+        CPU build here, which every call arriving meanwhile would wait out; lgt's CPU engines run it
+        eagerly and the request takes ~0.1 s. Returns the seconds it took, or None when the engine
+        refused (logged: the engine serves either way and the first call pays it)."""
         import httpx
 
         body = {"model": self.cfg.served_model_name, "prompt": [0], "max_tokens": 1, "temperature": 0.0,
@@ -219,7 +221,7 @@ class Engine:
                         "logprobs op to compile", status)
             return None
         seconds = time.monotonic() - t
-        log.info("vLLM warmed up in %.1f s (its logprobs op compiled before the first call)", seconds)
+        log.info("vLLM warmed up in %.1f s (its first logprobs request, before the first call's)", seconds)
         return seconds
 
     def _healthy(self, timeout: float = 5.0) -> bool:
