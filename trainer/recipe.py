@@ -161,8 +161,9 @@ class Recipe:
         self.runlog.start_trackers(cfg.to_json(), resume_step=self.progress.step if self.resume else None)
 
     def groups_left(self) -> int:
-        """At most how many more groups this run trains (its step and sample limits; a trained group
-        has given ``group_size`` samples until one was trained)."""
+        """How many more groups this run trains by its step and sample limits (with a sample limit an
+        estimate: the samples a trained group gave so far, ``group_size`` before any was trained;
+        asked again at every launch, so a group that gave fewer only lets one more start later)."""
         p = self.progress
         per_group = p.trained_samples / len(p.trained_groups) if p.trained_groups else self.group_size
         return self.stop_rules.groups_left(step=p.step, samples=p.trained_samples,
