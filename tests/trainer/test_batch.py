@@ -43,7 +43,7 @@ def test_async_admission_starts_no_group_the_run_could_not_train() -> None:
     assert not launch_ok(ASYNC, unfinished_groups=4, ready_groups=2, groups_left=2)
     assert not launch_ok(ASYNC, unfinished_groups=6, groups_left=2)
     assert launch_ok(ASYNC, unfinished_groups=6, groups_left=None)  # no step or sample limit: no bound
-    assert launch_ok(ASYNC, unfinished_groups=4, groups_left=0) is False  # the run is over
+    assert not launch_ok(ASYNC, unfinished_groups=4, groups_left=0)  # the run is over
     assert launch_ok(ASYNC, groups_left=0)  # nothing running: a batch can still start (never a stall)
     # sync launches its step's batch whatever is left
     assert launch_ok(SYNC, unfinished_groups=3, groups_left=1)

@@ -67,9 +67,9 @@ class Limits:
 
 def may_launch(limits: Limits, *, running_rollouts: int, unfinished_groups: int, ready_groups: int,
                launched_this_run: int, updates_this_run: int, groups_left: int | None = None) -> bool:
-    """Whether one more group may start now. ``groups_left``: at most how many more groups the run
-    will train before a step or sample limit ends it (:meth:`~lgt.trainer.run.stopping.StopRules.
-    groups_left`; None: no such bound)."""
+    """Whether one more group may start now. ``groups_left``: how many more groups the run will
+    train before a step or sample limit ends it (:meth:`~lgt.trainer.run.stopping.StopRules.
+    groups_left`, an estimate with a sample limit; None: no such limit)."""
     if running_rollouts + limits.group_size > limits.max_inflight:
         return False
     if limits.mode == "sync":  # one batch per step: launch until the step's batch is complete

@@ -105,8 +105,8 @@ class GroupScheduler:
     ``retries``: the agent's (a Job's rollout whose last attempt was the last is not run again);
     ``rollouts_dir``: where the rollouts' logs are (named when a group fails whole); ``log``: a line for
     the person watching; ``record``: each rollout's result (rollouts.jsonl); ``refresh``: the status
-    line, after each rollout; ``groups_left``: at most how many more groups the run will train (None:
-    not bounded), so that no group is launched it could not train."""
+    line, after each rollout; ``groups_left``: how many more groups the run will train (None: no
+    step or sample limit), so that no group is launched it could not train."""
 
     def __init__(self, controller: Any, store: Path, tasks: list[dict[str, Any]], limits: admission.Limits,
                  *, seed: int, retries: int, progress: Progress, rollouts_dir: Path,
