@@ -152,7 +152,6 @@ class Recipe:
         # what the steps need from the config, and nothing more
         self.adopt_jobs = self.resume and cfg.agent.runner == "kubernetes"
         self.stop_rules = StopRules(cfg.steps, cfg.max_minutes, cfg.max_samples, cfg.target_reward)
-        self.group_size, self.batch_groups = cfg.group_size, cfg.batch_groups
         self.algorithm, self.max_staleness, self.staleness = cfg.algorithm, cfg.max_staleness, cfg.staleness
         self.updates_per_step, self.checkpoint_every = cfg.backend.updates_per_step, cfg.checkpoint_every
         self.keep_checkpoints = cfg.keep_checkpoints
@@ -164,10 +163,10 @@ class Recipe:
         """How many more groups this run trains by its step and sample limits (with a sample limit an
         estimate: the samples a trained group gave so far, ``group_size`` before any was trained;
         asked again at every launch, so a group that gave fewer only lets one more start later)."""
-        p = self.progress
-        per_group = p.trained_samples / len(p.trained_groups) if p.trained_groups else self.group_size
+        p, limits = self.progress, self.scheduler.limits
+        per_group = p.trained_samples / len(p.trained_groups) if p.trained_groups else limits.group_size
         return self.stop_rules.groups_left(step=p.step, samples=p.trained_samples,
-                                           batch_groups=self.batch_groups, samples_per_group=per_group)
+                                           batch_groups=limits.batch_groups, samples_per_group=per_group)
 
     # ------------------------------------------------------------------------------------ train
     async def main(self) -> None:

@@ -30,8 +30,9 @@ class StopRules:
         return None
 
     def groups_left(self, *, step: int, samples: int, batch_groups: int, samples_per_group: float) -> int:
-        """At most how many more groups the run trains before its step or sample limit (whichever
-        comes first; ``samples_per_group``: what a trained group has given so far, or the expected)."""
+        """How many more groups the run trains before its step or sample limit, whichever comes first
+        (with a sample limit an estimate: ``samples_per_group`` is what a trained group has given so
+        far, or the expected)."""
         left = (self.steps - step) * batch_groups
         if self.max_samples is not None:
             left = min(left, math.ceil((self.max_samples - samples) / max(samples_per_group, 1e-9)))

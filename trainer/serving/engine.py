@@ -2,8 +2,9 @@
 
 ``Engine.start(EngineConfig(model=DIR))`` runs vLLM (its command line and environment:
 :mod:`lgt.trainer.serving.launch`) in its own process group, logs to a file, and returns once
-``/health`` and ``/v1/models`` answer 200 and one warm-up request has compiled what a call asking for
-logprobs needs (:meth:`Engine.warm_up`; ``Engine.attach`` warms a running engine the same way).
+``/health`` and ``/v1/models`` answer 200 and one warm-up request has done what vLLM does once for the
+first call asking for logprobs (:meth:`Engine.warm_up`; ``Engine.attach`` warms a running engine the
+same way).
 
 Weight sync without a restart (``Engine.update_weights``): the tensors (Hugging Face names) are handed
 to the workers (:mod:`lgt.trainer.serving.weights`: a file, shared memory or CUDA IPC handles), then
@@ -217,8 +218,8 @@ class Engine:
         except httpx.HTTPError as e:
             status = f"{type(e).__name__}: {e}"
         if status != 200:
-            log.warning("vLLM did not answer its warm-up request (%s); the first call will wait for its "
-                        "logprobs op to compile", status)
+            log.warning("vLLM did not answer its warm-up request (%s); the first call asking for logprobs "
+                        "will pay vLLM's first-request cost (a compile, when torch.compile is on)", status)
             return None
         seconds = time.monotonic() - t
         log.info("vLLM warmed up in %.1f s (its first logprobs request, before the first call's)", seconds)
