@@ -175,6 +175,100 @@ def test_a_burst_of_warm_started_rollouts_all_start(tmp_path, proxy):
     assert max(r.seconds for r in results) < 30
 
 
+def _zygote_children() -> list[int]:
+    """The children of this test's sandboxed zygotes (``zygote.py --sandbox``, under bwrap)."""
+    def status(pid: int | str) -> dict[str, str]:
+        try:
+            text = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return {}
+        return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+
+    def ours(pid: int) -> bool:
+        for _ in range(6):  # bwrap (outside), bwrap (its pid 1), the zygote
+            pid = int(status(pid).get("PPid", "0"))
+            if pid == os.getpid():
+                return True
+        return False
+
+    zygotes = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"zygote.py\0--sandbox" in cmd and not cmd.split(b"\0")[0].endswith(b"bwrap") and ours(int(pid)):
+            zygotes.add(pid)
+    return [int(p) for p in filter(str.isdigit, os.listdir("/proc")) if status(p).get("PPid") in zygotes]
+
+
+def test_each_attempt_is_the_zygotes_own_child_and_pid_1_of_its_namespace(tmp_path, proxy):
+    """The zygote forks each attempt straight into a pid namespace of its own: no process stands
+    between them (one fork and one exit an attempt, not two), the attempt's exit is the zygote's
+    child's, and the next attempt gets a namespace of its own again."""
+    script = tmp_path / "napper.py"
+    script.write_text("import sys, time\ntime.sleep(float(sys.argv[1]))\nprint(1)\n"
+                      "sys.exit(int(sys.argv[2]))\n")
+    seen: list[list[str]] = []
+
+    async def main() -> list[Any]:
+        agent = AgentSpec(command=(sys.executable, str(script), "3", "0"), python_preload=("json",),
+                          timeout_s=60, retries=0, reward_sources=("stdout",))
+        ctl = RolloutController(agent, endpoint(proxy), proxy.store, tmp_path / "run", 4)
+        task = asyncio.ensure_future(run_all(ctl, [({}, f"nap-{i}") for i in range(3)]))
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            children = _zygote_children()
+            if len(children) == 3:
+                for pid in children:
+                    seen.append(Path(f"/proc/{pid}/status").read_text().split("NSpid:\t")[1].split("\n")[0]
+                                .split())
+                break
+        return await task
+
+    results = asyncio.run(main())
+    assert [r.status for r in results] == ["ok"] * 3
+    assert len(seen) == 3 and all(ns[-1] == "1" and len(ns) >= 3 for ns in seen), seen
+    assert len({ns[0] for ns in seen}) == 3
+    # a failing agent's exit status is the attempt's, as before
+    failing = AgentSpec(command=(sys.executable, str(script), "0", "3"), python_preload=("json",),
+                        timeout_s=60, retries=0, reward_sources=("stdout",))
+    [bad] = run(proxy, tmp_path / "bad", failing, [({}, "nap-bad")])
+    assert bad.status == "failed" and bad.exit_code == 3
+
+
+def test_a_pid_namespace_the_zygote_cannot_make_is_one_sentence_to_the_controller():
+    """sandbox_init.fork when unshare fails: the controller is told why on the control socket, no child
+    is forked, and the zygote goes on (None)."""
+    import ctypes
+    import importlib.util
+    import socket
+
+    path = Path(sandboxing.__file__).with_name("sandbox_init.py")
+    module_spec = importlib.util.spec_from_file_location("lgt_sandbox_init_under_test", path)
+    sandbox_init = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(sandbox_init)
+
+    class NoNamespaces:
+        def unshare(self, flags: int) -> int:
+            ctypes.set_errno(28)  # ENOSPC: the user's pid namespaces are used up
+            return -1
+
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"{name} must not be called")
+
+    sandbox_init._libc = NoNamespaces()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    before = os.getpid()
+    assert sandbox_init.fork({"id": 7, "sandbox": {"map_to": 12345}}, theirs) is None
+    assert os.getpid() == before
+    answer = json.loads(ours.recv(4096))
+    assert answer["id"] == 7 and answer["error"].startswith("the sandbox could not be set up (")
+    assert "No space left on device" in answer["error"]
+    ours.close()
+    theirs.close()
+
+
 def test_a_python_on_path_that_is_a_shim_runs_the_interpreter_it_stands_for(tmp_path, proxy, monkeypatch):
     """`python` on PATH as pyenv or asdf put it there: a shell script under the user's home that finds
     the interpreter and execs it (here: this one). Inside the sandbox the script's folder is out of

@@ -24,7 +24,8 @@ over the image's unpacked root, with a fresh ``/proc``, the sandbox's ``/dev``, 
 ``/dev/shm``, and the binds the runner names (its folders, writable; the proxy's CA and host files,
 read-only) — then ``pivot_root``, so nothing of the zygote's sandbox is left in its view.
 
-Its parent (the forked child, outside the new pid namespace) waits for it and exits as it did.
+The zygote forks it straight into its new pid namespace (:func:`fork`), so the attempt's process is the
+zygote's own child: its exit is the attempt's, and nothing waits in between.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 from array import array
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
@@ -99,47 +101,56 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def enter(req: dict, control: socket.socket) -> None:
-    """Make this forked child's attempt namespaces (see the module docstring); returns in the attempt's
-    process only. A setup failure is sent to the controller as ``{"id", "error"}`` and ends the child."""
-    sb = req["sandbox"]
+_own_pid_ns: int | None = None  # the zygote's pid namespace, to undo each fork's unshare
+
+
+def fork(req: dict, control: socket.socket) -> int | None:
+    """(In the zygote) fork the attempt as pid 1 of a new pid namespace: its pid here, 0 in the child,
+    or None when the namespace could not be made (the controller was told, with ``{"id", "error"}``).
+    Run as root, a thread maps the child's uid once it has made its user namespace (:func:`enter`)."""
+    global _own_pid_ns
+    if _own_pid_ns is None:
+        _own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    mapper = req["sandbox"].get("map_to")  # lgt as root: the zygote maps the attempt to this uid
+    pipes = (*os.pipe(), *os.pipe()) if mapper is not None else None
     try:
-        _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS),
-               "unshare")
+        _check(_libc.unshare(CLONE_NEWPID), "unshare")  # the next child is pid 1 of a new namespace
     except OSError as e:
-        _fail(req, control, e)
-    mapper = sb.get("map_to")  # lgt as root: the zygote is root, and maps the attempt to this uid
-    if mapper is not None:
-        go_r, go_w = os.pipe()
-        back_r, back_w = os.pipe()
-    pid = os.fork()
-    if pid:  # the parent: outside the new pid namespace, waits for its pid 1 and exits as it did
-        if mapper is not None:
-            _map_child(pid, int(mapper), go_w, back_r)
-        for fd in range(3, 1024):
-            if fd != control.fileno():
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        while True:
-            try:
-                _, status = os.waitpid(pid, 0)
-                break
-            except ChildProcessError:
-                os._exit(1)
-            except InterruptedError:
-                continue
-        code = os.waitstatus_to_exitcode(status)
-        if code < 0:
-            signal.signal(-code, signal.SIG_DFL)
-            os.kill(os.getpid(), -code)
-        os._exit(code & 0xFF)
+        for fd in pipes or ():
+            os.close(fd)
+        _report(req, control, e)
+        return None
+    pid = None
+    try:
+        pid = os.fork()
+    finally:  # back to this namespace for the children after this one (a second unshare needs it)
+        if pid != 0:
+            _check(_libc.setns(_own_pid_ns, CLONE_NEWPID), "setns")
+    if pid == 0:
+        if pipes is not None:
+            os.close(pipes[1])
+            os.close(pipes[2])
+            req["_pipes"] = (pipes[0], pipes[3])  # the child's ends: go (read), back (write)
+        return 0
+    if pipes is not None:
+        go_r, go_w, back_r, back_w = pipes
+        os.close(go_r)
+        os.close(back_w)
+        threading.Thread(target=_map_child, args=(pid, int(mapper), go_w, back_r), daemon=True).start()
+    return pid
+
+
+def enter(req: dict, control: socket.socket) -> None:
+    """Make this child's attempt namespaces (see the module docstring; :func:`fork` made it pid 1 of
+    its own pid namespace). A setup failure is sent to the controller as ``{"id", "error"}`` and ends
+    the child."""
+    sb = req["sandbox"]
+    go_r, back_w = req.pop("_pipes", (None, None))
     try:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if mapper is not None and os.read(go_r, 1) != b"g":  # the parent holds our /proc entry now
-            raise SandboxSetupError(1, "the parent did not answer")
+        _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+        if go_r is not None and os.read(go_r, 1) != b"g":  # the zygote holds our /proc entry now
+            raise SandboxSetupError(1, "the zygote did not answer")
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         image = sb.get("image")
@@ -161,11 +172,11 @@ def enter(req: dict, control: socket.socket) -> None:
         for which, value in limits:
             resource.setrlimit(which, (value, value))
         _check(_libc.unshare(CLONE_NEWUSER), "unshare user namespace")
-        if mapper is None:  # the zygote's uid 0 is lgt's user outside: the attempt is that user, as 1000
+        if go_r is None:  # the zygote's uid 0 is lgt's user outside: the attempt is that user, as 1000
             _write("/proc/self/setgroups", "deny")
             _write("/proc/self/uid_map", f"{AGENT_UID} 0 1\n")
             _write("/proc/self/gid_map", f"{AGENT_UID} 0 1\n")
-        else:  # the parent maps it (a root writer may name any uid); then it becomes that uid
+        else:  # the zygote maps it (a root writer may name any uid); then it becomes that uid
             os.write(back_w, b"u")
             if os.read(go_r, 1) != b"k":
                 raise SandboxSetupError(1, "the attempt's uid could not be mapped")
@@ -178,6 +189,9 @@ def enter(req: dict, control: socket.socket) -> None:
         listener.close()
         control.close()
         _drop_capabilities()
+        if go_r is not None:
+            os.close(go_r)
+            os.close(back_w)
     except OSError as e:
         _fail(req, control, e)
 
@@ -247,7 +261,7 @@ def _enter_image(image: dict, tmp_bytes: int) -> None:
 
 
 def _map_child(pid: int, uid: int, go_w: int, back_r: int) -> None:
-    """(The parent, as root) map the child's new user namespace's 1000 to ``uid`` once it has one."""
+    """(A zygote thread, as root) map the child's new user namespace's 1000 to ``uid`` once it has one."""
     proc = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)  # before the child mounts its own /proc
     os.write(go_w, b"g")
     ok = b"x"
@@ -260,14 +274,23 @@ def _map_child(pid: int, uid: int, go_w: int, back_r: int) -> None:
             ok = b"k"
     except OSError:
         pass
-    os.write(go_w, ok)
+    try:
+        os.write(go_w, ok)
+    except OSError:
+        pass  # the child is gone
     os.close(proc)
+    os.close(go_w)
+    os.close(back_r)
+
+
+def _report(req: dict, control: socket.socket, e: OSError) -> None:
+    control.sendmsg([json.dumps({"id": req["id"], "error": f"the sandbox could not be set up "
+                                 f"({e.strerror or e})"}).encode()])
 
 
 def _fail(req: dict, control: socket.socket, e: OSError) -> None:
     try:
-        control.sendmsg([json.dumps({"id": req["id"], "error": f"the sandbox could not be set up "
-                                     f"({e.strerror or e})"}).encode()])
+        _report(req, control, e)
     finally:
         print(f"lgt sandbox: could not set up the attempt's namespaces: {e}", file=sys.stderr)
         os._exit(126)

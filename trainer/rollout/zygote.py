@@ -270,14 +270,16 @@ def main() -> None:
                 learning -= 1
         gc.freeze()  # what the zygote holds stays out of the children's collections: no copy-on-write
         with _lock:  # the reaper must not see the child before its id is known
-            pid = os.fork()
+            # sandboxed: forked as pid 1 of a pid namespace of its own (None: it could not be made)
+            pid = os.fork() if control is None else sandbox_init.fork(req, control)
             if pid == 0:
                 _lock.release()
                 child(req, fds)
-            _ids[pid] = req["id"]
+            if pid is not None:
+                _ids[pid] = req["id"]
         for fd in fds:
             os.close(fd)
-        send({"id": req["id"], "pid": pid})
+        send({"id": req["id"], "pid": pid} if pid is not None else {"id": req["id"], "exit": 126})
 
 
 def requests() -> typing.Iterator[tuple[dict, list[int]]]:
