@@ -238,8 +238,9 @@ def test_each_attempt_is_the_zygotes_own_child_and_pid_1_of_its_namespace(tmp_pa
 
 
 def test_a_pid_namespace_the_zygote_cannot_make_is_one_sentence_to_the_controller():
-    """sandbox_init.fork when unshare fails: the controller is told why on the control socket, no child
-    is forked, and the zygote goes on (None)."""
+    """sandbox_init.fork when unshare or the fork fails: the controller is told why on the control
+    socket, no child is forked, nothing is left open, and the zygote goes on (None) in its own pid
+    namespace."""
     import ctypes
     import importlib.util
     import socket
@@ -257,16 +258,44 @@ def test_a_pid_namespace_the_zygote_cannot_make_is_one_sentence_to_the_controlle
         def __getattr__(self, name: str) -> Any:
             raise AssertionError(f"{name} must not be called")
 
-    sandbox_init._libc = NoNamespaces()
+    class NoForks:  # the namespace is made, the fork fails: the zygote's own namespace is set back
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def unshare(self, flags: int) -> int:
+            self.calls.append("unshare")
+            return 0
+
+        def setns(self, fd: int, flags: int) -> int:
+            self.calls.append("setns")
+            return 0
+
+    def no_fork() -> int:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    before = os.getpid()
-    assert sandbox_init.fork({"id": 7, "sandbox": {"map_to": 12345}}, theirs) is None
-    assert os.getpid() == before
-    answer = json.loads(ours.recv(4096))
-    assert answer["id"] == 7 and answer["error"].startswith("the sandbox could not be set up (")
-    assert "No space left on device" in answer["error"]
-    ours.close()
-    theirs.close()
+    open_fds = len(os.listdir("/proc/self/fd"))
+    try:
+        sandbox_init._libc = NoNamespaces()
+        before = os.getpid()
+        assert sandbox_init.fork({"id": 7, "sandbox": {"map_to": 12345}}, theirs) is None
+        assert os.getpid() == before
+        answer = json.loads(ours.recv(4096))
+        assert answer["id"] == 7 and answer["error"].startswith("the sandbox could not be set up (")
+        assert "No space left on device" in answer["error"]
+
+        sandbox_init._libc = libc = NoForks()
+        sandbox_init.os = type("OsWithoutFork", (), {"__getattr__": lambda self, name: getattr(os, name),
+                                                     "fork": staticmethod(no_fork)})()
+        assert sandbox_init.fork({"id": 8, "sandbox": {"map_to": 12345}}, theirs) is None
+        assert libc.calls == ["unshare", "setns"]
+        answer = json.loads(ours.recv(4096))
+        assert answer["id"] == 8 and "Resource temporarily unavailable" in answer["error"]
+        os.close(sandbox_init._own_pid_ns)
+        assert len(os.listdir("/proc/self/fd")) == open_fds  # the pipes for the uid's mapping closed
+    finally:
+        ours.close()
+        theirs.close()
 
 
 def test_a_python_on_path_that_is_a_shim_runs_the_interpreter_it_stands_for(tmp_path, proxy, monkeypatch):

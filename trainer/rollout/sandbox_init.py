@@ -123,6 +123,11 @@ def fork(req: dict, control: socket.socket) -> int | None:
     pid = None
     try:
         pid = os.fork()
+    except OSError as e:  # no process left for this user, say: this attempt fails, the zygote goes on
+        for fd in pipes or ():
+            os.close(fd)
+        _report(req, control, e)
+        return None
     finally:  # back to this namespace for the children after this one (a second unshare needs it)
         if pid != 0:
             _check(_libc.setns(_own_pid_ns, CLONE_NEWPID), "setns")
@@ -262,25 +267,27 @@ def _enter_image(image: dict, tmp_bytes: int) -> None:
 
 def _map_child(pid: int, uid: int, go_w: int, back_r: int) -> None:
     """(A zygote thread, as root) map the child's new user namespace's 1000 to ``uid`` once it has one."""
-    proc = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)  # before the child mounts its own /proc
-    os.write(go_w, b"g")
-    ok = b"x"
+    proc = -1
     try:
-        if os.read(back_r, 1) == b"u":
-            for name in ("uid_map", "gid_map"):
-                fd = os.open(name, os.O_WRONLY, dir_fd=proc)
-                os.write(fd, f"{AGENT_UID} {uid} 1\n".encode())
-                os.close(fd)
-            ok = b"k"
-    except OSError:
-        pass
-    try:
+        proc = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)  # before the child mounts its /proc
+        os.write(go_w, b"g")
+        ok = b"x"
+        try:
+            if os.read(back_r, 1) == b"u":
+                for name in ("uid_map", "gid_map"):
+                    fd = os.open(name, os.O_WRONLY, dir_fd=proc)
+                    os.write(fd, f"{AGENT_UID} {uid} 1\n".encode())
+                    os.close(fd)
+                ok = b"k"
+        except OSError:
+            pass
         os.write(go_w, ok)
     except OSError:
-        pass  # the child is gone
-    os.close(proc)
-    os.close(go_w)
-    os.close(back_r)
+        pass  # the child is gone (closing our ends below tells it, if not)
+    finally:
+        for fd in (proc, go_w, back_r):
+            if fd >= 0:
+                os.close(fd)
 
 
 def _report(req: dict, control: socket.socket, e: OSError) -> None:
