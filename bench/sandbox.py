@@ -11,8 +11,8 @@ Python agent forked warm (``python_preload``, as the demo's). The difference of 
 the sandbox adds to a rollout (goal: ≤ 10 ms).
 
 ``--cpu``: what a rollout costs the machine where rollouts compete for its cores (a CPU-bound async
-run): examples/arith's agent (the OpenAI SDK over HTTPS through the proxy, forked warm) run ``--n`` at
-a time, ``--concurrency`` at once, and the machine's busy CPU time (``/proc/stat``: every process and
+run): examples/arith's agent (the OpenAI SDK over HTTPS through the proxy, forked warm) run 2 × ``--n``
+times, ``--concurrency`` at once, and the machine's busy CPU time (``/proc/stat``: every process and
 the kernel) per rollout, alternating ``none`` and ``bwrap`` for ``--rounds`` rounds; the medians, the
 CPU the sandbox adds and the ratio.
 
@@ -162,7 +162,8 @@ def main() -> None:
     ap.add_argument("--start", action="store_true", help="the per-rollout cost")
     ap.add_argument("--cpu", action="store_true", help="the machine's CPU per rollout, none vs bwrap")
     ap.add_argument("--demo", action="store_true", help="the demo with the sandbox off, then on")
-    ap.add_argument("--n", type=int, default=80, help="rollouts per agent and setting (--start)")
+    ap.add_argument("--n", type=int, default=80,
+                    help="rollouts per agent and setting (--start; --cpu runs twice as many)")
     ap.add_argument("--concurrency", type=int, default=32, help="rollouts at once (--cpu)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of none then bwrap (--cpu)")
     ap.add_argument("--seed", type=int, default=0)

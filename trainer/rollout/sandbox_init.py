@@ -193,10 +193,7 @@ def enter(req: dict, control: socket.socket) -> None:
                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array("i", [listener.fileno()]))])
         listener.close()
         control.close()
-        _drop_capabilities()
-        if go_r is not None:
-            os.close(go_r)
-            os.close(back_w)
+        _drop_capabilities()  # the pipes to the zygote close with the rest of its descriptors (zygote.py)
     except OSError as e:
         _fail(req, control, e)
 
